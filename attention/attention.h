@@ -1,0 +1,80 @@
+// Attention, CPU fp32 reference: exact attention and the bit-defined sage (quantized) attention.
+// This file is the spec the GPU kernels are tested against.
+//
+// Layout everywhere: q, k, v, out and their gradients are (B, H, N, D) contiguous fp32;
+// lse is (B, H, N). Non-causal. Softmax scale is 1/sqrt(D).
+// lse is in BASE 2 of the scaled logits: with s_ij = (1/sqrt(D))·log2(e)·q_i·k_j,
+// lse_i = log2(sum_j 2^{s_ij}), so that P_ij = exp2(s_ij - lse_i).
+// Backward functions ACCUMULATE into dq, dk, dv (+=), as every backward in dit.c does.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---- exact attention -------------------------------------------------------
+// out = softmax(q·kᵀ/sqrt(D))·v, lse as above.
+void attention_forward(float *out, float *lse,
+                       const float *q, const float *k, const float *v,
+                       int B, int H, int N, int D);
+// P = exp2(s - lse); D_i = rowsum(dout∘out); dv += Pᵀ·dout; dP = dout·vᵀ;
+// dS = P∘(dP - D); dq += dS·k/sqrt(D); dk += dSᵀ·q/sqrt(D).
+void attention_backward(float *dq, float *dk, float *dv,
+                        const float *dout, const float *q, const float *k, const float *v,
+                        const float *out, const float *lse,
+                        int B, int H, int N, int D);
+
+// ---- sage attention: the bit-defined quantized attention ----------------------
+// Per (b, h):
+//  1. K smoothing: k_mean[d] = mean_n k[n, d]; ks = k - k_mean (softmax is unchanged by it).
+//  2. Q to INT8 per block of q_block consecutive tokens, softmax scale folded in:
+//     x = q·c with c = (1/sqrtf(D))·1.44269504f (float); amax = max|x| over the block;
+//     q_scale = amax/127; q8 = rintf(x·(127/amax)) (round half to even; amax = 0 gives 0).
+//     K the same on ks, per block of k_block tokens, without c.
+//  3. s_ij = (float)(Σ_d q8_id·k8_jd) · (q_scale_blk(i) · k_scale_blk(j))   (log2 domain).
+//  4. Online softmax in base 2 over key blocks of k_block, in order:
+//     m' = max(m, max_j s_ij); alpha = exp2(m - m'); P_ij = exp2(s_ij - m') (fp32);
+//     l = l·alpha + Σ_j P_ij (from the unrounded P);
+//     FP8:  acc_d = acc_d·alpha + Σ_j e4m3(P_ij·448)·e4m3(v_jd/v_scale_d)  (the block sum is
+//           formed in fp32 and then added: two-level accumulation), v_scale_d = max_n|v_nd|/448
+//           per channel (0 gives 0); out_d = acc_d·v_scale_d/448/l.
+//           e4m3 rounding is round-to-nearest-even, saturating at ±448.
+//     FP16: acc_d = acc_d·alpha + Σ_j fp16(P_ij)·fp16(v_jd); out_d = acc_d/l.
+//  5. lse_i = m + log2(l): base 2, in the smoothed space (the backward recomputes the same s).
+// Backward (quantizers are the identity for the gradient): recompute s from the same q8, k8;
+// P = exp2(s - lse); Dr_i = rowsum(dout∘out); dv += Pᵀ·dout; dP = dout·vᵀ; dS = P∘(dP - Dr);
+// dq += dS·ks/sqrt(D) (smoothed k: exact when rows of dS sum to 0, and robust to large k offsets
+// when the quantized forward makes them not quite 0); dk += dSᵀ·q/sqrt(D).
+typedef enum { SAGE_PV_FP8 = 0, SAGE_PV_FP16 = 1 } SagePV;
+typedef struct {
+    int q_block;   // tokens per Q scale (default 64)
+    int k_block;   // tokens per K scale, and the key-block size of the online softmax (default 64)
+    SagePV pv;     // precision of P·V
+} SageConfig;
+#define SAGE_CONFIG_DEFAULT ((SageConfig){64, 64, SAGE_PV_FP8})
+
+// Quantized Q and K of one call, as the forward and backward see them.
+// q8, k8: (B, H, N, D) int8; q_scale: (B, H, ceil(N/q_block)); k_scale: (B, H, ceil(N/k_block));
+// k_mean: (B, H, D).
+typedef struct {
+    int8_t *q8, *k8;
+    float *q_scale, *k_scale, *k_mean;
+} SageQK;
+void sage_quantize_qk(SageQK *qk, const float *q, const float *k,
+                      int B, int H, int N, int D, SageConfig cfg);
+void sage_forward(float *out, float *lse,
+                  const float *q, const float *k, const float *v,
+                  int B, int H, int N, int D, SageConfig cfg);
+void sage_backward(float *dq, float *dk, float *dv,
+                   const float *dout, const float *q, const float *k, const float *v,
+                   const float *out, const float *lse,
+                   int B, int H, int N, int D, SageConfig cfg);
+
+// Rounding helpers of the definition (also used by tests).
+float round_to_e4m3(float x);   // nearest-even, saturating at ±448
+float round_to_fp16(float x);   // nearest-even
+
+#ifdef __cplusplus
+}
+#endif
