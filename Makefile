@@ -43,7 +43,14 @@ ifeq ($(NVCC),)
 endif
 TEST_BINS := $(patsubst test/%.c,$(BUILD)/%,$(TEST_C))
 
-.PHONY: all test clean data lib
+# ---- fuzz targets: test/fuzz_*.c, libFuzzer (clang), each run FUZZ_SECONDS --
+FUZZ_CC      ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_C       := $(wildcard test/fuzz_*.c)
+FUZZ_BINS    := $(patsubst test/%.c,$(BUILD)/%,$(FUZZ_C))
+FUZZ_LIB_C   := $(filter-out %.cu,$(LIB_C))
+
+.PHONY: all test clean data lib fuzz
 all: train_dit
 
 train_dit: train_dit.c $(LIB)
@@ -70,6 +77,17 @@ $(BUILD)/test_%: test/test_%.c $(LIB)
 test: $(TEST_BINS) train_dit
 	@set -e; for t in $(TEST_BINS); do echo "== $$t"; $$t --jobs 2; done
 	@echo "== PyTorch parity"; $(PYTHON) dev/parity.py
+
+$(BUILD)/fuzz_%: test/fuzz_%.c $(FUZZ_LIB_C)
+	@mkdir -p $(@D)
+	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -I. -g -O1 -fsanitize=fuzzer,address,undefined -o $@ $^ -lm -lpthread
+
+# Each fuzzer runs for FUZZ_SECONDS from its seed corpus in test/corpus/<name>/.
+fuzz: $(FUZZ_BINS)
+	@set -e; for f in $(FUZZ_BINS); do n=$${f##*/fuzz_}; mkdir -p $(BUILD)/corpus/$$n; \
+	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
+	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 $(BUILD)/corpus/$$n test/corpus/$$n 2>&1 | grep -E 'stat::number_of_executed_units|ERROR|SUMMARY' ; \
+	  test $${PIPESTATUS[0]} -eq 0; done
 
 clean:
 	rm -rf $(BUILD) train_dit
