@@ -11,6 +11,7 @@ CFLAGS  += -std=c11 -Wall -Wextra -D_GNU_SOURCE -MMD -MP -I.
 LDLIBS  += -lm -lpthread
 PYTHON  ?= /usr/bin/python3
 BUILD   := build
+SHELL   := /bin/bash
 
 # ---- CUDA detection (like llm.c) ------------------------------------------
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
