@@ -7,7 +7,7 @@
 
 CC      ?= cc
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -Wall -Wextra -D_GNU_SOURCE -MMD -MP -I.
+CFLAGS  += -std=c11 -Wall -Wextra -D_GNU_SOURCE -MMD -MP -I. -fopenmp
 LDLIBS  += -lm -lpthread
 PYTHON  ?= /usr/bin/python3
 BUILD   := build
