@@ -1,0 +1,320 @@
+"""Parity of the C trainer with the PyTorch reference (dev/dit_ref.py), in fp32 on the CPU.
+
+    python3 dev/parity.py                 # runs ./train_dit --dump-parity into a temp file, checks it
+    python3 dev/parity.py --file F        # checks an existing dump
+    python3 dev/parity.py --plant-bug B   # the same with a bug planted in the reference: must fail
+    python3 dev/parity.py --write-reference F [--init random]   # a dump made by the reference itself
+
+The dump (safetensors, see dev/notes_parity.md) holds the initial weights `params.<name>`, the
+inputs of every step `batch.{x0,labels,t,noise}`, the step-1 output, loss and gradients
+`step1.{out,loss,grad.<name>}`, and `losses`, `grad_norms` of every step. The check loads the
+weights (strict), recomputes step 1 and compares every tensor (‖c − ref‖ / ‖ref‖ ≤ 1e-4), then
+trains all steps with AdamW and compares each step's loss and gradient norm. Any further
+`step<k>.{out,loss,grad.<name>}` and `final.params.<name>` in the file are checked as well.
+Exit status 1 on any failure.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dit_ref  # noqa: E402
+import safetensors_np  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-4
+META_INT = ("depth", "hidden", "heads", "patch", "image_size", "channels", "num_classes", "steps", "batch")
+META_FLOAT = ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip")
+
+
+# ---- planted bugs: each one a mistake the check must catch -----------------------------------
+def _block_without_gate(self, x, c):
+    shift_msa, scale_msa, _, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+    x = x + self.attn(dit_ref.modulate(self.norm1(x), shift_msa, scale_msa))
+    return x + gate_mlp.unsqueeze(1) * self.mlp(dit_ref.modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+def _make_optimizer_decay_all(model, lr, betas, eps, weight_decay):
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+BUGS = {
+    "gate": ("attention residual without gate_msa",
+             lambda: setattr(dit_ref.DiTBlock, "forward", _block_without_gate)),
+    "scale": ("modulate(x) = x*scale + shift instead of x*(1+scale) + shift",
+              lambda: setattr(dit_ref, "modulate", lambda x, shift, scale: x * scale.unsqueeze(1) + shift.unsqueeze(1))),
+    "gelu": ("exact erf GELU instead of the tanh approximation",
+             lambda: setattr(dit_ref.Mlp, "forward", lambda self, x: self.fc2(F.gelu(self.fc1(x))))),
+    "time": ("timestep features of t instead of 1000 t",
+             lambda: setattr(dit_ref, "timestep_features",
+                             lambda t, dim: _timestep_features(t / 1000.0, dim))),
+    "pos": ("pos_embed halves swapped (gy first instead of DiT's gx first)", None),
+    "decay": ("weight decay on every parameter (biases too)",
+              lambda: setattr(dit_ref, "make_optimizer", _make_optimizer_decay_all)),
+}
+_timestep_features = dit_ref.timestep_features
+
+
+def plant_bug_in_model(bug, model):
+    if bug == "pos":
+        half = model.cfg.hidden // 2
+        model.pos_embed = torch.cat([model.pos_embed[..., half:], model.pos_embed[..., :half]], dim=-1)
+
+
+# ---- comparison ------------------------------------------------------------------------------
+class Report:
+    """Collects rows of (name, max |c - ref|, ‖c - ref‖ / ‖ref‖, ok) and prints them llm.c-style."""
+
+    def __init__(self):
+        self.failures = []
+        self.zero_refs = []
+        self.compared = 0
+
+    def compare(self, name, c, ref):
+        c, ref = torch.from_numpy(np.asarray(c, dtype=np.float32)), ref.detach().float()
+        if c.shape != ref.shape:
+            print(f"{name:<48} shape {tuple(c.shape)} in the file, {tuple(ref.shape)} in the reference  NOT OK")
+            self.failures.append(name)
+            return
+        self.compared += 1
+        diff = c.double() - ref.double()
+        ref_norm = ref.double().norm().item()
+        if ref_norm > 0:
+            rel = diff.norm().item() / ref_norm
+        else:
+            rel = 0.0 if diff.norm().item() == 0 else float("inf")
+            self.zero_refs.append(name)
+        ok = rel <= TOLERANCE  # False for NaN
+        max_abs = diff.abs().max().item() if diff.numel() else 0.0
+        note = "  (both zero)" if ref_norm == 0 and ok else ""
+        print(f"{name:<48} {max_abs:11.3e} {rel:11.3e}  {'OK' if ok else 'NOT OK'}{note}")
+        if not ok:
+            self.failures.append(name)
+
+    def fail(self, message):
+        print(f"NOT OK: {message}")
+        self.failures.append(message)
+
+
+def header(title):
+    print(f"\n{title}\n{'name':<48} {'max|diff|':>11} {'rel err':>11}")
+
+
+# ---- the check -------------------------------------------------------------------------------
+def load_reference(tensors, meta, report, bug):
+    cfg = dit_ref.DiTConfig.from_metadata(meta)
+    torch.manual_seed(0)
+    model = dit_ref.DiT(cfg)
+    if bug:
+        plant_bug_in_model(bug, model)
+    params = dict(model.named_parameters())
+    in_file = {k[len("params."):] for k in tensors if k.startswith("params.")}
+    for name in sorted(set(params) - in_file):
+        report.fail(f"params.{name} missing from the file (reference shape {tuple(params[name].shape)})")
+    for name in sorted(in_file - set(params)):
+        report.fail(f"params.{name} in the file is not a parameter of the reference")
+    with torch.no_grad():
+        for name in sorted(in_file & set(params)):
+            a = tensors["params." + name]
+            if a.dtype != np.float32 or tuple(a.shape) != tuple(params[name].shape):
+                report.fail(f"params.{name}: {a.dtype} {tuple(a.shape)} in the file, "
+                            f"float32 {tuple(params[name].shape)} expected")
+                continue
+            params[name].copy_(torch.from_numpy(a))
+    return cfg, model
+
+
+def check_dump(path, bug=None):
+    """Returns the number of failures (0 = parity)."""
+    tensors, meta = safetensors_np.load(path)
+    report = Report()
+    missing = [k for k in META_INT + META_FLOAT if k not in meta]
+    if missing:
+        print(f"NOT OK: {path}: __metadata__ lacks {', '.join(missing)}")
+        return 1
+    steps, B = int(meta["steps"]), int(meta["batch"])
+    hp = {k: float(meta[k]) for k in META_FLOAT}
+    cfg, model = load_reference(tensors, meta, report, bug)
+    S, C = cfg.image_size, cfg.channels
+    print(f"{path}: depth {cfg.depth} hidden {cfg.hidden} heads {cfg.heads} patch {cfg.patch} "
+          f"image {S} channels {C} classes {cfg.num_classes} | batch {B} steps {steps} | lr {hp['lr']:g} "
+          f"betas ({hp['beta1']:g}, {hp['beta2']:g}) eps {hp['eps']:g} wd {hp['weight_decay']:g} "
+          f"clip {hp['grad_clip']:g} | {sum(p.numel() for p in model.parameters())} parameters")
+    if bug:
+        print(f"PLANTED BUG '{bug}': {BUGS[bug][0]}")
+
+    expected = {"batch.x0": ((steps, B, C, S, S), np.float32), "batch.noise": ((steps, B, C, S, S), np.float32),
+                "batch.t": ((steps, B), np.float32), "batch.labels": ((steps, B), np.int32),
+                "losses": ((steps,), np.float32), "grad_norms": ((steps,), np.float32)}
+    for name, (shape, dtype) in expected.items():
+        if name not in tensors or tensors[name].shape != shape or tensors[name].dtype != dtype:
+            got = f"{tensors[name].dtype} {tensors[name].shape}" if name in tensors else "absent"
+            report.fail(f"{name}: {np.dtype(dtype).name} {shape} expected, {got} in the file")
+    if report.failures:
+        print(f"\nPARITY FAILED: {len(report.failures)} problems with the file itself")
+        return len(report.failures)
+    labels = tensors["batch.labels"]
+    if labels.min() < 0 or labels.max() > cfg.num_classes:
+        report.fail(f"batch.labels outside [0, {cfg.num_classes}]: min {labels.min()} max {labels.max()}")
+        return len(report.failures)
+
+    # every step<k>.* in the file, by step
+    step_checks = {}
+    for name in tensors:
+        m = re.match(r"step(\d+)\.(.+)$", name)
+        if m:
+            step_checks.setdefault(int(m.group(1)), []).append(m.group(2))
+    if 1 not in step_checks:
+        report.fail("the file holds no step1.* tensors")
+    params = dict(model.named_parameters())
+    optimizer = dit_ref.make_optimizer(model, hp["lr"], (hp["beta1"], hp["beta2"]), hp["eps"], hp["weight_decay"])
+    losses, norms = [], []
+    for k in range(steps):
+        x0, noise, t = (torch.from_numpy(tensors[n][k]) for n in ("batch.x0", "batch.noise", "batch.t"))
+        y = torch.from_numpy(labels[k].astype(np.int64))
+        loss, out = dit_ref.forward_backward(model, x0, t, y, noise)
+        if k + 1 in step_checks:
+            header(f"step {k + 1}: output, loss and gradients before clipping (tolerance {TOLERANCE:g})")
+            for key in sorted(step_checks[k + 1], key=lambda s: (s.startswith("grad."), s)):
+                name = f"step{k + 1}.{key}"
+                if key == "out":
+                    report.compare(name, tensors[name], out)
+                elif key == "loss":
+                    report.compare(name, tensors[name], loss.reshape(1))
+                elif key.startswith("grad.") and key[5:] in params:
+                    g = params[key[5:]].grad
+                    report.compare(name, tensors[name], g if g is not None else torch.zeros_like(params[key[5:]]))
+                else:
+                    report.fail(f"{name} in the file is not something the reference computes")
+            for pname in params:
+                if f"grad.{pname}" not in step_checks[k + 1]:
+                    report.fail(f"step{k + 1}.grad.{pname} missing from the file")
+            if "out" not in step_checks[k + 1] or "loss" not in step_checks[k + 1]:
+                report.fail(f"step{k + 1}.out or step{k + 1}.loss missing from the file")
+        norms.append(dit_ref.clip_and_step(model, optimizer, hp["grad_clip"]).item())
+        losses.append(loss.item())
+
+    print(f"\nevery step: loss and gradient norm before clipping (tolerance {TOLERANCE:g} relative)")
+    print(f"{'step':>4} {'loss C':>14} {'loss ref':>14} {'rel err':>10} {'norm C':>12} {'norm ref':>12} {'rel err':>10}")
+    for k in range(steps):
+        lc, lr_ = float(tensors["losses"][k]), losses[k]
+        nc, nr = float(tensors["grad_norms"][k]), norms[k]
+        el = abs(lc - lr_) / abs(lr_) if lr_ != 0 else abs(lc)
+        en = abs(nc - nr) / abs(nr) if nr != 0 else abs(nc)
+        ok = el <= TOLERANCE and en <= TOLERANCE
+        print(f"{k + 1:>4} {lc:14.8f} {lr_:14.8f} {el:10.2e} {nc:12.6f} {nr:12.6f} {en:10.2e}  {'OK' if ok else 'NOT OK'}")
+        if not ok:
+            report.failures.append(f"step {k + 1} loss/grad norm")
+
+    final = sorted(k for k in tensors if k.startswith("final.params."))
+    if final:
+        header(f"parameters after {steps} steps (tolerance {TOLERANCE:g})")
+        for name in final:
+            if name[len("final.params."):] in params:
+                report.compare(name, tensors[name], params[name[len("final.params."):]])
+            else:
+                report.fail(f"{name} in the file is not a parameter of the reference")
+
+    for k in sorted(step_checks):
+        zero = [n for n in report.zero_refs if n.startswith(f"step{k}.grad.")]
+        if zero:
+            print(f"\nnote: {len(zero)} of {len(params)} step-{k} gradients are exactly zero in the reference "
+                  f"(DiT's zero init of adaLN and the final layer): they are covered by the later steps "
+                  f"(losses, gradient norms{', later gradients' if max(step_checks) > k else ''}"
+                  f"{', final parameters' if final else ''}).")
+    if report.failures:
+        print(f"\nPARITY FAILED: {len(report.failures)} of the checks above are NOT OK: "
+              + ", ".join(report.failures[:8]) + (" ..." if len(report.failures) > 8 else ""))
+    else:
+        print(f"\nPARITY OK: {report.compared} tensors and {steps} steps of loss and gradient norm agree "
+              f"within {TOLERANCE:g}")
+    return len(report.failures)
+
+
+# ---- a dump made by the reference itself (tests this script; shows the format) --------------
+def write_reference(path, init, steps):
+    cfg = dit_ref.DiTConfig(image_size=8, channels=3, patch=2, hidden=64, depth=2, heads=4, num_classes=10)
+    B = 4
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0)
+    torch.manual_seed(1234)
+    model = dit_ref.DiT(cfg)
+    if init == "random":
+        dit_ref.randomize_zero_init(model, 0.02)
+    out = {f"params.{n}": p.detach().numpy().copy() for n, p in model.named_parameters()}
+    rng = np.random.default_rng(1234)
+    shape = (steps, B, cfg.channels, cfg.image_size, cfg.image_size)
+    batch = {"batch.x0": rng.standard_normal(shape, dtype=np.float32),
+             "batch.noise": rng.standard_normal(shape, dtype=np.float32),
+             "batch.t": rng.random((steps, B), dtype=np.float32),
+             "batch.labels": rng.integers(0, cfg.num_classes + 1, (steps, B)).astype(np.int32)}
+    out.update(batch)
+    optimizer = dit_ref.make_optimizer(model, hp["lr"], (hp["beta1"], hp["beta2"]), hp["eps"], hp["weight_decay"])
+    losses, norms = [], []
+    for k in range(steps):
+        x0, noise, t = (torch.from_numpy(batch[n][k]) for n in ("batch.x0", "batch.noise", "batch.t"))
+        y = torch.from_numpy(batch["batch.labels"][k].astype(np.int64))
+        loss, o = dit_ref.forward_backward(model, x0, t, y, noise)
+        if k in (0, steps - 1):
+            out[f"step{k + 1}.out"] = o.numpy().copy()
+            out[f"step{k + 1}.loss"] = loss.reshape(1).numpy().copy()
+            for n, p in model.named_parameters():
+                out[f"step{k + 1}.grad.{n}"] = p.grad.numpy().copy()
+        losses.append(loss.item())
+        norms.append(dit_ref.clip_and_step(model, optimizer, hp["grad_clip"]).item())
+    out.update({f"final.params.{n}": p.detach().numpy().copy() for n, p in model.named_parameters()})
+    out["losses"] = np.array(losses, dtype=np.float32)
+    out["grad_norms"] = np.array(norms, dtype=np.float32)
+    meta = dict(depth=cfg.depth, hidden=cfg.hidden, heads=cfg.heads, patch=cfg.patch, image_size=cfg.image_size,
+                channels=cfg.channels, num_classes=cfg.num_classes, steps=steps, batch=B, **hp)
+    safetensors_np.save(path, out, {k: repr(v) if isinstance(v, float) else str(v) for k, v in meta.items()})
+    print(f"wrote {path}: reference dump, {init} init, {steps} steps, final loss {losses[-1]:.6f}")
+
+
+def run_train_dit(exe, path, steps):
+    if not os.path.exists(exe):
+        sys.exit(f"parity.py: {exe} not found: build it first (make train_dit), or pass --file")
+    cmd = [exe, "--model", "tiny", "--data", "synthetic", "--attn", "exact", "--device", "cpu",
+           "--steps", str(steps), "--dump-parity", path]
+    print("$", " ".join(cmd), flush=True)
+    run = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if run.returncode != 0 or not os.path.exists(path):
+        print(run.stdout[-4000:])
+        sys.exit(f"parity.py: {' '.join(cmd)} failed with status {run.returncode}")
+    print("\n".join(run.stdout.splitlines()[-3:]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--file", help="check this dump instead of running train_dit")
+    ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"), help="the trainer to run")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--plant-bug", choices=sorted(BUGS), help="break the reference on purpose: the check must fail")
+    ap.add_argument("--write-reference", metavar="FILE", help="write a dump made by the reference and exit")
+    ap.add_argument("--init", choices=("dit", "random"), default="dit",
+                    help="for --write-reference: DiT's zero init, or random adaLN/final layer (all gradients nonzero)")
+    args = ap.parse_args()
+
+    torch.set_default_dtype(torch.float32)
+    torch.use_deterministic_algorithms(True)
+    if args.write_reference:
+        write_reference(args.write_reference, args.init, args.steps)
+        return 0
+    if args.plant_bug and BUGS[args.plant_bug][1]:
+        BUGS[args.plant_bug][1]()
+    if args.file:
+        return 1 if check_dump(args.file, args.plant_bug) else 0
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "parity.safetensors")
+        run_train_dit(args.train_dit, path, args.steps)
+        return 1 if check_dump(path, args.plant_bug) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
