@@ -6,7 +6,7 @@
 #   make clean
 
 CC      ?= cc
-CFLAGS  ?= -O2 -g
+CFLAGS  ?= -O3 -g
 CFLAGS  += -std=c11 -Wall -Wextra -D_GNU_SOURCE -MMD -MP -I. -fopenmp
 LDLIBS  += -lm -lpthread
 PYTHON  ?= /usr/bin/python3

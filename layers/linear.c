@@ -9,8 +9,10 @@ void linear_forward(float *out, const float *inp, const float *weight, const flo
         float *y = out + (size_t)m * OC;
         for (int o = 0; o < OC; o++) {
             const float *w = weight + (size_t)o * IC;
-            float acc = bias ? bias[o] : 0.0f;
+            float acc = 0.0f;
+            #pragma omp simd reduction(+ : acc)
             for (int i = 0; i < IC; i++) acc += x[i] * w[i];
+            if (bias) acc += bias[o];
             y[o] = acc;
         }
     }
@@ -28,6 +30,7 @@ void linear_backward(float *dinp, float *dweight, float *dbias,
             for (int o = 0; o < OC; o++) {
                 const float *w = weight + (size_t)o * IC;
                 float g = dy[o];
+                #pragma omp simd
                 for (int i = 0; i < IC; i++) dx[i] += g * w[i];
             }
         }
@@ -41,6 +44,7 @@ void linear_backward(float *dinp, float *dweight, float *dbias,
             const float *x = inp + (size_t)m * IC;
             float g = dout[(size_t)m * OC + o];
             db += g;
+            #pragma omp simd
             for (int i = 0; i < IC; i++) dw[i] += g * x[i];
         }
         if (dbias) dbias[o] += db;

@@ -1,0 +1,438 @@
+// train_dit: trains a DiT (adaLN-Zero) with the flow-matching objective on an image folder.
+// Read main() from top to bottom: one training step is
+//   batch -> drop labels -> sample t and noise -> x_t -> forward -> MSE on the velocity ->
+//   backward -> clip by global norm -> AdamW -> EMA -> log.
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include "dataloader/dataloader.h"
+#include "dataloader/image_grid.h"
+#include "layers/common.h"
+#include "layers/layers.h"
+#include "model/checkpoint.h"
+#include "model/dit.h"
+#include "model/safetensors.h"
+#include "model/sample.h"
+
+#define DEFAULT_DATA "data/fashion-mnist"
+
+typedef struct {
+    const char *model, *data, *out, *resume, *device, *attn, *t_sampling, *dump_parity;
+    int depth, hidden, heads, patch, image_size, channels;   // 0: the preset's value
+    int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
+    int skip_bad_images, preview_data, random_flip;
+    float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale;
+    uint64_t seed;
+} TrainArgs;
+
+static const char *usage_text =
+    "usage: ./train_dit [flags]\n"
+    "model:\n"
+    "  --model NAME          preset tiny | S | B | L | XL (default tiny)\n"
+    "  --depth N --hidden N --heads N --patch N --image-size N --channels N   override the preset\n"
+    "  --attn KIND           exact | sage (CPU: exact fp32 or the bit-defined quantized attention;\n"
+    "                        bf16 needs the GPU trainer) (default exact)\n"
+    "  --device KIND         auto | cpu | gpu (default auto)\n"
+    "data:\n"
+    "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
+    "                        (default " DEFAULT_DATA ", made by `make data`)\n"
+    "  --skip-bad-images     log and skip unreadable images instead of stopping\n"
+    "  --no-flip             no random horizontal flips\n"
+    "  --preview-data        write OUT/data_preview.png (real training samples) and exit\n"
+    "training:\n"
+    "  --steps N             optimizer steps in total (default 2000)\n"
+    "  --batch N             images per step (default 32)\n"
+    "  --lr X                AdamW learning rate (default 3e-4), --warmup N linear warmup steps (default 100)\n"
+    "  --weight-decay X      on weight matrices (default 0)\n"
+    "  --grad-clip X         clip the global gradient norm (default 1; 0 = off)\n"
+    "  --ema-decay X         EMA of the weights, used for sampling (default 0.999)\n"
+    "  --label-dropout X     probability of the null label, for guidance (default 0.1)\n"
+    "  --t-sampling KIND     logit-normal (t = sigmoid(N(0,1)), as SD3) | uniform (default logit-normal)\n"
+    "  --seed N              seeds init, data order, noise (default 42)\n"
+    "output:\n"
+    "  --out DIR             train_log.csv, checkpoints, samples (default out)\n"
+    "  --ckpt-every N        write OUT/ckpt_<step>.safetensors every N steps and at the end (default 500)\n"
+    "  --resume FILE         continue bit-identically from a checkpoint\n"
+    "  --sample-every N      write OUT/samples_<step>.png every N steps and at the end (default 500)\n"
+    "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
+    "  --samples-per-class N tiles per class in the grid (default 2)\n"
+    "  --dump-parity FILE    write weights, batches, step-1 output and gradients and every loss,\n"
+    "                        for dev/parity.py\n";
+
+// ---- command line ------------------------------------------------------------------------
+
+static int parse_int(const char *flag, const char *text, int lo, int *out, char *err) {
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (errno || end == text || *end || v < lo || v > 1 << 30) {
+        dit_set_error(err, "%s: expected an integer >= %d, got '%s'", flag, lo, text);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+static int parse_float(const char *flag, const char *text, float lo, float hi, float *out, char *err) {
+    char *end;
+    errno = 0;
+    float v = strtof(text, &end);
+    if (errno || end == text || *end || !(v >= lo && v <= hi)) {
+        dit_set_error(err, "%s: expected a number in [%g, %g], got '%s'", flag, lo, hi, text);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
+    *a = (TrainArgs){.model = "tiny", .data = DEFAULT_DATA, .out = "out", .device = "auto",
+                     .attn = "exact", .t_sampling = "logit-normal", .steps = 2000, .batch = 32,
+                     .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
+                     .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
+                     .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42};
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i];
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
+        if (!strcmp(f, "--skip-bad-images")) { a->skip_bad_images = 1; continue; }
+        if (!strcmp(f, "--preview-data")) { a->preview_data = 1; continue; }
+        if (!strcmp(f, "--no-flip")) { a->random_flip = 0; continue; }
+        if (strncmp(f, "--", 2) != 0 || i + 1 >= argc) {
+            dit_set_error(err, "%s: %s (see --help)", f,
+                          strncmp(f, "--", 2) ? "unexpected argument" : "missing value or unknown flag");
+            return -1;
+        }
+        const char *v = argv[++i];
+        int rc = 0, seed;
+        if (!strcmp(f, "--model")) a->model = v;
+        else if (!strcmp(f, "--data")) a->data = v;
+        else if (!strcmp(f, "--out")) a->out = v;
+        else if (!strcmp(f, "--resume")) a->resume = v;
+        else if (!strcmp(f, "--device")) a->device = v;
+        else if (!strcmp(f, "--attn")) a->attn = v;
+        else if (!strcmp(f, "--t-sampling")) a->t_sampling = v;
+        else if (!strcmp(f, "--dump-parity")) a->dump_parity = v;
+        else if (!strcmp(f, "--depth")) rc = parse_int(f, v, 1, &a->depth, err);
+        else if (!strcmp(f, "--hidden")) rc = parse_int(f, v, 4, &a->hidden, err);
+        else if (!strcmp(f, "--heads")) rc = parse_int(f, v, 1, &a->heads, err);
+        else if (!strcmp(f, "--patch")) rc = parse_int(f, v, 1, &a->patch, err);
+        else if (!strcmp(f, "--image-size")) rc = parse_int(f, v, 1, &a->image_size, err);
+        else if (!strcmp(f, "--channels")) rc = parse_int(f, v, 1, &a->channels, err);
+        else if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, &a->steps, err);
+        else if (!strcmp(f, "--batch")) rc = parse_int(f, v, 1, &a->batch, err);
+        else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, &a->warmup, err);
+        else if (!strcmp(f, "--ckpt-every")) rc = parse_int(f, v, 0, &a->ckpt_every, err);
+        else if (!strcmp(f, "--sample-every")) rc = parse_int(f, v, 0, &a->sample_every, err);
+        else if (!strcmp(f, "--sample-steps")) rc = parse_int(f, v, 1, &a->sample_steps, err);
+        else if (!strcmp(f, "--samples-per-class")) rc = parse_int(f, v, 0, &a->samples_per_class, err);
+        else if (!strcmp(f, "--seed")) { rc = parse_int(f, v, 0, &seed, err); a->seed = (uint64_t)seed; }
+        else if (!strcmp(f, "--lr")) rc = parse_float(f, v, 0.0f, 1.0f, &a->lr, err);
+        else if (!strcmp(f, "--weight-decay")) rc = parse_float(f, v, 0.0f, 1.0f, &a->weight_decay, err);
+        else if (!strcmp(f, "--grad-clip")) rc = parse_float(f, v, 0.0f, 1e9f, &a->grad_clip, err);
+        else if (!strcmp(f, "--ema-decay")) rc = parse_float(f, v, 0.0f, 1.0f, &a->ema_decay, err);
+        else if (!strcmp(f, "--label-dropout")) rc = parse_float(f, v, 0.0f, 1.0f, &a->label_dropout, err);
+        else if (!strcmp(f, "--cfg-scale")) rc = parse_float(f, v, 0.0f, 100.0f, &a->cfg_scale, err);
+        else { dit_set_error(err, "%s: unknown flag (see --help)", f); return -1; }
+        if (rc) return -1;
+    }
+    if (strcmp(a->device, "auto") && strcmp(a->device, "cpu") && strcmp(a->device, "gpu")) {
+        dit_set_error(err, "--device: expected auto, cpu or gpu, got '%s'", a->device);
+        return -1;
+    }
+    if (!strcmp(a->device, "gpu")) {
+        dit_set_error(err, "--device gpu: the GPU trainer is not part of this build yet; use --device cpu");
+        return -1;
+    }
+    if (strcmp(a->attn, "exact") && strcmp(a->attn, "sage")) {
+        dit_set_error(err, "--attn: expected exact or sage on the CPU (bf16 needs the GPU trainer), got '%s'", a->attn);
+        return -1;
+    }
+    if (strcmp(a->t_sampling, "logit-normal") && strcmp(a->t_sampling, "uniform")) {
+        dit_set_error(err, "--t-sampling: expected logit-normal or uniform, got '%s'", a->t_sampling);
+        return -1;
+    }
+    return 0;
+}
+
+static void die(const char *msg) {
+    fprintf(stderr, "train_dit: error: %s\n", msg);
+    exit(1);
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// ---- pieces of the training step ---------------------------------------------------------
+
+// Flow-matching time: logit-normal concentrates training on the middle of the path (SD3).
+static float sample_t(Rng *rng, int uniform) {
+    if (uniform) return rng_uniform(rng);
+    return 1.0f / (1.0f + expf(-rng_normal(rng)));
+}
+
+// Linear warmup, then constant (as DiT, which trains at a constant rate).
+static float learning_rate(const TrainArgs *a, int step) {
+    return step <= a->warmup ? a->lr * step / (a->warmup + 1) : a->lr;
+}
+
+// A grid of samples_per_class tiles per class from the EMA weights, with fixed noise so that
+// grids at different steps are comparable.
+static void write_samples(Dit *m, const TrainArgs *a, DataLoader *dl, int step) {
+    int nc = m->cfg.num_classes, n = nc * a->samples_per_class;
+    if (n == 0) return;
+    size_t img = (size_t)m->cfg.channels * m->cfg.image_size * m->cfg.image_size;
+    float *x = malloc(n * img * sizeof(float));
+    int *labels = malloc(n * sizeof(int));
+    const char **captions = malloc(n * sizeof(char *));
+    if (!x || !labels || !captions) die("out of memory for the sample grid");
+    Rng rng;
+    rng_seed(&rng, a->seed + 7);
+    rng_fill_normal(&rng, x, n * img, 1.0f);
+    for (int i = 0; i < n; i++) {
+        labels[i] = i % nc;
+        captions[i] = dataloader_class_name(dl, labels[i]);
+    }
+    char err[DIT_ERR_LEN], path[1024];
+    if (dit_sample(m, &m->ema, x, labels, n, a->sample_steps, a->cfg_scale, err) != 0) die(err);
+    snprintf(path, sizeof(path), "%s/samples_%06d.png", a->out, step);
+    if (write_image_grid_png(path, x, n, m->cfg.channels, m->cfg.image_size, nc, captions, err) != 0) die(err);
+    printf("wrote %s\n", path);
+    free(x); free(labels); free(captions);
+}
+
+static void save_checkpoint(const Dit *m, const TrainArgs *a, DataLoader *dl, const Rng *rng, int step) {
+    char path[1024], err[DIT_ERR_LEN], names[4096] = "";
+    for (int c = 0; c < m->cfg.num_classes; c++) {
+        size_t len = strlen(names);
+        snprintf(names + len, sizeof(names) - len, "%s%s", c ? "," : "", dataloader_class_name(dl, c));
+    }
+    DataPosition pos = dataloader_position(dl);
+    TrainState state = {.step = step, .rng_state = rng->state, .data_epoch = pos.epoch,
+                        .data_index = pos.index, .data_rng_state = pos.rng_state};
+    snprintf(path, sizeof(path), "%s/ckpt_%06d.safetensors", a->out, step);
+    if (checkpoint_save(path, m, &state, names, err) != 0) die(err);
+    printf("wrote %s\n", path);
+}
+
+// --dump-parity: everything dev/parity.py needs to replay the run in PyTorch.
+typedef struct {
+    float *init_params, *x0, *noise, *t, *out1, *grads1, *losses, *grad_norms;
+    int *labels;
+    float loss1;
+} ParityDump;
+
+static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
+    const DitConfig *c = &m->cfg;
+    int n = dit_num_tensors(c);
+    DitTensorInfo *info = malloc(n * sizeof(DitTensorInfo));
+    SafetensorsWriter *w = st_writer_new();
+    if (!info || !w) die("out of memory for the parity dump");
+    dit_tensor_infos(c, info);
+    checkpoint_add_params(w, c, info, "params.", p->init_params);
+    checkpoint_add_params(w, c, info, "step1.grad.", p->grads1);
+    int64_t S = a->steps, B = a->batch, C = c->channels, R = c->image_size;
+    st_writer_add(w, "batch.x0", ST_F32, (int64_t[]){S, B, C, R, R}, 5, p->x0);
+    st_writer_add(w, "batch.noise", ST_F32, (int64_t[]){S, B, C, R, R}, 5, p->noise);
+    st_writer_add(w, "batch.t", ST_F32, (int64_t[]){S, B}, 2, p->t);
+    st_writer_add(w, "batch.labels", ST_I32, (int64_t[]){S, B}, 2, p->labels);
+    st_writer_add(w, "step1.out", ST_F32, (int64_t[]){B, C, R, R}, 4, p->out1);
+    st_writer_add(w, "step1.loss", ST_F32, (int64_t[]){1}, 1, &p->loss1);
+    st_writer_add(w, "losses", ST_F32, (int64_t[]){S}, 1, p->losses);
+    st_writer_add(w, "grad_norms", ST_F32, (int64_t[]){S}, 1, p->grad_norms);
+    char text[64];
+    const struct { const char *key; double value; } meta[] = {
+        {"depth", c->depth}, {"hidden", c->hidden}, {"heads", c->heads}, {"patch", c->patch},
+        {"image_size", c->image_size}, {"channels", c->channels}, {"num_classes", c->num_classes},
+        {"steps", a->steps}, {"batch", a->batch}, {"lr", a->lr}, {"beta1", 0.9}, {"beta2", 0.999},
+        {"eps", 1e-8}, {"weight_decay", a->weight_decay}, {"grad_clip", a->grad_clip},
+    };
+    for (size_t i = 0; i < sizeof(meta) / sizeof(meta[0]); i++) {
+        snprintf(text, sizeof(text), "%.9g", meta[i].value);
+        st_writer_meta(w, meta[i].key, text);
+    }
+    char err[DIT_ERR_LEN];
+    if (st_writer_save(w, a->dump_parity, err) != 0) die(err);
+    printf("wrote %s\n", a->dump_parity);
+    st_writer_free(w);
+    free(info);
+}
+
+// ---- main --------------------------------------------------------------------------------
+
+int main(int argc, char **argv) {
+    char err[DIT_ERR_LEN];
+    TrainArgs args;
+    if (parse_args(argc, argv, &args, err) != 0) die(err);
+    const TrainArgs *a = &args;
+    if (mkdir(a->out, 0755) != 0 && errno != EEXIST) {
+        dit_set_error(err, "--out %s: cannot create the directory: %s", a->out, strerror(errno));
+        die(err);
+    }
+
+    // model configuration: a checkpoint's, or the preset with the overrides
+    DitConfig cfg;
+    if (a->resume) {
+        if (checkpoint_read_config(a->resume, &cfg, err) != 0) die(err);
+    } else {
+        if (dit_config_preset(&cfg, a->model, err) != 0) die(err);
+        if (a->depth) cfg.depth = a->depth;
+        if (a->hidden) cfg.hidden = a->hidden;
+        if (a->heads) cfg.heads = a->heads;
+        if (a->patch) cfg.patch = a->patch;
+        if (a->image_size) cfg.image_size = a->image_size;
+        if (a->channels) cfg.channels = a->channels;
+    }
+
+    // data
+    struct stat st;
+    if (!strcmp(a->data, DEFAULT_DATA) && stat(DEFAULT_DATA, &st) != 0)
+        die("the default dataset " DEFAULT_DATA " is missing: run `make data` (needs Debian's "
+            "dataset-fashion-mnist package: sudo apt-get install dataset-fashion-mnist), or pass "
+            "--data DIR for your own image folder, or --data synthetic");
+    DataLoaderConfig dcfg = {.root = a->data, .image_size = cfg.image_size, .channels = cfg.channels,
+                             .batch_size = a->batch, .seed = a->seed, .random_flip = a->random_flip,
+                             .skip_bad_images = a->skip_bad_images, .prefetch = 2};
+    DataLoader *dl;
+    if (dataloader_open(&dl, &dcfg, err) != 0) die(err);
+    if (a->preview_data) {
+        char path[1024];
+        snprintf(path, sizeof(path), "%s/data_preview.png", a->out);
+        if (dataloader_preview_png(dl, path, 40, err) != 0) die(err);
+        printf("wrote %s\n", path);
+        dataloader_close(dl);
+        return 0;
+    }
+    if (a->resume && cfg.num_classes != dataloader_num_classes(dl)) {
+        dit_set_error(err, "--resume %s: the checkpoint has %d classes but --data %s has %d",
+                 a->resume, cfg.num_classes, a->data, dataloader_num_classes(dl));
+        die(err);
+    }
+    cfg.num_classes = dataloader_num_classes(dl);
+
+    // model, optimizer state, and the training RNG (label drop, t, noise)
+    Dit model;
+    DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
+    if (dit_create(&model, &cfg, a->batch, attention, a->seed, err) != 0) die(err);
+    Rng rng;
+    rng_seed(&rng, a->seed + 1);
+    int first_step = 1;
+    if (a->resume) {
+        TrainState state;
+        if (checkpoint_load(a->resume, &model, &state, err) != 0) die(err);
+        rng.state = state.rng_state;
+        DataPosition pos = {state.data_epoch, state.data_index, state.data_rng_state};
+        if (dataloader_seek(dl, pos, err) != 0) die(err);
+        first_step = (int)state.step + 1;
+    }
+    printf("dit.c | device cpu | attention %s | depth %d hidden %d heads %d (head dim %d) patch %d | "
+           "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
+           a->attn, cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
+           cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
+           model.num_params / 1e6);
+
+    size_t img = (size_t)cfg.channels * cfg.image_size * cfg.image_size, n_batch = a->batch * img;
+    float *x0 = malloc(n_batch * sizeof(float)), *noise = malloc(n_batch * sizeof(float));
+    float *x_t = malloc(n_batch * sizeof(float)), *v_target = malloc(n_batch * sizeof(float));
+    float *dout = malloc(n_batch * sizeof(float)), *t = malloc(a->batch * sizeof(float));
+    int *labels = malloc(a->batch * sizeof(int));
+    if (!x0 || !noise || !x_t || !v_target || !dout || !t || !labels) die("out of memory for the batch");
+
+    ParityDump parity = {0};
+    if (a->dump_parity) {
+        size_t S = a->steps, P = model.num_params;
+        parity.init_params = malloc(P * sizeof(float));
+        parity.grads1 = malloc(P * sizeof(float));
+        parity.x0 = malloc(S * n_batch * sizeof(float));
+        parity.noise = malloc(S * n_batch * sizeof(float));
+        parity.t = malloc(S * a->batch * sizeof(float));
+        parity.labels = malloc(S * a->batch * sizeof(int));
+        parity.out1 = malloc(n_batch * sizeof(float));
+        parity.losses = malloc(S * sizeof(float));
+        parity.grad_norms = malloc(S * sizeof(float));
+        if (!parity.init_params || !parity.grads1 || !parity.x0 || !parity.noise || !parity.t ||
+            !parity.labels || !parity.out1 || !parity.losses || !parity.grad_norms)
+            die("--dump-parity: out of memory (use fewer steps)");
+        memcpy(parity.init_params, model.params_memory, P * sizeof(float));
+    }
+
+    char log_path[1024];
+    snprintf(log_path, sizeof(log_path), "%s/train_log.csv", a->out);
+    FILE *log = fopen(log_path, a->resume ? "a" : "w");
+    if (!log) {
+        dit_set_error(err, "%s: cannot open for writing: %s", log_path, strerror(errno));
+        die(err);
+    }
+    if (!a->resume) fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
+
+    for (int step = first_step; step <= a->steps; step++) {
+        double t0 = now_seconds();
+
+        // 1. a batch of images and labels; drop labels to the null class for guidance
+        if (dataloader_next_batch(dl, x0, labels, err) != 0) die(err);
+        for (int b = 0; b < a->batch; b++)
+            if (rng_uniform(&rng) < a->label_dropout) labels[b] = cfg.num_classes;
+
+        // 2. flow matching: t, noise ε, x_t = (1 - t)·x0 + t·ε, target v = ε - x0
+        for (int b = 0; b < a->batch; b++) t[b] = sample_t(&rng, !strcmp(a->t_sampling, "uniform"));
+        rng_fill_normal(&rng, noise, n_batch, 1.0f);
+        flow_matching_inputs(x_t, v_target, x0, noise, t, a->batch, (int)img);
+
+        // 3. forward, loss, backward
+        dit_forward(&model, &model.params, x_t, t, labels, a->batch);
+        float loss = mse_loss_forward_backward(dout, model.acts.out, v_target, n_batch);
+        dit_zero_grad(&model);
+        dit_backward(&model, dout, labels, a->batch);
+
+        // 4. clip by the global gradient norm, AdamW, EMA
+        float grad_norm = global_norm(model.grads_memory, model.num_params);
+        float grad_scale = a->grad_clip > 0 && grad_norm > a->grad_clip ? a->grad_clip / grad_norm : 1.0f;
+        float lr = learning_rate(a, step);
+        if (!isfinite(loss) || !isfinite(grad_norm)) {
+            dit_set_error(err, "step %d: loss %g, grad norm %g: training diverged", step, loss, grad_norm);
+            die(err);
+        }
+        if (a->dump_parity) {
+            size_t s = step - 1;
+            memcpy(parity.x0 + s * n_batch, x0, n_batch * sizeof(float));
+            memcpy(parity.noise + s * n_batch, noise, n_batch * sizeof(float));
+            memcpy(parity.t + s * a->batch, t, a->batch * sizeof(float));
+            memcpy(parity.labels + s * a->batch, labels, a->batch * sizeof(int));
+            parity.losses[s] = loss;
+            parity.grad_norms[s] = grad_norm;
+            if (step == 1) {
+                memcpy(parity.out1, model.acts.out, n_batch * sizeof(float));
+                memcpy(parity.grads1, model.grads_memory, model.num_params * sizeof(float));
+                parity.loss1 = loss;
+            }
+        }
+        dit_adamw_step(&model, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, grad_scale, step);
+        ema_update(model.ema_memory, model.params_memory, model.num_params, a->ema_decay);
+
+        // 5. log, checkpoint, samples
+        double ms = 1e3 * (now_seconds() - t0);
+        printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s\n",
+               step, a->steps, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
+        fprintf(log, "%d,%.7g,%.7g,%.7g,%.3f,%.2f\n", step, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
+        fflush(log);
+        int last = step == a->steps;
+        if (a->ckpt_every && (step % a->ckpt_every == 0 || last)) save_checkpoint(&model, a, dl, &rng, step);
+        if (a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&model, a, dl, step);
+    }
+    if (a->dump_parity) parity_save(&parity, &model, a);
+
+    fclose(log);
+    dataloader_close(dl);
+    dit_free(&model);
+    free(x0); free(noise); free(x_t); free(v_target); free(dout); free(t); free(labels);
+    free(parity.init_params); free(parity.grads1); free(parity.x0); free(parity.noise);
+    free(parity.t); free(parity.labels); free(parity.out1); free(parity.losses); free(parity.grad_norms);
+    return 0;
+}
