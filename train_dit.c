@@ -164,6 +164,19 @@ static void die(const char *msg) {
     exit(1);
 }
 
+// mkdir -p: creates the directory and its missing parents.
+static int make_dirs(const char *path) {
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "%s", path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    return mkdir(buf, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -272,7 +285,7 @@ int main(int argc, char **argv) {
     TrainArgs args;
     if (parse_args(argc, argv, &args, err) != 0) die(err);
     const TrainArgs *a = &args;
-    if (mkdir(a->out, 0755) != 0 && errno != EEXIST) {
+    if (make_dirs(a->out) != 0) {
         dit_set_error(err, "--out %s: cannot create the directory: %s", a->out, strerror(errno));
         die(err);
     }
