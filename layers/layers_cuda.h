@@ -1,0 +1,170 @@
+// The layers of a DiT in CUDA: the twin of every forward/backward of layers/layers.h, same
+// argument order, names with a _cuda suffix, then (where needed) the LayersCuda context, the
+// stream and the error buffer. Every function returns 0, or -1 with a message in `err` naming
+// the call and the sizes (layers/common.h's convention); launches are asynchronous on `stream`.
+//
+// Precision (as llm.c):
+// - activations, activation gradients and the weights used in compute: bf16 (`bf16`);
+// - parameter gradients, master weights, AdamW moments: fp32;
+// - LayerNorm statistics, every reduction (dshift, dscale, dgate, dbias, norms) and the loss:
+//   fp32, with a fixed summation order (no float atomics): the same inputs give the same bits.
+// - matrix products: cuBLASLt, bf16 inputs, fp32 accumulation.
+// Backward passes accumulate (+=) into gradients, as the CPU reference, except where a comment
+// says the output is written. All pointers are device pointers unless a comment says otherwise.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime_api.h>
+#include <cublasLt.h>
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+typedef __nv_bfloat16 bf16;
+#else
+typedef struct { uint16_t bits; } bf16;   // host view of __nv_bfloat16: the same 2 bytes
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Host-side bf16 conversions (round to nearest even; NaN stays NaN).
+static inline uint16_t bf16_bits_from_float(float f) {
+    union { float f; uint32_t u; } x = { f };
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+static inline float float_from_bf16_bits(uint16_t h) {
+    union { uint32_t u; float f; } x = { (uint32_t)h << 16 };
+    return x.f;
+}
+
+// ---- context: the cuBLASLt handle and workspace, and the scratch of the reductions --------
+typedef struct {
+    cublasLtHandle_t lt;
+    void *lt_workspace;
+    size_t lt_workspace_bytes;
+    float *scratch;              // partial sums of the two-pass deterministic reductions
+    size_t scratch_floats;
+} LayersCuda;
+// scratch_floats: at least the largest linear_backward_scratch_floats() and REDUCE_PARTIALS.
+int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err);
+void layers_cuda_destroy(LayersCuda *ctx);
+// Partial sums a linear backward with a bias gradient needs in ctx->scratch.
+size_t linear_backward_scratch_floats(int M, int OC);
+// Number of per-block partials of the global norm and the loss (a fixed grid: fixed order).
+#define REDUCE_PARTIALS 1024
+
+// ---- casts -------------------------------------------------------------------------------
+int cast_float_to_bf16_cuda(bf16 *out, const float *inp, size_t n, cudaStream_t stream, char *err);
+int cast_bf16_to_float_cuda(float *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
+
+// ---- reshapes (pure data movement: bit-exact) ---------------------------------------------
+int patchify_forward_cuda(bf16 *patches, const bf16 *img, int B, int Cin, int S, int p,
+                          cudaStream_t stream, char *err);
+int unpatchify_forward_cuda(bf16 *img, const bf16 *tokens, int B, int Cout, int S, int p,
+                            cudaStream_t stream, char *err);
+int unpatchify_backward_cuda(bf16 *dtokens, const bf16 *dimg, int B, int Cout, int S, int p,
+                             cudaStream_t stream, char *err);
+int split_heads_forward_cuda(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, int T, int H, int D,
+                             cudaStream_t stream, char *err);
+int split_heads_backward_cuda(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
+                              int B, int T, int H, int D, cudaStream_t stream, char *err);
+int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int D,
+                             cudaStream_t stream, char *err);
+int merge_heads_backward_cuda(bf16 *do_, const bf16 *dout, int B, int T, int H, int D,
+                              cudaStream_t stream, char *err);
+
+// ---- linear (cuBLASLt) -------------------------------------------------------------------
+// out (M, OC) = inp (M, IC) · weightᵀ (OC, IC) + bias (OC), bias in the epilogue; bias may be NULL.
+int linear_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                        int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err);
+// The MLP's first layer: pre_gelu = inp·weightᵀ + bias (kept for the backward), out = GELU(pre_gelu),
+// one GEMM with the GELU_AUX_BIAS epilogue. OC must be a multiple of 8 (cuBLASLt's aux rule).
+int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
+                             const bf16 *bias, int M, int IC, int OC,
+                             const LayersCuda *ctx, cudaStream_t stream, char *err);
+// dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout.
+// dinp and dbias may be NULL. dbias needs linear_backward_scratch_floats(M, OC) of scratch.
+int linear_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+                         const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                         int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err);
+// The MLP's second layer, whose input is GELU(pre_gelu): dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
+// is WRITTEN (the DGELU epilogue; the pre-activation has one consumer); dweight, dbias accumulate
+// as in linear_backward_cuda. Equals linear_backward into a zeroed dinp, then gelu_backward.
+// IC must be a multiple of 8.
+int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+                               const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu,
+                               const bf16 *weight, int M, int IC, int OC,
+                               const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// ---- LayerNorm (no affine, eps 1e-6) fused with adaLN modulation --------------------------
+// out (bf16) = x̂·(1 + scale_b) + shift_b; mean, rstd (B, T) fp32. shift, scale: bf16, sample b
+// at b·mod_stride (slices of the adaLN projection's output).
+int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
+                                    const bf16 *inp, const bf16 *shift, const bf16 *scale,
+                                    int B, int T, int C, int mod_stride,
+                                    cudaStream_t stream, char *err);
+// dinp (bf16, may be NULL) += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂)); dshift_b, dscale_b
+// (fp32, sample b at b·mod_stride) += Σ_t dout, Σ_t dout·x̂.
+int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
+                                     const bf16 *dout, const bf16 *inp, const float *mean,
+                                     const float *rstd, const bf16 *scale,
+                                     int B, int T, int C, int mod_stride,
+                                     cudaStream_t stream, char *err);
+
+// ---- gated residual: out = res + gate_b·h ------------------------------------------------
+int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const bf16 *gate,
+                                int B, int T, int C, int mod_stride, cudaStream_t stream, char *err);
+// dres (bf16, may be NULL) += dout; dh (bf16) += gate·dout; dgate_b (fp32) += Σ_t dout·h.
+// dres must not alias dout.
+int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
+                                 const bf16 *dout, const bf16 *h, const bf16 *gate,
+                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err);
+
+// ---- pointwise (bf16 in and out, fp32 math) -----------------------------------------------
+int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
+int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
+                       cudaStream_t stream, char *err);
+int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
+int silu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
+                       cudaStream_t stream, char *err);
+int add_forward_cuda(bf16 *out, const bf16 *a, const bf16 *b, size_t n, cudaStream_t stream, char *err);
+
+// ---- conditioning ------------------------------------------------------------------------
+// t: B fp32 flow-matching times; out (B, dim) bf16.
+int timestep_embedding_forward_cuda(bf16 *out, const float *t, int B, int dim,
+                                    cudaStream_t stream, char *err);
+// labels: B device ints in [0, num_classes]; table bf16; dtable fp32 (sums in sample order).
+int embedding_forward_cuda(bf16 *out, const bf16 *table, const int *labels, int B, int C,
+                           cudaStream_t stream, char *err);
+int embedding_backward_cuda(float *dtable, const bf16 *dout, const int *labels, int B, int C,
+                            cudaStream_t stream, char *err);
+int pos_embed_2d_cuda(bf16 *out, int G, int C, cudaStream_t stream, char *err);
+
+// ---- flow-matching loss ------------------------------------------------------------------
+// x_t (bf16) = (1 - t_b)·x0 + t_b·ε; v_target (fp32) = ε - x0; x0, noise, t fp32.
+int flow_matching_inputs_cuda(bf16 *x_t, float *v_target, const float *x0, const float *noise,
+                              const float *t, int B, int n_per_sample, cudaStream_t stream, char *err);
+// *loss (one device float) = mean (pred - v)²; dpred (bf16, may be NULL) = 2·(pred - v)/n, written.
+int mse_loss_forward_backward_cuda(bf16 *dpred, float *loss, const bf16 *pred, const float *target,
+                                   size_t n, const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// ---- optimizer (fp32) --------------------------------------------------------------------
+// *norm (one device float) = ‖g‖₂, two passes over a fixed grid of REDUCE_PARTIALS blocks.
+int global_norm_cuda(float *norm, const float *g, size_t n, const LayersCuda *ctx,
+                     cudaStream_t stream, char *err);
+// AdamW as adamw_update with the clipping scale read on the device: grad_scale =
+// min(1, max_norm / (*grad_norm + 1e-6)) as torch.nn.utils.clip_grad_norm_; grad_norm NULL or
+// max_norm <= 0: no clipping. Updates the fp32 params and writes their bf16 copy params_bf16.
+int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v,
+                      size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                      const float *grad_norm, float max_norm, int step, cudaStream_t stream, char *err);
+// The clipping scale adamw_update_cuda applies, for the CPU reference: min(1, max_norm/(norm+1e-6)).
+float clip_grad_scale(float norm, float max_norm);
+int ema_update_cuda(float *ema, const float *params, size_t n, float decay,
+                    cudaStream_t stream, char *err);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,253 @@
+// Linear layers through cuBLASLt (bf16 inputs, fp32 accumulation) with fused epilogues, the
+// deterministic bias-gradient reduction, and the LayersCuda context they run in.
+//
+// Row-major (M, IC)·(OC, IC)ᵀ products are written as cuBLASLt column-major products: a row-major
+// (R, K) matrix is a column-major (K, R) one, so
+//   forward  outᵀ (OC, M)  = W (OC, IC)·inpᵀ (IC, M):    m = OC, n = M,  k = IC, A = weight (T)
+//   dinp     dinpᵀ (IC, M) = Wᵀ (IC, OC)·doutᵀ (OC, M):  m = IC, n = M,  k = OC
+//   dweight  dWᵀ (IC, OC)  = inpᵀ (IC, M)·dout (M, OC):   m = IC, n = OC, k = M,  B = dout (T)
+#include <stdbool.h>
+#include "layers/cuda_common.cuh"
+
+#define LT_WORKSPACE_BYTES (32u << 20)   // cuBLASLt workspace (32 MiB, as llm.c)
+#define DBIAS_MIN_CHUNK_ROWS 256         // the bias gradient sums chunks of at least these rows
+#define DBIAS_MAX_CHUNKS 256
+
+void layers_cuda_destroy(LayersCuda *ctx) {
+    if (ctx->lt) cublasLtDestroy(ctx->lt);
+    cudaFree(ctx->lt_workspace);
+    cudaFree(ctx->scratch);
+    *ctx = LayersCuda{};
+}
+
+static int layers_cuda_alloc(LayersCuda *ctx, size_t scratch_floats, char *err) {
+    cublasStatus_t st = cublasLtCreate(&ctx->lt);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        dit_set_error(err, "layers_cuda_create: cublasLtCreate failed: %s", cublasLtGetStatusString(st));
+        return -1;
+    }
+    CUDA_CHECK(err, cudaMalloc(&ctx->lt_workspace, LT_WORKSPACE_BYTES),
+               "cuBLASLt workspace of %u bytes", LT_WORKSPACE_BYTES);
+    ctx->lt_workspace_bytes = LT_WORKSPACE_BYTES;
+    CUDA_CHECK(err, cudaMalloc(&ctx->scratch, scratch_floats * sizeof(float)),
+               "reduction scratch of %zu floats", scratch_floats);
+    ctx->scratch_floats = scratch_floats;
+    return 0;
+}
+
+int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err) {
+    *ctx = LayersCuda{};
+    if (scratch_floats < REDUCE_PARTIALS) scratch_floats = REDUCE_PARTIALS;
+    if (layers_cuda_alloc(ctx, scratch_floats, err)) {
+        layers_cuda_destroy(ctx);
+        return -1;
+    }
+    return 0;
+}
+
+static int dbias_chunks(int M) {
+    int chunks = (M + DBIAS_MIN_CHUNK_ROWS - 1) / DBIAS_MIN_CHUNK_ROWS;
+    return chunks < DBIAS_MAX_CHUNKS ? chunks : DBIAS_MAX_CHUNKS;
+}
+
+size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M) * OC; }
+
+// Largest power of two (≤ 256) dividing the address: tells cuBLASLt's heuristic which kernels
+// may touch the buffer (its default assumes 256-byte alignment).
+static uint32_t alignment_of(const void *p) {
+    uint32_t align = 256;
+    while (align > 1 && (uintptr_t)p % align) align >>= 1;
+    return align;
+}
+
+// D (m, n) = op(A)·op(B) + beta·D, column-major, op = transpose where trans_*; A, B bf16, D of
+// d_type (bf16 or fp32), fp32 accumulation, then the epilogue (bias: OC-long bf16 vector added
+// to each column; aux: the GELU pre-activation, ld = m, written by GELU_AUX_BIAS, read by DGELU).
+static int matmul(void *d, cudaDataType_t d_type, const bf16 *a, const bf16 *b,
+                  int m, int n, int k, bool trans_a, bool trans_b, float beta,
+                  cublasLtEpilogue_t epilogue, const bf16 *bias, const bf16 *aux,
+                  const char *what, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    int status = 0;
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t layout_a = NULL, layout_b = NULL, layout_d = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t heuristic;
+    int found = 0;
+    cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    int32_t bf16_type = CUDA_R_16BF;
+    int64_t aux_ld = m;
+    uint64_t workspace_bytes = ctx->lt_workspace_bytes;
+    uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
+    float alpha = 1.0f;
+
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue),
+                        "%s: epilogue %d", what, (int)epilogue);
+    if (bias) {
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+                            "%s: bias of %d", what, m);
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type, sizeof bf16_type),
+                            "%s: bf16 bias", what);
+    }
+    if (aux) {
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+                            "%s: aux (%d, %d)", what, m, n);
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof aux_ld),
+                            "%s: aux ld %d", what, m);
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &bf16_type, sizeof bf16_type),
+                            "%s: bf16 aux", what);
+    }
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_a, CUDA_R_16BF, trans_a ? k : m, trans_a ? m : k, trans_a ? k : m),
+                        "%s: A layout (m=%d k=%d)", what, m, k);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_b, CUDA_R_16BF, trans_b ? n : k, trans_b ? k : n, trans_b ? n : k),
+                        "%s: B layout (k=%d n=%d)", what, k, n);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_d, d_type, m, n, m),
+                        "%s: D layout (m=%d n=%d)", what, m, n);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceCreate(&pref), "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
+                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+    if (found == 0) {
+        dit_set_error(err, "%s:%d: cuBLASLt has no algorithm for %s (m=%d n=%d k=%d, epilogue %d)",
+                      __FILE__, __LINE__, what, m, n, k, (int)epilogue);
+        status = -1;
+        goto cleanup;
+    }
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmul(ctx->lt, desc, &alpha, a, layout_a, b, layout_b, &beta, d, layout_d,
+                                            d, layout_d, &heuristic.algo, ctx->lt_workspace, ctx->lt_workspace_bytes, stream),
+                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+cleanup:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (layout_d) cublasLtMatrixLayoutDestroy(layout_d);
+    if (layout_b) cublasLtMatrixLayoutDestroy(layout_b);
+    if (layout_a) cublasLtMatrixLayoutDestroy(layout_a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    return status;
+}
+
+// partial (chunks, OC): partial[c][o] = Σ_{m in chunk c} dout[m][o], chunk c = rows
+// [c·chunk_rows, (c+1)·chunk_rows). Block (COL_TILE, ROW_LANES) per (column tile, chunk).
+__global__ void dbias_partial_kernel(float *partial, const bf16 *dout, int M, int OC, int chunk_rows) {
+    __shared__ float lanes[ROW_LANES][COL_TILE];
+    int o = blockIdx.x * COL_TILE + threadIdx.x;
+    int row_end = min(M, (int)(blockIdx.y + 1) * chunk_rows);
+    float sum = 0.0f;
+    if (o < OC)
+        for (int m = blockIdx.y * chunk_rows + threadIdx.y; m < row_end; m += ROW_LANES)
+            sum += __bfloat162float(dout[(size_t)m * OC + o]);
+    sum = sum_over_row_lanes(sum, lanes);
+    if (threadIdx.y == 0 && o < OC) partial[(size_t)blockIdx.y * OC + o] = sum;
+}
+
+// dbias[o] += Σ_c partial[c][o], chunks in order.
+__global__ void dbias_finish_kernel(float *dbias, const float *partial, int chunks, int OC) {
+    int o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= OC) return;
+    float sum = 0.0f;
+    for (int c = 0; c < chunks; c++) sum += partial[(size_t)c * OC + o];
+    dbias[o] += sum;
+}
+
+// dbias (OC) += Σ_m dout (M, OC): two passes over a fixed chunking of the rows (deterministic).
+static int dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
+                            const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    int chunks = dbias_chunks(M), chunk_rows = (M + chunks - 1) / chunks;
+    if (linear_backward_scratch_floats(M, OC) > ctx->scratch_floats) {
+        dit_set_error(err, "linear_backward_cuda: bias gradient of M=%d OC=%d needs %zu floats of scratch, the context has %zu",
+                      M, OC, linear_backward_scratch_floats(M, OC), ctx->scratch_floats);
+        return -1;
+    }
+    dim3 grid(blocks_for(OC, COL_TILE), chunks), block(COL_TILE, ROW_LANES);
+    dbias_partial_kernel<<<grid, block, 0, stream>>>(ctx->scratch, dout, M, OC, chunk_rows);
+    LAUNCH_CHECK(err, "dbias_partial_kernel", "M=%d OC=%d chunks=%d", M, OC, chunks);
+    dbias_finish_kernel<<<blocks_for(OC, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(dbias, ctx->scratch, chunks, OC);
+    LAUNCH_CHECK(err, "dbias_finish_kernel", "OC=%d chunks=%d", OC, chunks);
+    return 0;
+}
+
+static int check_sizes(const char *fn, int M, int IC, int OC, char *err) {
+    if (M <= 0 || IC <= 0 || OC <= 0) {
+        dit_set_error(err, "%s: sizes must be positive (M=%d IC=%d OC=%d)", fn, M, IC, OC);
+        return -1;
+    }
+    return 0;
+}
+
+int linear_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                        int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (check_sizes("linear_forward_cuda", M, IC, OC, err)) return -1;
+    char what[128];
+    snprintf(what, sizeof what, "linear forward M=%d IC=%d OC=%d", M, IC, OC);
+    return matmul(out, CUDA_R_16BF, weight, inp, OC, M, IC, true, false, 0.0f,
+                  bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT, bias, NULL,
+                  what, ctx, stream, err);
+}
+
+int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
+                             const bf16 *bias, int M, int IC, int OC,
+                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (check_sizes("linear_gelu_forward_cuda", M, IC, OC, err)) return -1;
+    if (OC % 8 || !bias) {
+        dit_set_error(err, "linear_gelu_forward_cuda: needs a bias and OC a multiple of 8 (OC=%d)", OC);
+        return -1;
+    }
+    char what[128];
+    snprintf(what, sizeof what, "linear+GELU forward M=%d IC=%d OC=%d", M, IC, OC);
+    return matmul(out, CUDA_R_16BF, weight, inp, OC, M, IC, true, false, 0.0f,
+                  CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre_gelu, what, ctx, stream, err);
+}
+
+// dweight (OC, IC) += doutᵀ·inp in fp32 (beta = 1); then dbias.
+static int weight_bias_backward(float *dweight, float *dbias, const bf16 *dout, const bf16 *inp,
+                                int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    char what[128];
+    snprintf(what, sizeof what, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
+    if (matmul(dweight, CUDA_R_32F, inp, dout, IC, OC, M, false, true, 1.0f,
+               CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
+    return dbias ? dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
+}
+
+int linear_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+                         const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                         int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (check_sizes("linear_backward_cuda", M, IC, OC, err)) return -1;
+    if (dinp) {
+        // dinp (M, IC) += dout·weight (beta = 1 accumulates into the bf16 gradient)
+        char what[128];
+        snprintf(what, sizeof what, "linear backward dinp M=%d IC=%d OC=%d", M, IC, OC);
+        if (matmul(dinp, CUDA_R_16BF, weight, dout, IC, M, OC, false, false, 1.0f,
+                   CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
+    }
+    return weight_bias_backward(dweight, dbias, dout, inp, M, IC, OC, ctx, stream, err);
+}
+
+int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+                               const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu,
+                               const bf16 *weight, int M, int IC, int OC,
+                               const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (check_sizes("linear_dgelu_backward_cuda", M, IC, OC, err)) return -1;
+    if (IC % 8) {
+        dit_set_error(err, "linear_dgelu_backward_cuda: IC must be a multiple of 8 (IC=%d)", IC);
+        return -1;
+    }
+    // dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu): the DGELU epilogue, beta = 0
+    char what[128];
+    snprintf(what, sizeof what, "linear backward dinp+DGELU M=%d IC=%d OC=%d", M, IC, OC);
+    if (matmul(dpre, CUDA_R_16BF, weight, dout, IC, M, OC, false, false, 0.0f,
+               CUBLASLT_EPILOGUE_DGELU, NULL, pre_gelu, what, ctx, stream, err)) return -1;
+    return weight_bias_backward(dweight, dbias, dout, inp, M, IC, OC, ctx, stream, err);
+}

@@ -1,0 +1,167 @@
+// Reshapes between images, tokens and attention heads: one thread per element, each output
+// element written by exactly one thread (the backward passes too, so += needs no atomics).
+#include "layers/cuda_common.cuh"
+
+// patches (B, T, Cin·p·p), T = G², G = S/p, element (b, t, j), j = (c, py, px):
+// patches = img[b, c, gy·p + py, gx·p + px], t = gy·G + gx.
+__global__ void patchify_forward_kernel(bf16 *patches, const bf16 *img, int Cin, int S, int p, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int G = S / p, T = G * G, P = Cin * p * p;
+    int j = i % P, t = (i / P) % T;
+    size_t b = i / ((size_t)T * P);
+    int c = j / (p * p), py = (j / p) % p, px = j % p, gy = t / G, gx = t % G;
+    patches[i] = img[((b * Cin + c) * S + gy * p + py) * S + gx * p + px];
+}
+
+// Index of pixel i = (b, c, y, x) of (B, Cout, S, S) inside the tokens (B, T, p·p·Cout) ordered
+// (py, px, c): token t = (y/p)·G + x/p, position ((y%p)·p + x%p)·Cout + c.
+__device__ inline size_t unpatchify_index(size_t i, int Cout, int S, int p) {
+    int x = i % S, y = (i / S) % S, c = (i / ((size_t)S * S)) % Cout;
+    size_t b = i / ((size_t)S * S * Cout);
+    int G = S / p, t = (y / p) * G + x / p;
+    return ((b * G * G + t) * p * p + (y % p) * p + x % p) * Cout + c;
+}
+
+// img[i] = tokens[unpatchify_index(i)].
+__global__ void unpatchify_forward_kernel(bf16 *img, const bf16 *tokens, int Cout, int S, int p, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) img[i] = tokens[unpatchify_index(i, Cout, S, p)];
+}
+
+// dtokens[unpatchify_index(i)] += dimg[i] (a bijection: one writer per element).
+__global__ void unpatchify_backward_kernel(bf16 *dtokens, const bf16 *dimg, int Cout, int S, int p, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    size_t j = unpatchify_index(i, Cout, S, p);
+    dtokens[j] = __float2bfloat16(__bfloat162float(dtokens[j]) + __bfloat162float(dimg[i]));
+}
+
+// Element i = (b, t, which, h, d) of qkv (B, T, 3·H·D) goes to q/k/v[which] at ((b·H + h)·T + t)·D + d.
+__device__ inline size_t head_index(size_t i, int T, int H, int D, int *which) {
+    int C = H * D, j = i % (3 * C);
+    size_t bt = i / (3 * C), b = bt / T;
+    int t = bt % T, h = (j % C) / D, d = j % D;
+    *which = j / C;
+    return ((b * H + h) * T + t) * D + d;
+}
+
+__global__ void split_heads_forward_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int T, int H, int D, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int which;
+    size_t dst = head_index(i, T, H, D, &which);
+    bf16 *out = which == 0 ? q : which == 1 ? k : v;
+    out[dst] = qkv[i];
+}
+
+// dqkv[i] += dq/dk/dv[head_index(i)].
+__global__ void split_heads_backward_kernel(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
+                                            int T, int H, int D, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int which;
+    size_t src = head_index(i, T, H, D, &which);
+    const bf16 *g = which == 0 ? dq : which == 1 ? dk : dv;
+    dqkv[i] = __float2bfloat16(__bfloat162float(dqkv[i]) + __bfloat162float(g[src]));
+}
+
+// Element i = (b, t, h, d) of out (B, T, H·D) comes from o (B, H, T, D) at ((b·H + h)·T + t)·D + d.
+__device__ inline size_t merged_index(size_t i, int T, int H, int D) {
+    int C = H * D, j = i % C, h = j / D, d = j % D;
+    size_t bt = i / C, b = bt / T;
+    int t = bt % T;
+    return ((b * H + h) * T + t) * D + d;
+}
+
+__global__ void merge_heads_forward_kernel(bf16 *out, const bf16 *o, int T, int H, int D, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = o[merged_index(i, T, H, D)];
+}
+
+// do_[merged_index(i)] += dout[i] (a bijection: one writer per element).
+__global__ void merge_heads_backward_kernel(bf16 *do_, const bf16 *dout, int T, int H, int D, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    size_t j = merged_index(i, T, H, D);
+    do_[j] = __float2bfloat16(__bfloat162float(do_[j]) + __bfloat162float(dout[i]));
+}
+
+static int check_image(const char *fn, int B, int Cimg, int S, int p, char *err) {
+    if (B <= 0 || Cimg <= 0 || p <= 0 || S <= 0 || S % p) {
+        dit_set_error(err, "%s: need positive sizes and S a multiple of p (B=%d C=%d S=%d p=%d)", fn, B, Cimg, S, p);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_heads(const char *fn, int B, int T, int H, int D, char *err) {
+    if (B <= 0 || T <= 0 || H <= 0 || D <= 0) {
+        dit_set_error(err, "%s: sizes must be positive (B=%d T=%d H=%d D=%d)", fn, B, T, H, D);
+        return -1;
+    }
+    return 0;
+}
+
+int patchify_forward_cuda(bf16 *patches, const bf16 *img, int B, int Cin, int S, int p,
+                          cudaStream_t stream, char *err) {
+    if (check_image("patchify_forward_cuda", B, Cin, S, p, err)) return -1;
+    size_t n = (size_t)B * Cin * S * S;
+    patchify_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(patches, img, Cin, S, p, n);
+    LAUNCH_CHECK(err, "patchify_forward_kernel", "B=%d Cin=%d S=%d p=%d", B, Cin, S, p);
+    return 0;
+}
+
+int unpatchify_forward_cuda(bf16 *img, const bf16 *tokens, int B, int Cout, int S, int p,
+                            cudaStream_t stream, char *err) {
+    if (check_image("unpatchify_forward_cuda", B, Cout, S, p, err)) return -1;
+    size_t n = (size_t)B * Cout * S * S;
+    unpatchify_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(img, tokens, Cout, S, p, n);
+    LAUNCH_CHECK(err, "unpatchify_forward_kernel", "B=%d Cout=%d S=%d p=%d", B, Cout, S, p);
+    return 0;
+}
+
+int unpatchify_backward_cuda(bf16 *dtokens, const bf16 *dimg, int B, int Cout, int S, int p,
+                             cudaStream_t stream, char *err) {
+    if (check_image("unpatchify_backward_cuda", B, Cout, S, p, err)) return -1;
+    size_t n = (size_t)B * Cout * S * S;
+    unpatchify_backward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(dtokens, dimg, Cout, S, p, n);
+    LAUNCH_CHECK(err, "unpatchify_backward_kernel", "B=%d Cout=%d S=%d p=%d", B, Cout, S, p);
+    return 0;
+}
+
+int split_heads_forward_cuda(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, int T, int H, int D,
+                             cudaStream_t stream, char *err) {
+    if (check_heads("split_heads_forward_cuda", B, T, H, D, err)) return -1;
+    size_t n = (size_t)B * T * 3 * H * D;
+    split_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(q, k, v, qkv, T, H, D, n);
+    LAUNCH_CHECK(err, "split_heads_forward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
+    return 0;
+}
+
+int split_heads_backward_cuda(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
+                              int B, int T, int H, int D, cudaStream_t stream, char *err) {
+    if (check_heads("split_heads_backward_cuda", B, T, H, D, err)) return -1;
+    size_t n = (size_t)B * T * 3 * H * D;
+    split_heads_backward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(dqkv, dq, dk, dv, T, H, D, n);
+    LAUNCH_CHECK(err, "split_heads_backward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
+    return 0;
+}
+
+int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int D,
+                             cudaStream_t stream, char *err) {
+    if (check_heads("merge_heads_forward_cuda", B, T, H, D, err)) return -1;
+    size_t n = (size_t)B * T * H * D;
+    merge_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(out, o, T, H, D, n);
+    LAUNCH_CHECK(err, "merge_heads_forward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
+    return 0;
+}
+
+int merge_heads_backward_cuda(bf16 *do_, const bf16 *dout, int B, int T, int H, int D,
+                              cudaStream_t stream, char *err) {
+    if (check_heads("merge_heads_backward_cuda", B, T, H, D, err)) return -1;
+    size_t n = (size_t)B * T * H * D;
+    merge_heads_backward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(do_, dout, T, H, D, n);
+    LAUNCH_CHECK(err, "merge_heads_backward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
+    return 0;
+}
