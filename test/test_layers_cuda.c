@@ -1,0 +1,581 @@
+// Tests of the CUDA layers (layers/layers_cuda.h) against the CPU fp32 reference (layers/layers.h).
+// Every test skips when no CUDA GPU is found. Inputs are random (Rng, never zeros) and rounded to
+// bf16 on the host, so the CPU and the GPU see the same numbers and only the compute differs.
+// Outputs that a call writes are poisoned first (all bytes 0xFF: NaN in bf16 and fp32); gradients
+// that a call accumulates into start from random values, the same on both sides.
+//
+// Tolerances, as ‖gpu - cpu‖/‖cpu‖:
+// - TOL_BF16 1e-2: outputs stored in bf16 (rounding alone gives ~2e-3) and the cuBLASLt GELU/DGELU
+//   epilogues;
+// - TOL_GEMM_F32 1e-3: fp32 weight gradients from cuBLASLt (bf16 products, fp32 accumulation in
+//   another order);
+// - TOL_F32 1e-5: fp32 reductions and fp32 elementwise math (LayerNorm statistics, dshift, dscale,
+//   dgate, dbias, loss, norm, AdamW, EMA): only the summation order and the fast-math division
+//   and square root differ;
+// - exact (0): data movement (reshapes, embedding lookup) and sums done in the same order.
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cuda_runtime_api.h>
+#include "layers/common.h"
+#include "layers/layers.h"
+#include "layers/layers_cuda.h"
+
+#define TOL_BF16 1e-2
+#define TOL_GEMM_F32 1e-3
+#define TOL_F32 1e-5
+
+#define REQUIRE_GPU() do {                                                                     \
+        int count_ = 0;                                                                        \
+        if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0)                         \
+            cr_skip_test("no CUDA GPU found");                                                 \
+    } while (0)
+
+// A CUDA runtime call in a test; OK() a layer call (its message is in the test's `err`).
+#define CK(call) do {                                                                          \
+        cudaError_t e_ = (call);                                                               \
+        cr_assert_eq(e_, cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                \
+    } while (0)
+#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
+
+// ---- host and device buffers, freed after each test --------------------------------------
+#define MAX_BUFFERS 512
+static void *host_buffers[MAX_BUFFERS], *device_buffers[MAX_BUFFERS];
+static int n_host, n_device;
+
+static void free_buffers(void) {
+    for (int i = 0; i < n_host; i++) free(host_buffers[i]);
+    for (int i = 0; i < n_device; i++) cudaFree(device_buffers[i]);
+    n_host = n_device = 0;
+}
+
+static void *host_alloc(size_t bytes) {
+    cr_assert(n_host < MAX_BUFFERS, "too many host buffers");
+    void *p = calloc(1, bytes ? bytes : 1);
+    cr_assert(p, "calloc of %zu bytes", bytes);
+    return host_buffers[n_host++] = p;
+}
+
+static void *device_alloc(size_t bytes) {
+    cr_assert(n_device < MAX_BUFFERS, "too many device buffers");
+    void *p = NULL;
+    CK(cudaMalloc(&p, bytes));
+    return device_buffers[n_device++] = p;
+}
+
+static float *host_floats(size_t n) { return host_alloc(n * sizeof(float)); }
+
+static float *copy_floats(const float *x, size_t n) {
+    float *y = host_floats(n);
+    memcpy(y, x, n * sizeof(float));
+    return y;
+}
+
+static float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
+
+static void round_to_bf16(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = bf16_round(x[i]);
+}
+
+// N(0, std²) values rounded to bf16 (exactly representable on both sides).
+static float *randn_bf16(Rng *rng, size_t n, float std) {
+    float *x = host_floats(n);
+    rng_fill_normal(rng, x, n, std);
+    round_to_bf16(x, n);
+    return x;
+}
+
+static bf16 *upload_bf16(const float *x, size_t n) {
+    uint16_t *bits = host_alloc(n * sizeof(uint16_t));
+    for (size_t i = 0; i < n; i++) bits[i] = bf16_bits_from_float(x[i]);
+    bf16 *d = device_alloc(n * sizeof(bf16));
+    CK(cudaMemcpy(d, bits, n * sizeof(bf16), cudaMemcpyHostToDevice));
+    return d;
+}
+
+static float *upload_f32(const float *x, size_t n) {
+    float *d = device_alloc(n * sizeof(float));
+    CK(cudaMemcpy(d, x, n * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+
+// A device buffer filled with 0xFF bytes: NaN in bf16 and in fp32.
+static void *poisoned(size_t bytes) {
+    void *d = device_alloc(bytes);
+    CK(cudaMemset(d, 0xFF, bytes));
+    return d;
+}
+
+static float *download_bf16(const bf16 *d, size_t n) {
+    uint16_t *bits = host_alloc(n * sizeof(uint16_t));
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(bits, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    float *x = host_floats(n);
+    for (size_t i = 0; i < n; i++) x[i] = float_from_bf16_bits(bits[i]);
+    return x;
+}
+
+static float *download_f32(const float *d, size_t n) {
+    float *x = host_floats(n);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(x, d, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return x;
+}
+
+// ‖out - ref‖/‖ref‖ in double; NaN anywhere in out gives NaN, which fails every `<=`.
+static double rel_l2(const float *out, const float *ref, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)out[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return sqrt(num) / sqrt(den);
+}
+
+#define EXPECT_CLOSE(out, ref, n, tol, name) do {                                             \
+        double r_ = rel_l2(out, ref, n);                                                       \
+        cr_log_info("%s: rel L2 %.3g (tolerance %.0e)", name, r_, (double)(tol));              \
+        cr_expect(r_ <= (tol), "%s: rel L2 error %.3g > %.0e", name, r_, (double)(tol));       \
+    } while (0)
+
+// Bit-exact against the CPU result rounded to bf16 (for pure data movement).
+#define EXPECT_EXACT_BF16(out, ref, n, name) do {                                             \
+        size_t bad_ = 0;                                                                       \
+        for (size_t i_ = 0; i_ < (n); i_++) bad_ += (out)[i_] != bf16_round((ref)[i_]);       \
+        cr_expect_eq(bad_, 0, "%s: %zu of %zu elements differ", name, bad_, (size_t)(n));      \
+    } while (0)
+
+static LayersCuda ctx;
+static char err[DIT_ERR_LEN];
+
+static void setup(void) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return;   // the test skips
+    cr_assert_eq(layers_cuda_create(&ctx, 1u << 22, err), 0, "layers_cuda_create: %s", err);
+}
+
+static void teardown(void) {
+    free_buffers();
+    if (ctx.lt) layers_cuda_destroy(&ctx);
+}
+
+TestSuite(cuda, .init = setup, .fini = teardown);
+
+// ---- linear ------------------------------------------------------------------------------
+
+// Forward (with and without bias) and backward of one linear shape against linear_forward /
+// linear_backward. M > 256 exercises several chunks of the bias-gradient reduction.
+static void check_linear(int M, int IC, int OC, uint64_t seed) {
+    Rng rng;
+    rng_seed(&rng, seed);
+    size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
+    float *x = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.1f), *b = randn_bf16(&rng, OC, 0.1f);
+    float *dy = randn_bf16(&rng, ny, 1.0f);
+    float *dx0 = randn_bf16(&rng, nx, 1.0f), *dw0 = randn_bf16(&rng, nw, 1.0f), *db0 = randn_bf16(&rng, OC, 1.0f);
+    bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_b = upload_bf16(b, OC), *d_dy = upload_bf16(dy, ny);
+    char name[96];
+
+    float *y_ref = host_floats(ny);
+    linear_forward(y_ref, x, w, b, M, IC, OC);
+    bf16 *d_y = poisoned(ny * sizeof(bf16));
+    OK(linear_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &ctx, 0, err));
+    snprintf(name, sizeof name, "linear forward M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_BF16, name);
+
+    linear_forward(y_ref, x, w, NULL, M, IC, OC);
+    CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
+    OK(linear_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, &ctx, 0, err));
+    snprintf(name, sizeof name, "linear forward (no bias) M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_BF16, name);
+
+    float *dx = copy_floats(dx0, nx), *dw = copy_floats(dw0, nw), *db = copy_floats(db0, OC);
+    linear_backward(dx, dw, db, dy, x, w, M, IC, OC);
+    bf16 *d_dx = upload_bf16(dx0, nx);
+    float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
+    OK(linear_backward_cuda(d_dx, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    snprintf(name, sizeof name, "linear backward dinp M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_BF16, name);
+    snprintf(name, sizeof name, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_f32(d_dw, nw), dw, nw, TOL_GEMM_F32, name);
+    snprintf(name, sizeof name, "linear backward dbias M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_f32(d_db, OC), db, OC, TOL_F32, name);
+}
+
+Test(cuda, linear_shapes) {
+    REQUIRE_GPU();
+    check_linear(150, 96, 136, 1);   // a DiT block's shape, OC not a multiple of 32
+    check_linear(600, 64, 40, 2);    // 3 chunks in the bias gradient
+    check_linear(98, 4, 24, 3);      // patch embedding of 1-channel 2×2 patches: IC = 4
+    check_linear(98, 48, 4, 4);      // final layer to 2×2×1 pixels: OC = 4
+}
+
+// linear_gelu_forward_cuda = GELU(linear_forward), pre-activation kept.
+Test(cuda, linear_gelu_forward) {
+    REQUIRE_GPU();
+    int M = 150, IC = 64, OC = 256;
+    Rng rng;
+    rng_seed(&rng, 5);
+    float *x = randn_bf16(&rng, (size_t)M * IC, 1.0f), *w = randn_bf16(&rng, (size_t)OC * IC, 0.15f);
+    float *b = randn_bf16(&rng, OC, 0.5f);
+    float *pre_ref = host_floats((size_t)M * OC), *out_ref = host_floats((size_t)M * OC);
+    linear_forward(pre_ref, x, w, b, M, IC, OC);
+    gelu_forward(out_ref, pre_ref, (size_t)M * OC);
+    bf16 *d_out = poisoned((size_t)M * OC * sizeof(bf16)), *d_pre = poisoned((size_t)M * OC * sizeof(bf16));
+    OK(linear_gelu_forward_cuda(d_out, d_pre, upload_bf16(x, (size_t)M * IC), upload_bf16(w, (size_t)OC * IC),
+                                upload_bf16(b, OC), M, IC, OC, &ctx, 0, err));
+    EXPECT_CLOSE(download_bf16(d_pre, (size_t)M * OC), pre_ref, (size_t)M * OC, TOL_BF16, "linear+GELU pre-activation");
+    EXPECT_CLOSE(download_bf16(d_out, (size_t)M * OC), out_ref, (size_t)M * OC, TOL_BF16, "linear+GELU output");
+}
+
+// linear_dgelu_backward_cuda = linear_backward into a zeroed dh, then gelu_backward into a zeroed dpre.
+Test(cuda, linear_dgelu_backward) {
+    REQUIRE_GPU();
+    int M = 600, IC = 192, OC = 48;   // the MLP's second layer: IC = hidden
+    size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
+    Rng rng;
+    rng_seed(&rng, 6);
+    float *pre = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.1f), *dy = randn_bf16(&rng, ny, 1.0f);
+    float *h = host_floats(nx);
+    gelu_forward(h, pre, nx);
+    round_to_bf16(h, nx);
+    float *dw0 = randn_bf16(&rng, nw, 1.0f), *db0 = randn_bf16(&rng, OC, 1.0f);
+    float *dh = host_floats(nx), *dpre = host_floats(nx), *dw = copy_floats(dw0, nw), *db = copy_floats(db0, OC);
+    linear_backward(dh, dw, db, dy, h, w, M, IC, OC);
+    gelu_backward(dpre, pre, dh, nx);
+    bf16 *d_dpre = poisoned(nx * sizeof(bf16));
+    float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
+    OK(linear_dgelu_backward_cuda(d_dpre, d_dw, d_db, upload_bf16(dy, ny), upload_bf16(h, nx), upload_bf16(pre, nx),
+                                  upload_bf16(w, nw), M, IC, OC, &ctx, 0, err));
+    EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre, nx, TOL_BF16, "linear+DGELU backward dpre");
+    EXPECT_CLOSE(download_f32(d_dw, nw), dw, nw, TOL_GEMM_F32, "linear+DGELU backward dweight");
+    EXPECT_CLOSE(download_f32(d_db, OC), db, OC, TOL_F32, "linear+DGELU backward dbias");
+}
+
+// The cuBLASLt aux rule is reported, not crashed into (no GPU needed: checked before any call).
+Test(cuda, linear_gelu_rejects_unaligned_width) {
+    int rc = linear_gelu_forward_cuda(NULL, NULL, NULL, NULL, NULL, 4, 8, 12, NULL, 0, err);
+    cr_assert_eq(rc, -1);
+    cr_assert(strstr(err, "OC=12"), "message names the size: %s", err);
+}
+
+// ---- LayerNorm + modulation, gated residual ----------------------------------------------
+// Shapes: B = 3 samples, T = 37 tokens, C = 72 channels (not a multiple of 32); the modulation
+// vectors are chunks of a (B, 6C) adaLN output, so mod_stride = 6C; shift is chunk 1, scale
+// chunk 2, gate chunk 4, and the gradient tests compare the whole (B, 6C) buffer (the other
+// chunks must stay untouched).
+#define NB 3
+#define NT 37
+#define NC 72
+#define MOD (6 * NC)
+
+Test(cuda, layernorm_modulate) {
+    REQUIRE_GPU();
+    size_t n = (size_t)NB * NT * NC, nmod = (size_t)NB * MOD;
+    Rng rng;
+    rng_seed(&rng, 7);
+    float *x = host_floats(n);
+    for (size_t i = 0; i < n; i++) x[i] = bf16_round(0.5f + 2.0f * rng_normal(&rng));   // non-zero mean
+    float *mod = randn_bf16(&rng, nmod, 0.5f), *dy = randn_bf16(&rng, n, 1.0f);
+    float *dx0 = randn_bf16(&rng, n, 1.0f), *dmod0 = randn_bf16(&rng, nmod, 1.0f);
+    const float *shift = mod + NC, *scale = mod + 2 * NC;
+
+    float *y = host_floats(n), *mean = host_floats(NB * NT), *rstd = host_floats(NB * NT);
+    layernorm_modulate_forward(y, mean, rstd, x, shift, scale, NB, NT, NC, MOD);
+    bf16 *d_x = upload_bf16(x, n), *d_mod = upload_bf16(mod, nmod);
+    bf16 *d_y = poisoned(n * sizeof(bf16));
+    float *d_mean = poisoned(NB * NT * sizeof(float)), *d_rstd = poisoned(NB * NT * sizeof(float));
+    OK(layernorm_modulate_forward_cuda(d_y, d_mean, d_rstd, d_x, d_mod + NC, d_mod + 2 * NC, NB, NT, NC, MOD, 0, err));
+    EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, "layernorm_modulate forward out");
+    EXPECT_CLOSE(download_f32(d_mean, NB * NT), mean, NB * NT, TOL_F32, "layernorm_modulate forward mean");
+    EXPECT_CLOSE(download_f32(d_rstd, NB * NT), rstd, NB * NT, TOL_F32, "layernorm_modulate forward rstd");
+
+    // backward from the CPU statistics on both sides
+    float *dx = copy_floats(dx0, n), *dmod = copy_floats(dmod0, nmod);
+    layernorm_modulate_backward(dx, dmod + NC, dmod + 2 * NC, dy, x, mean, rstd, scale, NB, NT, NC, MOD);
+    bf16 *d_dx = upload_bf16(dx0, n);
+    float *d_dmod = upload_f32(dmod0, nmod);
+    OK(layernorm_modulate_backward_cuda(d_dx, d_dmod + NC, d_dmod + 2 * NC, upload_bf16(dy, n), d_x,
+                                        upload_f32(mean, NB * NT), upload_f32(rstd, NB * NT), d_mod + 2 * NC,
+                                        NB, NT, NC, MOD, 0, err));
+    EXPECT_CLOSE(download_bf16(d_dx, n), dx, n, TOL_BF16, "layernorm_modulate backward dinp");
+    EXPECT_CLOSE(download_f32(d_dmod, nmod), dmod, nmod, TOL_F32, "layernorm_modulate backward dshift|dscale");
+}
+
+Test(cuda, gated_residual) {
+    REQUIRE_GPU();
+    size_t n = (size_t)NB * NT * NC, nmod = (size_t)NB * MOD;
+    Rng rng;
+    rng_seed(&rng, 8);
+    float *res = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f), *mod = randn_bf16(&rng, nmod, 1.0f);
+    float *dy = randn_bf16(&rng, n, 1.0f), *dres0 = randn_bf16(&rng, n, 1.0f), *dh0 = randn_bf16(&rng, n, 1.0f);
+    float *dmod0 = randn_bf16(&rng, nmod, 1.0f);
+    const float *gate = mod + 4 * NC;
+
+    float *y = host_floats(n);
+    gated_residual_forward(y, res, h, gate, NB, NT, NC, MOD);
+    bf16 *d_h = upload_bf16(h, n), *d_mod = upload_bf16(mod, nmod), *d_y = poisoned(n * sizeof(bf16));
+    OK(gated_residual_forward_cuda(d_y, upload_bf16(res, n), d_h, d_mod + 4 * NC, NB, NT, NC, MOD, 0, err));
+    EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, "gated_residual forward");
+
+    float *dres = copy_floats(dres0, n), *dh = copy_floats(dh0, n), *dmod = copy_floats(dmod0, nmod);
+    gated_residual_backward(dres, dh, dmod + 4 * NC, dy, h, gate, NB, NT, NC, MOD);
+    bf16 *d_dres = upload_bf16(dres0, n), *d_dh = upload_bf16(dh0, n);
+    float *d_dmod = upload_f32(dmod0, nmod);
+    OK(gated_residual_backward_cuda(d_dres, d_dh, d_dmod + 4 * NC, upload_bf16(dy, n), d_h, d_mod + 4 * NC,
+                                    NB, NT, NC, MOD, 0, err));
+    EXPECT_CLOSE(download_bf16(d_dres, n), dres, n, TOL_BF16, "gated_residual backward dres");
+    EXPECT_CLOSE(download_bf16(d_dh, n), dh, n, TOL_BF16, "gated_residual backward dh");
+    EXPECT_CLOSE(download_f32(d_dmod, nmod), dmod, nmod, TOL_F32, "gated_residual backward dgate");
+}
+
+// ---- pointwise ---------------------------------------------------------------------------
+Test(cuda, pointwise) {
+    REQUIRE_GPU();
+    size_t n = 10007;
+    Rng rng;
+    rng_seed(&rng, 9);
+    float *x = randn_bf16(&rng, n, 2.0f), *x2 = randn_bf16(&rng, n, 2.0f), *dy = randn_bf16(&rng, n, 1.0f);
+    float *dx0 = randn_bf16(&rng, n, 1.0f);
+    bf16 *d_x = upload_bf16(x, n), *d_dy = upload_bf16(dy, n), *d_out = poisoned(n * sizeof(bf16));
+    float *ref = host_floats(n);
+
+    gelu_forward(ref, x, n);
+    OK(gelu_forward_cuda(d_out, d_x, n, 0, err));
+    EXPECT_CLOSE(download_bf16(d_out, n), ref, n, TOL_BF16, "gelu forward");
+    memcpy(ref, dx0, n * sizeof(float));
+    gelu_backward(ref, x, dy, n);
+    bf16 *d_dx = upload_bf16(dx0, n);
+    OK(gelu_backward_cuda(d_dx, d_x, d_dy, n, 0, err));
+    EXPECT_CLOSE(download_bf16(d_dx, n), ref, n, TOL_BF16, "gelu backward");
+
+    CK(cudaMemset(d_out, 0xFF, n * sizeof(bf16)));
+    silu_forward(ref, x, n);
+    OK(silu_forward_cuda(d_out, d_x, n, 0, err));
+    EXPECT_CLOSE(download_bf16(d_out, n), ref, n, TOL_BF16, "silu forward");
+    memcpy(ref, dx0, n * sizeof(float));
+    silu_backward(ref, x, dy, n);
+    d_dx = upload_bf16(dx0, n);
+    OK(silu_backward_cuda(d_dx, d_x, d_dy, n, 0, err));
+    EXPECT_CLOSE(download_bf16(d_dx, n), ref, n, TOL_BF16, "silu backward");
+
+    CK(cudaMemset(d_out, 0xFF, n * sizeof(bf16)));
+    add_forward(ref, x, x2, n);
+    OK(add_forward_cuda(d_out, d_x, upload_bf16(x2, n), n, 0, err));
+    EXPECT_CLOSE(download_bf16(d_out, n), ref, n, TOL_BF16, "add forward");
+
+    // casts: fp32 -> bf16 rounds to nearest even as bf16_bits_from_float; bf16 -> fp32 is exact
+    float *xf = host_floats(n);
+    rng_fill_normal(&rng, xf, n, 3.0f);
+    CK(cudaMemset(d_out, 0xFF, n * sizeof(bf16)));
+    OK(cast_float_to_bf16_cuda(d_out, upload_f32(xf, n), n, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_out, n), xf, n, "cast fp32 -> bf16");
+    float *d_f = poisoned(n * sizeof(float));
+    OK(cast_bf16_to_float_cuda(d_f, d_x, n, 0, err));
+    float *back = download_f32(d_f, n);
+    cr_expect_eq(memcmp(back, x, n * sizeof(float)), 0, "cast bf16 -> fp32 is not exact");
+}
+
+// ---- reshapes (bit-exact) ----------------------------------------------------------------
+Test(cuda, patchify_unpatchify) {
+    REQUIRE_GPU();
+    int B = 2, Cin = 3, S = 8, p = 2, T = (S / p) * (S / p);
+    size_t n = (size_t)B * Cin * S * S;
+    Rng rng;
+    rng_seed(&rng, 10);
+    float *img = randn_bf16(&rng, n, 1.0f), *tok0 = randn_bf16(&rng, n, 1.0f);
+    float *ref = host_floats(n);
+    bf16 *d_img = upload_bf16(img, n), *d_out = poisoned(n * sizeof(bf16));
+
+    patchify_forward(ref, img, B, Cin, S, p);
+    OK(patchify_forward_cuda(d_out, d_img, B, Cin, S, p, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_out, n), ref, n, "patchify forward");
+
+    CK(cudaMemset(d_out, 0xFF, n * sizeof(bf16)));
+    unpatchify_forward(ref, tok0, B, Cin, S, p);
+    OK(unpatchify_forward_cuda(d_out, upload_bf16(tok0, n), B, Cin, S, p, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_out, n), ref, n, "unpatchify forward");
+
+    memcpy(ref, tok0, n * sizeof(float));
+    unpatchify_backward(ref, img, B, Cin, S, p);   // dimg = img, accumulated onto tok0
+    bf16 *d_dtok = upload_bf16(tok0, n);
+    OK(unpatchify_backward_cuda(d_dtok, d_img, B, Cin, S, p, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_dtok, n), ref, n, "unpatchify backward");
+    cr_assert_eq(n, (size_t)B * T * Cin * p * p);
+}
+
+Test(cuda, split_merge_heads) {
+    REQUIRE_GPU();
+    int B = 2, T = 5, H = 3, D = 8;
+    size_t nh = (size_t)B * T * H * D, nqkv = 3 * nh;
+    Rng rng;
+    rng_seed(&rng, 11);
+    float *qkv = randn_bf16(&rng, nqkv, 1.0f), *g = randn_bf16(&rng, nqkv, 1.0f), *acc0 = randn_bf16(&rng, nqkv, 1.0f);
+    float *q = host_floats(nh), *k = host_floats(nh), *v = host_floats(nh);
+    split_heads_forward(q, k, v, qkv, B, T, H, D);
+    bf16 *d_q = poisoned(nh * sizeof(bf16)), *d_k = poisoned(nh * sizeof(bf16)), *d_v = poisoned(nh * sizeof(bf16));
+    OK(split_heads_forward_cuda(d_q, d_k, d_v, upload_bf16(qkv, nqkv), B, T, H, D, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_q, nh), q, nh, "split_heads forward q");
+    EXPECT_EXACT_BF16(download_bf16(d_k, nh), k, nh, "split_heads forward k");
+    EXPECT_EXACT_BF16(download_bf16(d_v, nh), v, nh, "split_heads forward v");
+
+    float *dqkv = copy_floats(acc0, nqkv);
+    split_heads_backward(dqkv, g, g + nh, g + 2 * nh, B, T, H, D);
+    bf16 *d_g = upload_bf16(g, nqkv), *d_dqkv = upload_bf16(acc0, nqkv);
+    OK(split_heads_backward_cuda(d_dqkv, d_g, d_g + nh, d_g + 2 * nh, B, T, H, D, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_dqkv, nqkv), dqkv, nqkv, "split_heads backward");
+
+    float *out = host_floats(nh);
+    merge_heads_forward(out, qkv, B, T, H, D);
+    bf16 *d_out = poisoned(nh * sizeof(bf16)), *d_o = upload_bf16(qkv, nh);
+    OK(merge_heads_forward_cuda(d_out, d_o, B, T, H, D, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_out, nh), out, nh, "merge_heads forward");
+
+    float *do_ = copy_floats(acc0, nh);
+    merge_heads_backward(do_, g, B, T, H, D);
+    bf16 *d_do = upload_bf16(acc0, nh);
+    OK(merge_heads_backward_cuda(d_do, d_g, B, T, H, D, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_do, nh), do_, nh, "merge_heads backward");
+}
+
+// ---- conditioning ------------------------------------------------------------------------
+Test(cuda, conditioning) {
+    REQUIRE_GPU();
+    int B = 6, C = 40, classes = 4;
+    Rng rng;
+    rng_seed(&rng, 12);
+    float t[6];
+    rng_fill_uniform(&rng, t, B, 0.0f, 1.0f);
+    float *ref = host_floats((size_t)B * TIMESTEP_FREQ_DIM);
+    timestep_embedding_forward(ref, t, B, TIMESTEP_FREQ_DIM);
+    bf16 *d_temb = poisoned((size_t)B * TIMESTEP_FREQ_DIM * sizeof(bf16));
+    OK(timestep_embedding_forward_cuda(d_temb, upload_f32(t, B), B, TIMESTEP_FREQ_DIM, 0, err));
+    EXPECT_CLOSE(download_bf16(d_temb, (size_t)B * TIMESTEP_FREQ_DIM), ref, (size_t)B * TIMESTEP_FREQ_DIM, TOL_BF16,
+                 "timestep embedding");
+
+    int labels[6] = {2, 0, 2, 4, 1, 2};   // repeated labels, and the null class 4
+    size_t ntab = (size_t)(classes + 1) * C;
+    float *table = randn_bf16(&rng, ntab, 1.0f), *dy = randn_bf16(&rng, (size_t)B * C, 1.0f);
+    float *dtab0 = randn_bf16(&rng, ntab, 1.0f), *emb = host_floats((size_t)B * C);
+    int *d_labels = device_alloc(sizeof labels);
+    CK(cudaMemcpy(d_labels, labels, sizeof labels, cudaMemcpyHostToDevice));
+    embedding_forward(emb, table, labels, B, C);
+    bf16 *d_emb = poisoned((size_t)B * C * sizeof(bf16));
+    OK(embedding_forward_cuda(d_emb, upload_bf16(table, ntab), d_labels, B, C, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_emb, (size_t)B * C), emb, (size_t)B * C, "embedding forward");
+
+    // the same fp32 additions in the same (sample) order: bit-exact
+    float *dtab = copy_floats(dtab0, ntab), *d_dtab = upload_f32(dtab0, ntab);
+    embedding_backward(dtab, dy, labels, B, C);
+    OK(embedding_backward_cuda(d_dtab, upload_bf16(dy, (size_t)B * C), d_labels, B, C, 0, err));
+    cr_expect_eq(memcmp(download_f32(d_dtab, ntab), dtab, ntab * sizeof(float)), 0, "embedding backward not bit-exact");
+
+    int G = 6, CP = 64;
+    float *pos = host_floats((size_t)G * G * CP);
+    pos_embed_2d(pos, G, CP);
+    bf16 *d_pos = poisoned((size_t)G * G * CP * sizeof(bf16));
+    OK(pos_embed_2d_cuda(d_pos, G, CP, 0, err));
+    EXPECT_CLOSE(download_bf16(d_pos, (size_t)G * G * CP), pos, (size_t)G * G * CP, TOL_BF16, "2D sin-cos positions");
+}
+
+// ---- loss --------------------------------------------------------------------------------
+Test(cuda, flow_matching_loss) {
+    REQUIRE_GPU();
+    int B = 4, per = 300;
+    size_t n = (size_t)B * per;
+    Rng rng;
+    rng_seed(&rng, 13);
+    float t[4];
+    rng_fill_uniform(&rng, t, B, 0.0f, 1.0f);
+    float *x0 = host_floats(n), *noise = host_floats(n);
+    rng_fill_normal(&rng, x0, n, 1.0f);
+    rng_fill_normal(&rng, noise, n, 1.0f);
+    float *xt = host_floats(n), *v = host_floats(n);
+    flow_matching_inputs(xt, v, x0, noise, t, B, per);
+    bf16 *d_xt = poisoned(n * sizeof(bf16));
+    float *d_v = poisoned(n * sizeof(float));
+    OK(flow_matching_inputs_cuda(d_xt, d_v, upload_f32(x0, n), upload_f32(noise, n), upload_f32(t, B), B, per, 0, err));
+    EXPECT_CLOSE(download_bf16(d_xt, n), xt, n, TOL_BF16, "flow matching x_t");
+    cr_expect_eq(memcmp(download_f32(d_v, n), v, n * sizeof(float)), 0, "v_target = noise - x0 not bit-exact");
+
+    float *pred = randn_bf16(&rng, n, 1.0f), *dpred = host_floats(n);
+    float loss = mse_loss_forward_backward(dpred, pred, v, n);
+    bf16 *d_dpred = poisoned(n * sizeof(bf16));
+    float *d_loss = poisoned(sizeof(float));
+    OK(mse_loss_forward_backward_cuda(d_dpred, d_loss, upload_bf16(pred, n), d_v, n, &ctx, 0, err));
+    EXPECT_CLOSE(download_f32(d_loss, 1), &loss, 1, TOL_F32, "mse loss");
+    EXPECT_CLOSE(download_bf16(d_dpred, n), dpred, n, TOL_BF16, "mse dpred");
+}
+
+// ---- optimizer ---------------------------------------------------------------------------
+Test(cuda, optimizer) {
+    REQUIRE_GPU();
+    size_t n = (1u << 20) + 7;
+    Rng rng;
+    rng_seed(&rng, 14);
+    float *g = host_floats(n), *p0 = host_floats(n), *m0 = host_floats(n), *v0 = host_floats(n);
+    rng_fill_normal(&rng, g, n, 1e-3f);
+    rng_fill_normal(&rng, p0, n, 0.05f);
+    rng_fill_normal(&rng, m0, n, 1e-3f);
+    for (size_t i = 0; i < n; i++) v0[i] = 1e-6f * (0.1f + rng_uniform(&rng));
+    float *d_g = upload_f32(g, n), *d_norm = poisoned(sizeof(float));
+    float norm = global_norm(g, n);
+    OK(global_norm_cuda(d_norm, d_g, n, &ctx, 0, err));
+    EXPECT_CLOSE(download_f32(d_norm, 1), &norm, 1, TOL_F32, "global norm");
+
+    // max_norm below the norm: the clipping scale is active
+    float max_norm = 0.5f * norm, lr = 1e-3f;
+    float *p = copy_floats(p0, n), *m = copy_floats(m0, n), *v = copy_floats(v0, n);
+    adamw_update(p, g, m, v, n, lr, 0.9f, 0.95f, 1e-8f, 0.1f, clip_grad_scale(norm, max_norm), 3);
+    float *d_p = upload_f32(p0, n), *d_m = upload_f32(m0, n), *d_v = upload_f32(v0, n);
+    bf16 *d_pbf = poisoned(n * sizeof(bf16));
+    OK(adamw_update_cuda(d_p, d_pbf, d_g, d_m, d_v, n, lr, 0.9f, 0.95f, 1e-8f, 0.1f, d_norm, max_norm, 3, 0, err));
+    float *gp = download_f32(d_p, n);
+    EXPECT_CLOSE(gp, p, n, TOL_F32, "adamw params");
+    EXPECT_CLOSE(download_f32(d_m, n), m, n, TOL_F32, "adamw m");
+    EXPECT_CLOSE(download_f32(d_v, n), v, n, TOL_F32, "adamw v");
+    EXPECT_EXACT_BF16(download_bf16(d_pbf, n), gp, n, "adamw bf16 copy of the params");
+    // the update itself (p - p0) is what AdamW computes: compare it too, not only p ≈ p0
+    float *dp_gpu = host_floats(n), *dp_cpu = host_floats(n);
+    for (size_t i = 0; i < n; i++) {
+        dp_gpu[i] = gp[i] - p0[i];
+        dp_cpu[i] = p[i] - p0[i];
+    }
+    EXPECT_CLOSE(dp_gpu, dp_cpu, n, 1e-3, "adamw update p - p0 (fp32 cancellation)");
+
+    float *ema = copy_floats(p0, n), *d_ema = upload_f32(p0, n);
+    ema_update(ema, p, n, 0.999f);
+    OK(ema_update_cuda(d_ema, d_p, n, 0.999f, 0, err));
+    EXPECT_CLOSE(download_f32(d_ema, n), ema, n, TOL_F32, "ema");
+}
+
+// ---- determinism: the reductions give the same bits when run again ------------------------
+Test(cuda, reductions_are_deterministic) {
+    REQUIRE_GPU();
+    int M = 4096, IC = 64, OC = 96;
+    size_t nx = (size_t)M * IC, ny = (size_t)M * OC, nw = (size_t)OC * IC;
+    Rng rng;
+    rng_seed(&rng, 15);
+    bf16 *d_x = upload_bf16(randn_bf16(&rng, nx, 1.0f), nx), *d_dy = upload_bf16(randn_bf16(&rng, ny, 1.0f), ny);
+    bf16 *d_w = upload_bf16(randn_bf16(&rng, nw, 0.1f), nw);
+    float *d_dw = device_alloc(nw * sizeof(float)), *d_db = device_alloc(OC * sizeof(float));
+    float *d_norm = device_alloc(sizeof(float));
+    float *first_dw = NULL, *first_db = NULL, *first_norm = NULL;
+    for (int run = 0; run < 2; run++) {
+        CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
+        CK(cudaMemset(d_db, 0, OC * sizeof(float)));
+        OK(linear_backward_cuda(NULL, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+        OK(global_norm_cuda(d_norm, d_dw, nw, &ctx, 0, err));
+        float *dw = download_f32(d_dw, nw), *db = download_f32(d_db, OC), *norm = download_f32(d_norm, 1);
+        if (run == 0) {
+            first_dw = dw;
+            first_db = db;
+            first_norm = norm;
+            continue;
+        }
+        cr_expect_eq(memcmp(dw, first_dw, nw * sizeof(float)), 0, "dweight differs between runs");
+        cr_expect_eq(memcmp(db, first_db, OC * sizeof(float)), 0, "dbias differs between runs");
+        cr_expect_eq(memcmp(norm, first_norm, sizeof(float)), 0, "global norm differs between runs");
+    }
+}
