@@ -1,0 +1,72 @@
+// Sage attention on the GPU (CUDA): the quantization pass, the forward (INT8 Q·Kᵀ with mma.sync,
+// online base-2 softmax, FP8 e4m3 or FP16 P·V with two-level fp32 accumulation) and the recompute
+// backward. The math is the sage definition in attention/attention.h with q_block = k_block = 64;
+// the GPU sums in other orders than the CPU, which is the only freedom the definition leaves
+// (plus exp2/log2 from the special-function unit, a few ulp from the CPU's exp2f/log2f).
+//
+// Layout: q, k, v, out, dout are (B, H, N, D) contiguous bf16 on the device (passed as the raw
+// 16-bit patterns); lse is (B, H, N) fp32 in base 2, in the smoothed space (as the definition).
+// D is 64 or 128; any N >= 1 and any B·H. Non-causal. FP8 P·V needs compute capability 8.9+;
+// FP16 P·V runs on 8.0+.
+// Every function returns 0, or -1 with a message in err (DIT_ERR_LEN bytes, may be NULL).
+// Kernels run on `stream`; nothing synchronizes the host.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+#include "attention/attention.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SAGE_CUDA_BLOCK 64   // q_block = k_block = tile size of the GPU kernels
+
+// The quantized Q, K, V of one forward, as views into the forward workspace.
+//   q8, k8: (B, H, N, D) int8 (same layout and values as the CPU's SageQK)
+//   q_scale, k_scale: (B, H, ceil(N/64)); k_mean: (B, H, D)
+//   v_t: (B, H, D, n_pad) with n_pad = 64·ceil(N/64): V transposed, FP8 e4m3 of v/v_scale
+//        (1 byte) or FP16 of v (2 bytes); zero for tokens >= N. In FP8 mode the tokens of
+//        each group of 16 are stored in the order of the e4m3 mma's A fragment (slot 4c+i
+//        holds token 2c+i for i < 2 and 8+2c+i-2 for i >= 2); FP16 keeps token order.
+//   v_scale: (B, H, D), max_n|v|/448 (FP8 mode only; zeros in FP16 mode)
+typedef struct {
+    int8_t *q8, *k8;
+    float *q_scale, *k_scale, *k_mean, *v_scale;
+    void *v_t;
+} SageCudaQuant;
+
+// Bytes of the forward workspace (quantized tensors + reduction scratch).
+size_t sage_cuda_forward_workspace_size(int B, int H, int N, int D, SagePV pv);
+// Views of the quantized tensors inside a forward workspace.
+SageCudaQuant sage_cuda_quant_view(void *workspace, int B, int H, int N, int D, SagePV pv);
+
+// The quantization pass alone (the forward calls it): fills the workspace's quantized tensors
+// from q, k, v. Three launches: per-chunk column sums of k and column max|v|, their reduction
+// to k_mean and v_scale per head, then one CTA per 64-token block quantizes Q, K and V.
+int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                       int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
+
+// out = sage attention of q, k, v (bf16, (B,H,N,D)); lse (B,H,N) fp32 base 2.
+// Quantizes into `workspace` (sage_cuda_forward_workspace_size bytes), which the backward reads.
+int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
+                      const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                      int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
+
+// Bytes of the backward workspace (delta = rowsum(dout∘out), (B,H,N) fp32).
+size_t sage_cuda_backward_workspace_size(int B, int H, int N, int D);
+
+// Recompute backward of sage_forward_cuda: s from the forward's q8, k8 and scales (fwd_workspace),
+// P = exp2(s - lse), dv = Pᵀ·dout, dP = dout·vᵀ, dS = P∘(dP - delta), dq = dS·(k - k_mean)/sqrt(D),
+// dk = dSᵀ·q/sqrt(D); products in bf16 mma with fp32 accumulation (P, dS, k - k_mean rounded to
+// bf16). dq, dk, dv: (B,H,N,D) fp32, OVERWRITTEN (dq is zeroed and accumulated with atomics).
+// delta: (B,H,N) fp32 given by the caller, or NULL to compute rowsum(dout∘out) from the bf16 out.
+int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
+                       const uint16_t *dout, const uint16_t *q, const uint16_t *k,
+                       const uint16_t *v, const uint16_t *out, const float *lse,
+                       const float *delta, int B, int H, int N, int D, SagePV pv,
+                       cudaStream_t stream, char *err);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,118 @@
+# Benchmark: our sage attention (attention/sage_*.cu) forward and backward against PyTorch SDPA
+# (cuDNN and flash backends), all in one process on one GPU. 16 heads, head dims 64 and 128,
+# N = 1K..32K with B·N = 16K tokens (B = 1 from 16K). FLOPs: 4·B·H·N²·D forward, 2.5× that
+# backward. Each time is the median of `iters` CUDA-event-timed runs after warm-up.
+# Build the shared library first (on a machine with nvcc):
+#   gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
+#   nvcc -O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 \
+#        -gencode=arch=compute_90a,code=sm_90a -shared -o build/libsage_bench.so \
+#        attention/sage_quant.cu attention/sage_forward.cu attention/sage_backward.cu build/common_pic.o
+#   python3 dev/bench_attention.py [build/libsage_bench.so]
+import ctypes
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "build/libsage_bench.so")
+P = ctypes.c_void_p
+I = ctypes.c_int
+lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
+lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
+lib.sage_cuda_backward_workspace_size.restype = ctypes.c_size_t
+lib.sage_cuda_backward_workspace_size.argtypes = [I, I, I, I]
+lib.sage_quantize_cuda.argtypes = [P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+lib.sage_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+FP8, FP16 = 0, 1
+err = ctypes.create_string_buffer(512)
+
+
+def check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: {err.value.decode()}")
+
+
+def median_ms(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    print(f"# device: {dev}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
+    H = 16
+    rows = []
+    for D in (64, 128):
+        for N in (1024, 2048, 4096, 8192, 16384, 32768):
+            B = max(1, 16384 // N)
+            iters = 30 if N <= 8192 else 10
+            q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            stream = torch.cuda.current_stream().cuda_stream
+            out = torch.empty_like(q)
+            lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+            ws = {pv: torch.empty(lib.sage_cuda_forward_workspace_size(B, H, N, D, pv), device="cuda",
+                                  dtype=torch.uint8) for pv in (FP8, FP16)}
+            bws = torch.empty(lib.sage_cuda_backward_workspace_size(B, H, N, D), device="cuda", dtype=torch.uint8)
+            dq, dk, dv = (torch.empty(B, H, N, D, device="cuda", dtype=torch.float32) for _ in range(3))
+
+            def quant(pv):
+                check(lib.sage_quantize_cuda(ws[pv].data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                             B, H, N, D, pv, stream, err), "quantize")
+
+            def fwd(pv):
+                check(lib.sage_forward_cuda(out.data_ptr(), lse.data_ptr(), ws[pv].data_ptr(), q.data_ptr(),
+                                            k.data_ptr(), v.data_ptr(), B, H, N, D, pv, stream, err), "forward")
+
+            def bwd():
+                check(lib.sage_backward_cuda(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bws.data_ptr(),
+                                             ws[FP8].data_ptr(), do.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                             v.data_ptr(), out.data_ptr(), lse.data_ptr(), None,
+                                             B, H, N, D, FP8, stream, err), "backward")
+
+            flops = 4 * B * H * N * N * D
+            t = {}
+            t["quant"] = median_ms(lambda: quant(FP8), iters)
+            t["sage_fp16"] = median_ms(lambda: fwd(FP16), iters)
+            t["sage_fp8"] = median_ms(lambda: fwd(FP8), iters)
+            ref = F.scaled_dot_product_attention(q.float()[:, :2], k.float()[:, :2], v.float()[:, :2])
+            cos = F.cosine_similarity(out[:, :2].float().flatten(), ref.flatten(), dim=0).item()
+            t["sage_bwd"] = median_ms(bwd, iters)
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                with sdpa_kernel(backend):
+                    t[name] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), iters)
+                    o = F.scaled_dot_product_attention(qg, kg, vg)
+                    t[name + "_bwd"] = median_ms(
+                        lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True), iters)
+            tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
+            rows.append((D, N, B, t, tops, cos))
+            print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
+                  + f" cos(sage_fp8, fp32 sdpa)={cos:.6f}", flush=True)
+            del q, k, v, do, out, lse, ws, bws, dq, dk, dv, qg, kg, vg, o
+            torch.cuda.empty_cache()
+    print("\n| D | N | B | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd | fp8/cuDNN "
+          "| sage bwd | cuDNN bwd | flash bwd | bwd/cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for D, N, B, t, tops, cos in rows:
+        print(f"| {D} | {N} | {B} | {tops['sage_fp8']:.0f} | {tops['sage_fp16']:.0f} | {t['quant']:.3f} "
+              f"| {tops['cudnn']:.0f} | {tops['flash']:.0f} | {tops['sage_fp8'] / tops['cudnn']:.2f} "
+              f"| {tops['sage_bwd']:.0f} | {tops['cudnn_bwd']:.0f} | {tops['flash_bwd']:.0f} "
+              f"| {tops['sage_bwd'] / tops['cudnn_bwd']:.2f} |")
+    print("(TOPS; forward 4·B·H·N²·D, backward 2.5× that; sage fwd includes the quantization pass)")
+
+
+if __name__ == "__main__":
+    main()
