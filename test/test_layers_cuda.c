@@ -134,6 +134,7 @@ static double rel_l2(const float *out, const float *ref, size_t n) {
     return sqrt(num) / sqrt(den);
 }
 
+// rel_l2 ≤ tol, the value logged (--verbose); each argument is evaluated once.
 #define EXPECT_CLOSE(out, ref, n, tol, name) do {                                             \
         double r_ = rel_l2(out, ref, n);                                                       \
         cr_log_info("%s: rel L2 %.3g (tolerance %.0e)", name, r_, (double)(tol));              \
@@ -141,9 +142,11 @@ static double rel_l2(const float *out, const float *ref, size_t n) {
     } while (0)
 
 // Bit-exact against the CPU result rounded to bf16 (for pure data movement).
+// Each argument is evaluated once.
 #define EXPECT_EXACT_BF16(out, ref, n, name) do {                                             \
+        const float *out_ = (out), *ref_ = (ref);                                              \
         size_t bad_ = 0;                                                                       \
-        for (size_t i_ = 0; i_ < (n); i_++) bad_ += (out)[i_] != bf16_round((ref)[i_]);       \
+        for (size_t i_ = 0; i_ < (n); i_++) bad_ += out_[i_] != bf16_round(ref_[i_]);         \
         cr_expect_eq(bad_, 0, "%s: %zu of %zu elements differ", name, bad_, (size_t)(n));      \
     } while (0)
 
