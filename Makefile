@@ -81,7 +81,7 @@ test: $(TEST_BINS) train_dit
 
 $(BUILD)/fuzz_%: test/fuzz_%.c $(FUZZ_LIB_C)
 	@mkdir -p $(@D)
-	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -I. -g -O1 -fsanitize=fuzzer,address,undefined -o $@ $^ -lm -lpthread
+	$(FUZZ_CC) -std=c11 -D_GNU_SOURCE -I. -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -o $@ $^ -lm -lpthread
 
 # Each fuzzer runs for FUZZ_SECONDS from its seed corpus in test/corpus/<name>/.
 fuzz: $(FUZZ_BINS)

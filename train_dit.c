@@ -237,7 +237,7 @@ static void save_checkpoint(const Dit *m, const TrainArgs *a, DataLoader *dl, co
 
 // --dump-parity: everything dev/parity.py needs to replay the run in PyTorch.
 typedef struct {
-    float *init_params, *x0, *noise, *t, *out1, *grads1, *losses, *grad_norms;
+    float *init_params, *x0, *noise, *t, *out1, *grads1, *losses, *grad_norms, *lrs;
     int *labels;
     float loss1;
 } ParityDump;
@@ -251,6 +251,7 @@ static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
     dit_tensor_infos(c, info);
     checkpoint_add_params(w, c, info, "params.", p->init_params);
     checkpoint_add_params(w, c, info, "step1.grad.", p->grads1);
+    checkpoint_add_params(w, c, info, "final.params.", m->params_memory);   // after the last step
     int64_t S = a->steps, B = a->batch, C = c->channels, R = c->image_size;
     st_writer_add(w, "batch.x0", ST_F32, (int64_t[]){S, B, C, R, R}, 5, p->x0);
     st_writer_add(w, "batch.noise", ST_F32, (int64_t[]){S, B, C, R, R}, 5, p->noise);
@@ -260,6 +261,7 @@ static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
     st_writer_add(w, "step1.loss", ST_F32, (int64_t[]){1}, 1, &p->loss1);
     st_writer_add(w, "losses", ST_F32, (int64_t[]){S}, 1, p->losses);
     st_writer_add(w, "grad_norms", ST_F32, (int64_t[]){S}, 1, p->grad_norms);
+    st_writer_add(w, "lrs", ST_F32, (int64_t[]){S}, 1, p->lrs);
     char text[64];
     const struct { const char *key; double value; } meta[] = {
         {"depth", c->depth}, {"hidden", c->hidden}, {"heads", c->heads}, {"patch", c->patch},
@@ -370,8 +372,9 @@ int main(int argc, char **argv) {
         parity.out1 = malloc(n_batch * sizeof(float));
         parity.losses = malloc(S * sizeof(float));
         parity.grad_norms = malloc(S * sizeof(float));
+        parity.lrs = malloc(S * sizeof(float));
         if (!parity.init_params || !parity.grads1 || !parity.x0 || !parity.noise || !parity.t ||
-            !parity.labels || !parity.out1 || !parity.losses || !parity.grad_norms)
+            !parity.labels || !parity.out1 || !parity.losses || !parity.grad_norms || !parity.lrs)
             die("--dump-parity: out of memory (use fewer steps)");
         memcpy(parity.init_params, model.params_memory, P * sizeof(float));
     }
@@ -420,6 +423,7 @@ int main(int argc, char **argv) {
             memcpy(parity.labels + s * a->batch, labels, a->batch * sizeof(int));
             parity.losses[s] = loss;
             parity.grad_norms[s] = grad_norm;
+            parity.lrs[s] = lr;
             if (step == 1) {
                 memcpy(parity.out1, model.acts.out, n_batch * sizeof(float));
                 memcpy(parity.grads1, model.grads_memory, model.num_params * sizeof(float));
@@ -447,5 +451,6 @@ int main(int argc, char **argv) {
     free(x0); free(noise); free(x_t); free(v_target); free(dout); free(t); free(labels);
     free(parity.init_params); free(parity.grads1); free(parity.x0); free(parity.noise);
     free(parity.t); free(parity.labels); free(parity.out1); free(parity.losses); free(parity.grad_norms);
+    free(parity.lrs);
     return 0;
 }

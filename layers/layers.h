@@ -5,7 +5,8 @@
 // - Tensors are contiguous row-major fp32; shapes are given in the comments, B = batch,
 //   T = tokens per image, C = channels of the hidden state.
 // - A backward ACCUMULATES (+=) into the gradients of its inputs and parameters, because a
-//   tensor may feed several consumers. A gradient pointer may be NULL when it is not needed.
+//   tensor may feed several consumers. Only the gradient pointers marked "may be NULL" below
+//   may be NULL (an input that needs no gradient).
 // - Per-sample modulation vectors (shift, scale, gate) come from the adaLN projection, whose
 //   output holds several chunks per sample: `mod_stride` is the distance in floats from one
 //   sample's vector to the next.
@@ -38,7 +39,7 @@ void merge_heads_backward(float *do_, const float *dout, int B, int T, int H, in
 // out (M, OC) = inp (M, IC) · weightᵀ (OC, IC) + bias (OC); bias may be NULL.
 void linear_forward(float *out, const float *inp, const float *weight, const float *bias,
                     int M, int IC, int OC);
-// dinp += dout·weight; dweight += doutᵀ·inp; dbias += Σ_m dout.
+// dinp += dout·weight; dweight += doutᵀ·inp; dbias += Σ_m dout. dinp and dbias may be NULL.
 void linear_backward(float *dinp, float *dweight, float *dbias,
                      const float *dout, const float *inp, const float *weight,
                      int M, int IC, int OC);
@@ -51,7 +52,7 @@ void layernorm_modulate_forward(float *out, float *mean, float *rstd,
                                 const float *inp, const float *shift, const float *scale,
                                 int B, int T, int C, int mod_stride);
 // dx̂ = dout·(1 + scale); dinp += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂));
-// dshift_b += Σ_t dout; dscale_b += Σ_t dout·x̂.
+// dshift_b += Σ_t dout; dscale_b += Σ_t dout·x̂. dinp may be NULL.
 void layernorm_modulate_backward(float *dinp, float *dshift, float *dscale,
                                  const float *dout, const float *inp, const float *mean,
                                  const float *rstd, const float *scale,
@@ -61,7 +62,7 @@ void layernorm_modulate_backward(float *dinp, float *dshift, float *dscale,
 // res, h, out (B, T, C); gate: C floats per sample at b·mod_stride.
 void gated_residual_forward(float *out, const float *res, const float *h, const float *gate,
                             int B, int T, int C, int mod_stride);
-// dres += dout; dh += gate·dout; dgate_b += Σ_t dout·h.
+// dres += dout; dh += gate·dout; dgate_b += Σ_t dout·h. dres may be NULL.
 void gated_residual_backward(float *dres, float *dh, float *dgate,
                              const float *dout, const float *h, const float *gate,
                              int B, int T, int C, int mod_stride);
@@ -95,7 +96,8 @@ void pos_embed_2d(float *out, int G, int C);
 // Rectified flow: x_t = (1 - t)·x0 + t·ε, target velocity v = ε - x0.
 void flow_matching_inputs(float *x_t, float *v_target, const float *x0, const float *noise,
                           const float *t, int B, int n_per_sample);
-// loss = mean over all B·n elements of (pred - v)²; dpred = 2·(pred - v)/(B·n). Returns the loss.
+// loss = mean over all B·n elements of (pred - v)²; dpred = 2·(pred - v)/(B·n) (written, not
+// accumulated: the loss starts the backward; may be NULL). Returns the loss.
 float mse_loss_forward_backward(float *dpred, const float *pred, const float *target, size_t n);
 
 // ---- optimizer ---------------------------------------------------------------------------
