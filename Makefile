@@ -74,10 +74,11 @@ $(BUILD)/test_%: test/test_%.c $(LIB)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDLIBS) -lcriterion
 
-# Each Criterion binary runs; then the PyTorch parity check (dev/parity.py).
+# Each Criterion binary runs; then the PyTorch parity check (dev/parity.py); then the fuzzers.
 test: $(TEST_BINS) train_dit
 	@set -e; for t in $(TEST_BINS); do echo "== $$t"; $$t --jobs 2; done
 	@echo "== PyTorch parity"; $(PYTHON) dev/parity.py
+	@$(MAKE) --no-print-directory fuzz
 
 $(BUILD)/fuzz_%: test/fuzz_%.c $(FUZZ_LIB_C)
 	@mkdir -p $(@D)
