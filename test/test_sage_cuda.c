@@ -435,7 +435,8 @@ Test(sage_cuda, backward_delta_stored_vs_recomputed, .timeout = 120) {
 // Along random directions u per input: L(x⁺) - L(x⁻) against <∇L, x⁺ - x⁻>, with x± the bf16-rounded
 // x ± h·u and ∇L from the GPU backward at x (dout = w). The quantized forward is piecewise constant
 // in q and k (int8, e4m3 steps), so its differences are the gradient only on average: h is large
-// and the check is over DIRS directions at once, ‖fd - predicted‖/‖predicted‖ < 10%.
+// and the check is over DIRS directions at once: ‖fd - predicted‖/‖predicted‖ < 5% (FP16 P·V;
+// 0.9-2.5% measured on the H200) or < 20% (FP8: the e4m3 P adds rounding steps; 6-12% measured).
 static double loss_at(Case *c, const float *w, SagePV pv) {
     Fwd f = gpu_forward(c, pv);
     double L = 0;
@@ -487,7 +488,8 @@ Test(sage_cuda, gradient_matches_finite_differences, .timeout = 60) {
             fprintf(stderr, "finite differences %s d%s over %d directions: rel L2 %.3f (first: fd %.4f vs "
                             "<grad, dx> %.4f)\n", pv == SAGE_PV_FP8 ? "fp8" : "fp16", names[t], DIRS, rel, fd[0],
                     predicted[0]);
-            cr_expect(rel < 0.1, "d%s: finite differences vs gradient rel L2 %g >= 10%%", names[t], rel);
+            double tol = pv == SAGE_PV_FP8 ? 0.2 : 0.05;
+            cr_expect(rel < tol, "d%s: finite differences vs gradient rel L2 %g >= %g", names[t], rel, tol);
         }
         free(bits); free(plus); free(minus); free(grad);
         free_case(&c);
