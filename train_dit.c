@@ -409,7 +409,7 @@ int main(int argc, char **argv) {
 
         // 4. clip by the global gradient norm, AdamW, EMA
         float grad_norm = global_norm(model.grads_memory, model.num_params);
-        float grad_scale = a->grad_clip > 0 && grad_norm > a->grad_clip ? a->grad_clip / grad_norm : 1.0f;
+        float grad_scale = clip_grad_scale(grad_norm, a->grad_clip);
         float lr = learning_rate(a, step);
         if (!isfinite(loss) || !isfinite(grad_norm)) {
             dit_set_error(err, "step %d: loss %g, grad norm %g: training diverged", step, loss, grad_norm);

@@ -103,6 +103,9 @@ float mse_loss_forward_backward(float *dpred, const float *pred, const float *ta
 // ---- optimizer ---------------------------------------------------------------------------
 // Global L2 norm of a gradient vector (accumulated in double).
 float global_norm(const float *g, size_t n);
+// The clipping scale of torch.nn.utils.clip_grad_norm_: min(1, max_norm / (norm + 1e-6));
+// 1 when max_norm <= 0 (no clipping).
+float clip_grad_scale(float norm, float max_norm);
 // AdamW as torch.optim.AdamW, gradient multiplied by grad_scale first (for clipping):
 // p -= lr·wd·p; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²;
 // p -= lr·(m/(1-β1^step)) / (sqrt(v/(1-β2^step)) + eps). step starts at 1.

@@ -160,8 +160,6 @@ int global_norm_cuda(float *norm, const float *g, size_t n, const LayersCuda *ct
 int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v,
                       size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
                       const float *grad_norm, float max_norm, int step, cudaStream_t stream, char *err);
-// The clipping scale adamw_update_cuda applies, for the CPU reference: min(1, max_norm/(norm+1e-6)).
-float clip_grad_scale(float norm, float max_norm);
 int ema_update_cuda(float *ema, const float *params, size_t n, float decay,
                     cudaStream_t stream, char *err);
 

@@ -8,6 +8,12 @@ float global_norm(const float *g, size_t n) {
     return (float)sqrt(sum);
 }
 
+float clip_grad_scale(float norm, float max_norm) {
+    if (max_norm <= 0.0f) return 1.0f;
+    float scale = max_norm / (norm + 1e-6f);
+    return scale < 1.0f ? scale : 1.0f;
+}
+
 void adamw_update(float *params, const float *grads, float *m, float *v, size_t n,
                   float lr, float beta1, float beta2, float eps, float weight_decay,
                   float grad_scale, int step) {

@@ -3,13 +3,7 @@
 #include <math.h>
 #include "layers/cuda_common.cuh"
 
-#define CLIP_EPS 1e-6f   // torch.nn.utils.clip_grad_norm_: scale = max_norm / (norm + 1e-6)
-
-float clip_grad_scale(float norm, float max_norm) {
-    if (max_norm <= 0.0f) return 1.0f;
-    float scale = max_norm / (norm + CLIP_EPS);
-    return scale < 1.0f ? scale : 1.0f;
-}
+#define CLIP_EPS 1e-6f   // as clip_grad_scale (layers/optimizer.c): torch's clip_grad_norm_
 
 // Pass 1, REDUCE_PARTIALS blocks striding over g: partial[block] = Σ g².
 __global__ void norm_partial_kernel(float *partial, const float *g, size_t n) {
