@@ -80,7 +80,7 @@ class Report:
     def compare(self, name, c, ref):
         c, ref = torch.from_numpy(np.asarray(c, dtype=np.float32)), ref.detach().float()
         if c.shape != ref.shape:
-            print(f"{name:<48} shape {tuple(c.shape)} in the file, {tuple(ref.shape)} in the reference  NOT OK")
+            print(f"{name:<52} shape {tuple(c.shape)} in the file, {tuple(ref.shape)} in the reference  NOT OK")
             self.failures.append(name)
             return
         self.compared += 1
@@ -94,7 +94,7 @@ class Report:
         ok = rel <= TOLERANCE  # False for NaN
         max_abs = diff.abs().max().item() if diff.numel() else 0.0
         note = "  (both zero)" if ref_norm == 0 and ok else ""
-        print(f"{name:<48} {max_abs:11.3e} {rel:11.3e}  {'OK' if ok else 'NOT OK'}{note}")
+        print(f"{name:<52} {max_abs:11.3e} {rel:11.3e}  {'OK' if ok else 'NOT OK'}{note}")
         if not ok:
             self.failures.append(name)
 
@@ -103,8 +103,20 @@ class Report:
         self.failures.append(message)
 
 
+def compare_qkv_bias(report, name, c, ref):
+    # The key bias cannot change the output: q.(k + b) = q.k + q.b shifts every score of a query
+    # by the same amount, and softmax ignores that. Its gradient is zero up to rounding (~1e-11),
+    # which AdamW amplifies into updates that differ between implementations, so after training
+    # only the query and value thirds are comparable; the key third is shown, not judged.
+    h = ref.shape[0] // 3
+    keep = np.r_[0:h, 2 * h:3 * h]
+    report.compare(name + "[q,v]", np.asarray(c)[keep], ref.detach()[torch.from_numpy(keep)])
+    k_diff = np.abs(np.asarray(c)[h:2 * h] - ref.detach().numpy()[h:2 * h]).max()
+    print(f"{name + '[k]':<52} {k_diff:11.3e} {'':>11}  not judged: no effect on the output")
+
+
 def header(title):
-    print(f"\n{title}\n{'name':<48} {'max|diff|':>11} {'rel err':>11}")
+    print(f"\n{title}\n{'name':<52} {'max|diff|':>11} {'rel err':>11}")
 
 
 # ---- the check -------------------------------------------------------------------------------
@@ -138,6 +150,9 @@ def check_dump(path, bug=None):
     missing = [k for k in META_INT + META_FLOAT if k not in meta]
     if missing:
         print(f"NOT OK: {path}: __metadata__ lacks {', '.join(missing)}")
+        return 1
+    if float(meta.get("warmup", "0")) != 0:
+        print(f"NOT OK: {path}: warmup {meta['warmup']}: the reference trains at a constant rate (run with --warmup 0)")
         return 1
     steps, B = int(meta["steps"]), int(meta["batch"])
     hp = {k: float(meta[k]) for k in META_FLOAT}
@@ -217,10 +232,13 @@ def check_dump(path, bug=None):
     if final:
         header(f"parameters after {steps} steps (tolerance {TOLERANCE:g})")
         for name in final:
-            if name[len("final.params."):] in params:
-                report.compare(name, tensors[name], params[name[len("final.params."):]])
-            else:
+            pname = name[len("final.params."):]
+            if pname not in params:
                 report.fail(f"{name} in the file is not a parameter of the reference")
+            elif pname.endswith("attn.qkv.bias"):
+                compare_qkv_bias(report, name, tensors[name], params[pname])
+            else:
+                report.compare(name, tensors[name], params[pname])
 
     for k in sorted(step_checks):
         zero = [n for n in report.zero_refs if n.startswith(f"step{k}.grad.")]
@@ -277,11 +295,16 @@ def write_reference(path, init, steps):
     print(f"wrote {path}: reference dump, {init} init, {steps} steps, final loss {losses[-1]:.6f}")
 
 
-def run_train_dit(exe, path, steps):
+def run_train_dit(exe, path, steps, batch):
     if not os.path.exists(exe):
         sys.exit(f"parity.py: {exe} not found: build it first (make train_dit), or pass --file")
+    # Warmup off (the reference trains at a constant rate); lr and weight decay large enough that
+    # 20 steps move the zero-initialized layers and the decay groups far beyond rounding.
+    out_dir = os.path.join(os.path.dirname(path), "out")
     cmd = [exe, "--model", "tiny", "--data", "synthetic", "--attn", "exact", "--device", "cpu",
-           "--steps", str(steps), "--dump-parity", path]
+           "--steps", str(steps), "--batch", str(batch), "--lr", "1e-3", "--weight-decay", "0.1",
+           "--warmup", "0", "--ckpt-every", "0", "--sample-every", "0", "--out", out_dir,
+           "--dump-parity", path]
     print("$", " ".join(cmd), flush=True)
     run = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if run.returncode != 0 or not os.path.exists(path):
@@ -295,6 +318,7 @@ def main():
     ap.add_argument("--file", help="check this dump instead of running train_dit")
     ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"), help="the trainer to run")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--plant-bug", choices=sorted(BUGS), help="break the reference on purpose: the check must fail")
     ap.add_argument("--write-reference", metavar="FILE", help="write a dump made by the reference and exit")
     ap.add_argument("--init", choices=("dit", "random"), default="dit",
@@ -312,7 +336,7 @@ def main():
         return 1 if check_dump(args.file, args.plant_bug) else 0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "parity.safetensors")
-        run_train_dit(args.train_dit, path, args.steps)
+        run_train_dit(args.train_dit, path, args.steps, args.batch)
         return 1 if check_dump(path, args.plant_bug) else 0
 
 
