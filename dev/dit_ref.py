@@ -8,9 +8,11 @@ the label table always has the null class (row num_classes), pos_embed is a fixe
 a parameter, not saved). Runs on torch 1.13 CPU (plain attention) and torch 2.x on a GPU
 (use_sdpa=True picks F.scaled_dot_product_attention).
 
-    python3 dev/dit_ref.py      # self-test: zero output at DiT init, float64 finite differences
+    python3 dev/dit_ref.py [cuda]   # self-test: zero output at DiT init, float64 finite
+                                    # differences; on torch 2.x also SDPA and bf16
 """
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,6 +219,14 @@ class DiT(nn.Module):
         return self.unpatchify(self.final_layer(x, c))
 
 
+def make_model(cfg, device="cpu", dtype=torch.float32, use_sdpa=None):
+    # A DiT with DiT's init (made in fp32 on the CPU, so every device starts from the same
+    # weights for a given seed), moved to device/dtype. use_sdpa=None: SDPA where torch has it.
+    if use_sdpa is None:
+        use_sdpa = hasattr(F, "scaled_dot_product_attention")
+    return DiT(cfg, use_sdpa=use_sdpa).to(device=device, dtype=dtype)
+
+
 def flow_matching_loss(model, x0, t, y, noise):
     # x_t = (1 - t) x0 + t noise, target v = noise - x0; returns (loss, model output)
     tb = t.view(-1, 1, 1, 1).to(x0.dtype)
@@ -263,7 +273,7 @@ def randomize_zero_init(model, std, generator=None):
 
 
 # ---- self-test -------------------------------------------------------------------------------
-def _self_test():
+def _self_test(device):
     torch.manual_seed(0)
     cfg = DiTConfig(image_size=8, channels=3, patch=2, hidden=32, depth=2, heads=4, num_classes=5)
     B = 3
@@ -310,17 +320,31 @@ def _self_test():
               f"rel {rel:.1e} {'OK' if ok else 'NOT OK'}")
 
     if hasattr(F, "scaled_dot_product_attention"):
-        a = DiT(cfg).double()
+        a = make_model(cfg, device, torch.float64, use_sdpa=False)
         randomize_zero_init(a, 0.1)
-        b = DiT(cfg, use_sdpa=True).double()
+        b = make_model(cfg, device, torch.float64, use_sdpa=True)
         b.load_state_dict(a.state_dict())
-        oa, ob = a(x0, t, y), b(x0, t, y)
+        xd, td, nd, yd = x0.to(device), t.to(device), noise.to(device), y.to(device)
+        oa, ob = a(xd, td, yd), b(xd, td, yd)
         rel = ((oa - ob).norm() / oa.norm()).item()
         ok = rel < 1e-10
         failures += not ok
-        print(f"SDPA vs plain attention: rel {rel:.1e} {'OK' if ok else 'NOT OK'}")
+        print(f"SDPA vs plain attention (float64, {device}): rel {rel:.1e} {'OK' if ok else 'NOT OK'}")
+        # bf16 weights and activations (SDPA) against fp32: loss within 2%, all gradients finite
+        results = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            m = make_model(cfg, device, dtype)
+            m.load_state_dict(a.state_dict())
+            loss, _ = forward_backward(m, xd.to(dtype), td, yd, nd.to(dtype))
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+            results[dtype] = (loss.item(), finite)
+        rel = abs(results[torch.bfloat16][0] - results[torch.float32][0]) / results[torch.float32][0]
+        ok = rel < 2e-2 and results[torch.bfloat16][1] and results[torch.float32][1]
+        failures += not ok
+        print(f"bf16 vs fp32 loss ({device}): {results[torch.bfloat16][0]:.6f} vs {results[torch.float32][0]:.6f}, "
+              f"rel {rel:.1e}, gradients finite: {results[torch.bfloat16][1]} {'OK' if ok else 'NOT OK'}")
     else:
-        print("SDPA vs plain attention: skipped (no F.scaled_dot_product_attention in torch "
+        print("SDPA and bf16 checks: skipped (no F.scaled_dot_product_attention in torch "
               f"{torch.__version__})")
 
     print("dit_ref self-test:", "all OK" if failures == 0 else f"{failures} FAILED")
@@ -328,4 +352,4 @@ def _self_test():
 
 
 if __name__ == "__main__":
-    raise SystemExit(1 if _self_test() else 0)
+    raise SystemExit(1 if _self_test(sys.argv[1] if len(sys.argv) > 1 else "cpu") else 0)
