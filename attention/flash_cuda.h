@@ -1,0 +1,37 @@
+// BF16 flash attention on the GPU (CUDA): the exact-attention baseline (`--attn bf16`) that sage
+// attention is measured against. FlashAttention-2 algorithm with mma.sync m16n8k16 bf16 (sm_80+):
+// a tiled online-softmax forward that saves O and LSE, and a recompute backward with
+// delta = rowsum(dO∘O). The math is attention_forward / attention_backward of attention/attention.h;
+// the GPU rounds P (and dS) to bf16 before the tensor-core products and sums in fp32.
+//
+// Layout: q, k, v, out, dout are (B, H, N, D) contiguous bf16 on the device (passed as the raw
+// 16-bit patterns); lse is (B, H, N) fp32 in BASE 2: lse_i = log2 Σ_j 2^{s_ij} with
+// s_ij = q_i·k_j·log2(e)/sqrt(D). D is 64 or 128; any N >= 1 and any B·H. Non-causal.
+// Every function returns 0, or -1 with a message in err (DIT_ERR_LEN bytes, may be NULL).
+// Kernels run on `stream`; nothing synchronizes the host. The forward needs no workspace.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// out = softmax(q·kᵀ/sqrt(D))·v (bf16), lse (fp32, base 2).
+int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                       const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err);
+
+// Bytes of the backward workspace (delta = rowsum(dout∘out), (B,H,N) fp32).
+size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D);
+
+// Recompute backward of flash_forward_cuda: P = exp2(s - lse), delta = rowsum(dout∘out) from the
+// bf16 out, dv = Pᵀ·dout, dP = dout·vᵀ, dS = P∘(dP - delta), dq = dS·k/sqrt(D), dk = dSᵀ·q/sqrt(D).
+// dq, dk, dv: (B,H,N,D) fp32, OVERWRITTEN (dq is zeroed and accumulated with fp32 atomics).
+int flash_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
+                        const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                        const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,203 @@
+// BF16 flash attention on the GPU (attention/flash_cuda.h) against the CPU exact attention
+// (attention_forward / attention_backward of attention/attention_cpu.c, fp32).
+// Every test skips when no CUDA GPU is present. Inputs are random bf16 values (never zeros); the
+// CPU gets the same values as floats. Device outputs are poisoned (NaN) before each call.
+// Errors are ‖x - ref‖/‖ref‖ (rel L2) and cosine; lse is compared by max abs difference.
+// Tolerances (bf16: 8 significant bits, unit roundoff 2^-9 ≈ 2e-3):
+//   out:  rel L2 < 1e-2, cosine >= 0.99995 (out is stored in bf16 and P is rounded to bf16 for
+//         the P·V product: each costs ~2^-9 relative per element)
+//   lse:  max abs diff < 1e-3 (fp32 dot products of the same bf16 inputs)
+//   dq, dk, dv: rel L2 < 2e-2, cosine >= 0.9998 (P, dS rounded to bf16; delta from the bf16 out)
+#include <criterion/criterion.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attention/attention.h"
+#include "attention/flash_cuda.h"
+#include "layers/common.h"
+
+#define SKIP_WITHOUT_GPU()                                                          \
+    do {                                                                            \
+        int n_ = 0;                                                                 \
+        if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) {                    \
+            cudaGetLastError();                                                     \
+            cr_skip_test("no CUDA GPU");                                            \
+        }                                                                           \
+    } while (0)
+
+#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed: %s", #call, cudaGetErrorString(cudaGetLastError()))
+
+#define OUT_REL_TOL 1e-2
+#define OUT_MIN_COS 0.99995
+#define LSE_TOL 1e-3
+#define GRAD_REL_TOL 2e-2
+#define GRAD_MIN_COS 0.9998
+
+static uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void *xmalloc(size_t n) {
+    void *p = calloc(n, 1);
+    cr_assert(p, "out of host memory (%zu bytes)", n);
+    return p;
+}
+static void *dmalloc(size_t n) {
+    void *p = NULL;
+    CUDA_OK(cudaMalloc(&p, n));
+    CUDA_OK(cudaMemset(p, 0xff, n));   // poison: NaN for fp32 and bf16
+    return p;
+}
+
+static void compare(double *rel_l2, double *cosine, const float *x, const float *ref, size_t n) {
+    double err = 0, r2 = 0, x2 = 0, xr = 0;
+    for (size_t i = 0; i < n; i++) {
+        err += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
+        r2 += (double)ref[i] * ref[i];
+        x2 += (double)x[i] * x[i];
+        xr += (double)x[i] * ref[i];
+    }
+    *rel_l2 = sqrt(err / r2);
+    *cosine = xr / sqrt(x2 * r2);
+    if (isnan(*rel_l2)) *rel_l2 = INFINITY;   // NaN never passes
+    if (isnan(*cosine)) *cosine = -1;
+}
+
+// One case: q, k, v, dout as host floats (bf16 values) and device bf16 copies.
+// q is scaled by q_gain: 1 gives softmax logits of std ~1, 4 a peaked softmax.
+typedef struct {
+    int B, H, N, D;
+    size_t n;
+    float *host[4];        // q, k, v, dout
+    uint16_t *dev[4];
+} Case;
+
+static Case make_case(int B, int H, int N, int D, float q_gain, uint64_t seed) {
+    Case c = {B, H, N, D, (size_t)B * H * N * D, {0}, {0}};
+    Rng rng;
+    rng_seed(&rng, seed);
+    uint16_t *bits = xmalloc(c.n * 2);
+    for (int t = 0; t < 4; t++) {
+        c.host[t] = xmalloc(c.n * sizeof(float));
+        for (size_t i = 0; i < c.n; i++) {
+            float x = rng_normal(&rng) * (t == 0 ? q_gain : 1.0f);
+            if (x == 0.0f) x = 0.5f;   // never zeros
+            bits[i] = to_bf16(x);
+            c.host[t][i] = from_bf16(bits[i]);
+        }
+        c.dev[t] = dmalloc(c.n * 2);
+        CUDA_OK(cudaMemcpy(c.dev[t], bits, c.n * 2, cudaMemcpyHostToDevice));
+    }
+    free(bits);
+    return c;
+}
+static void free_case(Case *c) {
+    for (int t = 0; t < 4; t++) { free(c->host[t]); cudaFree(c->dev[t]); }
+}
+
+// Forward then backward on the GPU and on the CPU; checks out, lse, dq, dk, dv.
+static void check_case(int B, int H, int N, int D, float q_gain, uint64_t seed) {
+    Case c = make_case(B, H, N, D, q_gain, seed);
+    size_t rows = (size_t)B * H * N;
+    char err[DIT_ERR_LEN] = "";
+
+    uint16_t *out_dev = dmalloc(c.n * 2);
+    float *lse_dev = dmalloc(rows * 4);
+    int rc = flash_forward_cuda(out_dev, lse_dev, c.dev[0], c.dev[1], c.dev[2], B, H, N, D, 0, err);
+    cr_assert_eq(rc, 0, "flash_forward_cuda: %s", err);
+    float *grads_dev = dmalloc(3 * c.n * sizeof(float));
+    void *ws = dmalloc(flash_cuda_backward_workspace_size(B, H, N, D));
+    rc = flash_backward_cuda(grads_dev, grads_dev + c.n, grads_dev + 2 * c.n, ws, c.dev[3], c.dev[0], c.dev[1],
+                             c.dev[2], out_dev, lse_dev, B, H, N, D, 0, err);
+    cr_assert_eq(rc, 0, "flash_backward_cuda: %s", err);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    uint16_t *bits = xmalloc(c.n * 2);
+    float *out = xmalloc(c.n * 4), *lse = xmalloc(rows * 4), *grads = xmalloc(3 * c.n * 4);
+    CUDA_OK(cudaMemcpy(bits, out_dev, c.n * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < c.n; i++) out[i] = from_bf16(bits[i]);
+    CUDA_OK(cudaMemcpy(lse, lse_dev, rows * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(grads, grads_dev, 3 * c.n * 4, cudaMemcpyDeviceToHost));
+
+    float *ref_out = xmalloc(c.n * 4), *ref_lse = xmalloc(rows * 4), *ref_grads = xmalloc(3 * c.n * 4);
+    attention_forward(ref_out, ref_lse, c.host[0], c.host[1], c.host[2], B, H, N, D);
+    attention_backward(ref_grads, ref_grads + c.n, ref_grads + 2 * c.n, c.host[3], c.host[0], c.host[1],
+                       c.host[2], ref_out, ref_lse, B, H, N, D);
+
+    double rel, cosv, lse_err = 0;
+    compare(&rel, &cosv, out, ref_out, c.n);
+    for (size_t i = 0; i < rows; i++) {
+        double d = fabs((double)lse[i] - ref_lse[i]);
+        lse_err = isnan(d) ? INFINITY : fmax(lse_err, d);
+    }
+    printf("flash B%d H%d N%d D%d q_gain %g: out rel L2 %.3e cos %.7f, lse max diff %.2e", B, H, N, D, q_gain,
+           rel, cosv, lse_err);
+    cr_expect(rel < OUT_REL_TOL, "out rel L2 %g >= %g", rel, OUT_REL_TOL);
+    cr_expect(cosv >= OUT_MIN_COS, "out cosine %f < %g", cosv, OUT_MIN_COS);
+    cr_expect(lse_err < LSE_TOL, "lse max abs diff %g >= %g", lse_err, LSE_TOL);
+    const char *names[3] = {"dq", "dk", "dv"};
+    for (int t = 0; t < 3; t++) {
+        compare(&rel, &cosv, grads + t * c.n, ref_grads + t * c.n, c.n);
+        printf(" | %s rel L2 %.3e cos %.7f", names[t], rel, cosv);
+        cr_expect(rel < GRAD_REL_TOL, "%s rel L2 %g >= %g", names[t], rel, GRAD_REL_TOL);
+        cr_expect(cosv >= GRAD_MIN_COS, "%s cosine %f < %g", names[t], cosv, GRAD_MIN_COS);
+    }
+    printf("\n");
+    fflush(stdout);
+
+    free(bits); free(out); free(lse); free(grads); free(ref_out); free(ref_lse); free(ref_grads);
+    cudaFree(out_dev); cudaFree(lse_dev); cudaFree(grads_dev); cudaFree(ws);
+    free_case(&c);
+}
+
+// Whole tiles (forward 128 queries × 64 keys, backward 128 keys × 64 queries), B·H > 1.
+Test(flash_cuda, whole_tiles) {
+    SKIP_WITHOUT_GPU();
+    check_case(1, 2, 256, 64, 1.0f, 1);
+    check_case(2, 2, 256, 128, 1.0f, 2);
+}
+
+// Tails: N not a multiple of any tile, N smaller than one tile, N = 1.
+Test(flash_cuda, tails, .timeout = 120) {
+    SKIP_WITHOUT_GPU();
+    check_case(2, 1, 333, 128, 1.0f, 3);
+    check_case(1, 3, 77, 64, 1.0f, 4);
+    check_case(1, 2, 200, 64, 1.0f, 5);
+    check_case(3, 1, 1, 128, 1.0f, 6);
+    check_case(1, 1, 1000, 128, 1.0f, 7);
+}
+
+// A peaked softmax (q ×4: logits of std ~4) exercises the running max and the rescaling.
+Test(flash_cuda, peaked_softmax, .timeout = 120) {
+    SKIP_WITHOUT_GPU();
+    check_case(1, 2, 520, 64, 4.0f, 8);
+    check_case(1, 1, 700, 128, 4.0f, 9);
+}
+
+// Longer sequences: many key blocks in the forward, many query blocks in the backward.
+Test(flash_cuda, long_sequence, .timeout = 300) {
+    SKIP_WITHOUT_GPU();
+    check_case(1, 1, 2048, 128, 1.0f, 10);
+    check_case(1, 1, 2100, 64, 1.0f, 11);
+}
+
+// Argument checks come before any CUDA call: this test runs without a GPU too.
+Test(flash_cuda, rejects_bad_shapes) {
+    char err[DIT_ERR_LEN] = "";
+    cr_expect_eq(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 1, 1, 16, 96, 0, err), -1);
+    cr_expect(strstr(err, "D in {64, 128}") != NULL, "message: %s", err);
+    err[0] = 0;
+    cr_expect_eq(flash_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 1, 1, 0, 64, 0, err), -1);
+    cr_expect(strstr(err, "N >= 1") != NULL, "message: %s", err);
+}
