@@ -101,3 +101,29 @@ __device__ __forceinline__ float warp_max(float x) {
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
+
+// ROWS rows of ROW_BYTES from src (row stride src_stride bytes) to smem rows of STRIDE bytes, by
+// the THREADS threads of the CTA, 16 bytes per cp.async; rows >= valid_rows are zero-filled.
+template <int ROWS, int ROW_BYTES, int STRIDE, int THREADS>
+__device__ __forceinline__ void cp_async_rows(uint8_t *dst, const uint8_t *src, size_t src_stride,
+                                              int valid_rows) {
+    constexpr int CHUNKS = ROW_BYTES / 16, TOTAL = ROWS * CHUNKS;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; it++) {
+        int i = it * THREADS + threadIdx.x;
+        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
+        int r = i / CHUNKS, ch = i % CHUNKS;
+        bool valid = r < valid_rows;
+        cp_async16(dst + r * STRIDE + ch * 16, src + (valid ? r : 0) * src_stride + ch * 16, valid);
+    }
+}
+
+// p[0] += a, p[1] += b in global fp32 memory (one vector reduction on sm_90+, two before).
+__device__ __forceinline__ void atomic_add_f32x2(float *p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd((float2 *)p, make_float2(a, b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
