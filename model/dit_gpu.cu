@@ -1,0 +1,583 @@
+// The DiT on the GPU: memory layout, upload/download, forward, backward, optimizer step and
+// sampling. Read it beside model/dit.c: dit_gpu_forward and dit_gpu_backward call the CUDA twin
+// of every CPU layer in the same order; the differences are noted where they occur.
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "attention/sage_cuda.h"
+#include "layers/cuda_common.cuh"
+#include "layers/layers.h"
+#include "model/dit_gpu.h"
+
+#define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
+
+// Run a call that follows the error convention; return -1 from the caller if it fails.
+#define TRY(call) do { if ((call) != 0) return -1; } while (0)
+
+// ---- memory layout -----------------------------------------------------------------------
+
+// Carves aligned buffers out of one allocation. With base NULL it only measures.
+typedef struct { char *base; size_t used; } Arena;
+
+static void *arena_take(Arena *a, size_t bytes) {
+    size_t offset = (a->used + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    a->used = offset + bytes;
+    return a->base ? a->base + offset : NULL;
+}
+#define TAKE(arena, ptr, count) ((ptr) = (decltype(ptr))arena_take((arena), (size_t)(count) * sizeof(*(ptr))))
+
+// The attention workspace of one block's forward (read by its backward) and of the backward.
+static size_t attention_forward_workspace_bytes(const DitGpu *m, int B) {
+    int H = m->cfg.heads, D = m->cfg.hidden / H, T = dit_tokens(&m->cfg);
+    return sage_cuda_forward_workspace_size(B, H, T, D, m->sage.pv);
+}
+static size_t attention_backward_workspace_bytes(const DitGpu *m, int B) {
+    int H = m->cfg.heads, D = m->cfg.hidden / H, T = dit_tokens(&m->cfg);
+    return sage_cuda_backward_workspace_size(B, H, T, D);
+}
+
+// Lays out the activations, their gradients, the workspaces and the batch (as dit.c's
+// activation_views, plus what the GPU adds); returns the bytes.
+static size_t activation_layout(DitGpu *m, char *base) {
+    const DitConfig *c = &m->cfg;
+    size_t B = m->batch, h = c->hidden, L = c->depth, T = dit_tokens(c), BT = B * T;
+    size_t P = dit_patch_dim(c), img = B * c->channels * c->image_size * c->image_size;
+    Arena arena = {base, 0}, *ar = &arena;
+    DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    TAKE(ar, a->x0, img); TAKE(ar, a->noise, img); TAKE(ar, a->v_target, img);
+    TAKE(ar, a->t, B); TAKE(ar, a->labels, B); TAKE(ar, a->x_t, img);
+    TAKE(ar, a->patches, BT * P); TAKE(ar, a->t_freq, B * TIMESTEP_FREQ_DIM);
+    TAKE(ar, a->t_h, B * h); TAKE(ar, a->t_h_silu, B * h); TAKE(ar, a->t_emb, B * h);
+    TAKE(ar, a->y_emb, B * h); TAKE(ar, a->c, B * h); TAKE(ar, a->c_silu, B * h);
+    TAKE(ar, a->ada, B * L * 6 * h);
+    TAKE(ar, a->residual, (L + 1) * BT * h);
+    TAKE(ar, a->ln1, L * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
+    TAKE(ar, a->qkv, L * BT * 3 * h);
+    TAKE(ar, a->q, L * BT * h); TAKE(ar, a->k, L * BT * h); TAKE(ar, a->v, L * BT * h);
+    TAKE(ar, a->att, L * BT * h); TAKE(ar, a->att_lse, L * BT * c->heads);
+    a->att_workspace = arena_take(ar, L * m->att_workspace_bytes);
+    TAKE(ar, a->att_merged, L * BT * h); TAKE(ar, a->proj, L * BT * h); TAKE(ar, a->x_mid, L * BT * h);
+    TAKE(ar, a->ln2, L * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
+    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->gelu, L * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
+    TAKE(ar, a->final_ada, B * 2 * h);
+    TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
+    TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
+    TAKE(ar, a->loss, 1); TAKE(ar, a->grad_norm, 1);
+    TAKE(ar, m->pos_embed, T * h);
+    // gradients: the non-block ones, then one block's (accumulated ones contiguous)
+    TAKE(ar, g->out, img); TAKE(ar, g->residual, BT * h); TAKE(ar, g->out_tokens, BT * P);
+    TAKE(ar, g->lnf, BT * h); TAKE(ar, g->c_silu, B * h); TAKE(ar, g->c, B * h);
+    TAKE(ar, g->t_h_silu, B * h); TAKE(ar, g->t_h, B * h);
+    TAKE(ar, g->final_ada, B * 2 * h); TAKE(ar, g->ada, B * L * 6 * h);
+    TAKE(ar, g->final_ada_bf16, B * 2 * h); TAKE(ar, g->ada_bf16, B * L * 6 * h);
+    TAKE(ar, g->fc2, BT * h); TAKE(ar, g->ln2, BT * h); TAKE(ar, g->proj, BT * h);
+    TAKE(ar, g->att_merged, BT * h); TAKE(ar, g->att, BT * h); TAKE(ar, g->ln1, BT * h);
+    TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
+    TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
+    g->att_workspace = arena_take(ar, attention_backward_workspace_bytes(m, m->batch));
+    return arena.used;
+}
+
+// bf16 views of a bf16 buffer laid out as the fp32 one whose views are f (base fbase).
+static void bf16_views(const DitParams *f, const float *fbase, bf16 *base, DitGpuWeights *w) {
+    const float *src[DIT_NUM_PARAM_TENSORS] = {
+        f->patch_w, f->patch_b, f->t_w1, f->t_b1, f->t_w2, f->t_b2, f->y_table,
+        f->ada_w, f->ada_b, f->qkv_w, f->qkv_b, f->proj_w, f->proj_b,
+        f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->final_ada_w, f->final_ada_b, f->final_w, f->final_b,
+    };
+    bf16 **dst[DIT_NUM_PARAM_TENSORS] = {
+        &w->patch_w, &w->patch_b, &w->t_w1, &w->t_b1, &w->t_w2, &w->t_b2, &w->y_table,
+        &w->ada_w, &w->ada_b, &w->qkv_w, &w->qkv_b, &w->proj_w, &w->proj_b,
+        &w->fc1_w, &w->fc1_b, &w->fc2_w, &w->fc2_b, &w->final_ada_w, &w->final_ada_b, &w->final_w, &w->final_b,
+    };
+    for (int i = 0; i < DIT_NUM_PARAM_TENSORS; i++) *dst[i] = base + (src[i] - fbase);
+}
+
+// The largest scratch any linear backward's bias gradient needs (M = B·T or B rows).
+static size_t linear_scratch_floats(const DitConfig *c, int B) {
+    size_t BT = (size_t)B * dit_tokens(c), h = c->hidden, most = 0;
+    size_t need[] = {
+        linear_backward_scratch_floats((int)BT, 4 * h), linear_backward_scratch_floats((int)BT, 3 * h),
+        linear_backward_scratch_floats((int)BT, dit_patch_dim(c)),
+        linear_backward_scratch_floats(B, c->depth * 6 * h), linear_backward_scratch_floats(B, 2 * h),
+    };
+    for (size_t i = 0; i < sizeof(need) / sizeof(need[0]); i++) most = need[i] > most ? need[i] : most;
+    return most;
+}
+
+int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err) {
+    memset(m, 0, sizeof(*m));
+    TRY(dit_config_validate(cfg, err));
+    int D = cfg->hidden / cfg->heads;
+    if (attention != DIT_ATTN_SAGE) {
+        dit_set_error(err, "dit_gpu_create: the GPU model has sage attention only (exact attention is CPU-only)");
+        return -1;
+    }
+    if (D != 64 && D != 128) {
+        dit_set_error(err, "dit_gpu_create: the GPU attention needs head dim 64 or 128, got hidden %d / heads %d = %d",
+                      cfg->hidden, cfg->heads, D);
+        return -1;
+    }
+    if (cfg->hidden % 8 != 0 || batch <= 0) {
+        dit_set_error(err, "dit_gpu_create: need hidden a multiple of 8 (cuBLASLt GELU epilogues) and batch > 0 "
+                      "(hidden %d, batch %d)", cfg->hidden, batch);
+        return -1;
+    }
+    m->cfg = *cfg;
+    m->batch = batch;
+    m->attention = attention;
+    m->sage = SAGE_CONFIG_DEFAULT;
+    m->num_params = dit_num_params(cfg);
+    m->att_workspace_bytes = attention_forward_workspace_bytes(m, batch);
+    m->att_workspace_bytes = (m->att_workspace_bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+
+    // parameter-sized buffers: 5 fp32 + 2 bf16 copies
+    size_t n = m->num_params, fbytes = (n * sizeof(float) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    size_t hbytes = (n * sizeof(bf16) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    m->params_bytes = 5 * fbytes + 2 * hbytes;
+    m->acts_bytes = activation_layout(m, NULL);
+    CUDA_CHECK(err, cudaStreamCreate(&m->stream), "the model's stream");
+    if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch), err) != 0) { dit_gpu_free(m); return -1; }
+    if (cudaMalloc(&m->params_alloc, m->params_bytes) != cudaSuccess ||
+        cudaMalloc(&m->acts_alloc, m->acts_bytes) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create: cudaMalloc failed: %s (parameters %.1f MiB, activations %.1f MiB "
+                      "for batch %d)", cudaGetErrorString(cudaGetLastError()), m->params_bytes / 1048576.0,
+                      m->acts_bytes / 1048576.0, batch);
+        dit_gpu_free(m);
+        return -1;
+    }
+    char *p = (char *)m->params_alloc;
+    m->params_memory = (float *)p;
+    m->grads_memory = (float *)(p + fbytes);
+    m->adam_m_memory = (float *)(p + 2 * fbytes);
+    m->adam_v_memory = (float *)(p + 3 * fbytes);
+    m->ema_memory = (float *)(p + 4 * fbytes);
+    m->params_bf16_memory = (bf16 *)(p + 5 * fbytes);
+    m->ema_bf16_memory = (bf16 *)(p + 5 * fbytes + hbytes);
+    dit_param_views(cfg, m->params_memory, &m->params);
+    dit_param_views(cfg, m->grads_memory, &m->grads);
+    bf16_views(&m->params, m->params_memory, m->params_bf16_memory, &m->weights);
+    bf16_views(&m->params, m->params_memory, m->ema_bf16_memory, &m->ema_weights);
+    activation_layout(m, (char *)m->acts_alloc);
+    if (pos_embed_2d_cuda(m->pos_embed, cfg->image_size / cfg->patch, cfg->hidden, m->stream, err) != 0) {
+        dit_gpu_free(m);
+        return -1;
+    }
+    return 0;
+}
+
+void dit_gpu_free(DitGpu *m) {
+    if (m->stream) cudaStreamSynchronize(m->stream);
+    cudaFree(m->params_alloc);
+    cudaFree(m->acts_alloc);
+    layers_cuda_destroy(&m->ctx);
+    if (m->stream) cudaStreamDestroy(m->stream);
+    memset(m, 0, sizeof(*m));
+}
+
+void dit_gpu_memory_plan(const DitGpu *m, size_t *params_bytes, size_t *acts_bytes, size_t *ctx_bytes) {
+    *params_bytes = m->params_bytes;
+    *acts_bytes = m->acts_bytes;
+    *ctx_bytes = m->ctx.lt_workspace_bytes + m->ctx.scratch_floats * sizeof(float);
+}
+
+// ---- host <-> device ---------------------------------------------------------------------
+
+static int check_same_config(const DitGpu *m, const Dit *cpu, const char *what, char *err) {
+    if (memcmp(&m->cfg, &cpu->cfg, sizeof(DitConfig)) != 0 || cpu->num_params != m->num_params) {
+        dit_set_error(err, "%s: the CPU model's config differs from the GPU model's (%zu vs %zu parameters)",
+                      what, cpu->num_params, m->num_params);
+        return -1;
+    }
+    return 0;
+}
+
+int dit_gpu_upload(DitGpu *m, const Dit *cpu, char *err) {
+    TRY(check_same_config(m, cpu, "dit_gpu_upload", err));
+    size_t bytes = m->num_params * sizeof(float);
+    const float *src[4] = {cpu->params_memory, cpu->ema_memory, cpu->adam_m_memory, cpu->adam_v_memory};
+    float *dst[4] = {m->params_memory, m->ema_memory, m->adam_m_memory, m->adam_v_memory};
+    for (int i = 0; i < 4; i++)
+        CUDA_CHECK(err, cudaMemcpyAsync(dst[i], src[i], bytes, cudaMemcpyHostToDevice, m->stream),
+                   "upload of parameter buffer %d (%zu bytes)", i, bytes);
+    TRY(cast_float_to_bf16_cuda(m->params_bf16_memory, m->params_memory, m->num_params, m->stream, err));
+    CUDA_CHECK(err, cudaStreamSynchronize(m->stream), "after the upload of %zu parameters", m->num_params);
+    return 0;
+}
+
+int dit_gpu_download(DitGpu *m, Dit *cpu, char *err) {
+    TRY(check_same_config(m, cpu, "dit_gpu_download", err));
+    size_t bytes = m->num_params * sizeof(float);
+    const float *src[4] = {m->params_memory, m->ema_memory, m->adam_m_memory, m->adam_v_memory};
+    float *dst[4] = {cpu->params_memory, cpu->ema_memory, cpu->adam_m_memory, cpu->adam_v_memory};
+    for (int i = 0; i < 4; i++)
+        CUDA_CHECK(err, cudaMemcpyAsync(dst[i], src[i], bytes, cudaMemcpyDeviceToHost, m->stream),
+                   "download of parameter buffer %d (%zu bytes)", i, bytes);
+    CUDA_CHECK(err, cudaStreamSynchronize(m->stream), "after the download of %zu parameters", m->num_params);
+    return 0;
+}
+
+static int check_batch(const DitGpu *m, int B, const char *what, char *err) {
+    if (B < 1 || B > m->batch) {
+        dit_set_error(err, "%s: batch %d outside 1..%d (the batch the model was created for)", what, B, m->batch);
+        return -1;
+    }
+    return 0;
+}
+
+static int upload_t_labels(DitGpu *m, const float *t, const int *labels, int B, char *err) {
+    CUDA_CHECK(err, cudaMemcpyAsync(m->acts.t, t, B * sizeof(float), cudaMemcpyHostToDevice, m->stream),
+               "upload of %d times", B);
+    CUDA_CHECK(err, cudaMemcpyAsync(m->acts.labels, labels, B * sizeof(int), cudaMemcpyHostToDevice, m->stream),
+               "upload of %d labels", B);
+    return 0;
+}
+
+static size_t image_floats(const DitConfig *c, int B) { return (size_t)B * c->channels * c->image_size * c->image_size; }
+
+int dit_gpu_set_inputs(DitGpu *m, const float *x_t, const float *t, const int *labels, int B, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_set_inputs", err));
+    size_t n = image_floats(&m->cfg, B);
+    CUDA_CHECK(err, cudaMemcpyAsync(m->acts.x0, x_t, n * sizeof(float), cudaMemcpyHostToDevice, m->stream),
+               "upload of x_t (%zu floats)", n);
+    TRY(cast_float_to_bf16_cuda(m->acts.x_t, m->acts.x0, n, m->stream, err));
+    return upload_t_labels(m, t, labels, B, err);
+}
+
+int dit_gpu_set_flow_batch(DitGpu *m, const float *x0, const float *noise, const float *t,
+                           const int *labels, int B, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_set_flow_batch", err));
+    size_t n = image_floats(&m->cfg, B);
+    CUDA_CHECK(err, cudaMemcpyAsync(m->acts.x0, x0, n * sizeof(float), cudaMemcpyHostToDevice, m->stream),
+               "upload of x0 (%zu floats)", n);
+    CUDA_CHECK(err, cudaMemcpyAsync(m->acts.noise, noise, n * sizeof(float), cudaMemcpyHostToDevice, m->stream),
+               "upload of the noise (%zu floats)", n);
+    TRY(upload_t_labels(m, t, labels, B, err));
+    return flow_matching_inputs_cuda(m->acts.x_t, m->acts.v_target, m->acts.x0, m->acts.noise, m->acts.t,
+                                     B, (int)(n / B), m->stream, err);
+}
+
+// ---- attention: the one place that knows the kernel ----------------------------------------
+// Block l's attention: att, lse (B, H, T, D) from q, k, v; the forward may leave state for the
+// backward in the block's workspace. Another kernel with this shape (bf16 q, k, v, out; fp32
+// base-2 lse; fp32 dq, dk, dv written) plugs in here.
+
+static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
+    const DitConfig *c = &m->cfg;
+    int H = c->heads, D = c->hidden / H, T = dit_tokens(c);
+    size_t blk = (size_t)B * T * c->hidden;
+    DitGpuActivations *a = &m->acts;
+    void *ws = (char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
+    return sage_forward_cuda((uint16_t *)(a->att + l * blk), a->att_lse + (size_t)l * B * H * T, ws,
+                             (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
+                             (const uint16_t *)(a->v + l * blk), B, H, T, D, m->sage.pv, m->stream, err);
+}
+
+static int attention_backward_gpu(DitGpu *m, int l, int B, char *err) {
+    const DitConfig *c = &m->cfg;
+    int H = c->heads, D = c->hidden / H, T = dit_tokens(c);
+    size_t blk = (size_t)B * T * c->hidden;
+    DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    const void *fwd_ws = (const char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
+    return sage_backward_cuda(g->dq, g->dk, g->dv, g->att_workspace, fwd_ws, (const uint16_t *)g->att,
+                              (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
+                              (const uint16_t *)(a->v + l * blk), (const uint16_t *)(a->att + l * blk),
+                              a->att_lse + (size_t)l * B * H * T, NULL, B, H, T, D, m->sage.pv, m->stream, err);
+}
+
+// ---- small kernels of the model (the layers are in layers/) --------------------------------
+
+// x (B, T, C) += pos (T, C): the fixed positions after the patch embedding.
+__global__ void add_positions_kernel(bf16 *x, const bf16 *pos, int T, int C, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    size_t j = i % ((size_t)T * C);
+    x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(pos[j]));
+}
+
+// dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32: split_heads_backward
+// (layers/reshape.c) into a zeroed dqkv, fused with the rounding to bf16 (one rounding).
+__global__ void qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *dk, const float *dv,
+                                int T, int H, int D, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int C = H * D, j = i % (3 * C), which = j / C, h = (j % C) / D, d = j % D;
+    size_t bt = i / (3 * C), b = bt / T, t = bt % T;
+    const float *src = which == 0 ? dq : which == 1 ? dk : dv;
+    dqkv[i] = __float2bfloat16(src[((b * H + h) * T + t) * D + d]);
+}
+
+// ---- forward -----------------------------------------------------------------------------
+
+int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_forward", err));
+    const DitConfig *c = &m->cfg;
+    DitGpuActivations *a = &m->acts;
+    const LayersCuda *ctx = &m->ctx;
+    cudaStream_t s = m->stream;
+    int h = c->hidden, T = dit_tokens(c), P = dit_patch_dim(c), H = c->heads, D = h / H;
+    int BT = B * T, L = c->depth, stride = L * 6 * h;
+    size_t blk = (size_t)BT * h, bt = (size_t)BT;
+
+    // patch embedding plus the fixed positions
+    TRY(patchify_forward_cuda(a->patches, a->x_t, B, c->channels, c->image_size, c->patch, s, err));
+    TRY(linear_forward_cuda(a->residual, a->patches, w->patch_w, w->patch_b, BT, P, h, ctx, s, err));
+    add_positions_kernel<<<blocks_for(blk, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(a->residual, m->pos_embed, T, h, blk);
+    LAUNCH_CHECK(err, "add_positions_kernel", "B·T=%d C=%d", BT, h);
+
+    // conditioning c = MLP(timestep features) + class embedding; every adaLN reads SiLU(c)
+    TRY(timestep_embedding_forward_cuda(a->t_freq, a->t, B, TIMESTEP_FREQ_DIM, s, err));
+    TRY(linear_forward_cuda(a->t_h, a->t_freq, w->t_w1, w->t_b1, B, TIMESTEP_FREQ_DIM, h, ctx, s, err));
+    TRY(silu_forward_cuda(a->t_h_silu, a->t_h, (size_t)B * h, s, err));
+    TRY(linear_forward_cuda(a->t_emb, a->t_h_silu, w->t_w2, w->t_b2, B, h, h, ctx, s, err));
+    TRY(embedding_forward_cuda(a->y_emb, w->y_table, a->labels, B, h, s, err));
+    TRY(add_forward_cuda(a->c, a->t_emb, a->y_emb, (size_t)B * h, s, err));
+    TRY(silu_forward_cuda(a->c_silu, a->c, (size_t)B * h, s, err));
+    // the modulations of all blocks in one GEMM: (B, depth·6h)
+    TRY(linear_forward_cuda(a->ada, a->c_silu, w->ada_w, w->ada_b, B, h, stride, ctx, s, err));
+
+    for (int l = 0; l < L; l++) {
+        const bf16 *ada = a->ada + (size_t)l * 6 * h;
+        bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
+        bf16 *ln1 = a->ln1 + l * blk, *qkv = a->qkv + l * 3 * blk, *att = a->att + l * blk;
+        bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
+        bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
+        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + l * 4 * blk, *fc2 = a->fc2 + l * blk;
+
+        // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
+        TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
+                                            B, T, h, stride, s, err));
+        TRY(linear_forward_cuda(qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
+                                BT, h, 3 * h, ctx, s, err));
+        TRY(split_heads_forward_cuda(a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, T, H, D, s, err));
+        TRY(attention_forward_gpu(m, l, B, err));
+        TRY(merge_heads_forward_cuda(att_merged, att, B, T, H, D, s, err));
+        TRY(linear_forward_cuda(proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
+                                BT, h, h, ctx, s, err));
+        TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
+
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
+        // (fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation)
+        TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
+                                            ada + 3 * h, ada + 4 * h, B, T, h, stride, s, err));
+        TRY(linear_gelu_forward_cuda(gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h, w->fc1_b + (size_t)l * 4 * h,
+                                     BT, h, 4 * h, ctx, s, err));
+        TRY(linear_forward_cuda(fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
+                                BT, 4 * h, h, ctx, s, err));
+        TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
+    }
+
+    // final layer: modulate(norm(x), shift, scale) -> linear to p·p·C per token -> image
+    const bf16 *x_last = a->residual + (size_t)L * blk;
+    TRY(linear_forward_cuda(a->final_ada, a->c_silu, w->final_ada_w, w->final_ada_b, B, h, 2 * h, ctx, s, err));
+    TRY(layernorm_modulate_forward_cuda(a->lnf, a->lnf_mean, a->lnf_rstd, x_last, a->final_ada,
+                                        a->final_ada + h, B, T, h, 2 * h, s, err));
+    TRY(linear_forward_cuda(a->out_tokens, a->lnf, w->final_w, w->final_b, BT, h, P, ctx, s, err));
+    return unpatchify_forward_cuda(a->out, a->out_tokens, B, c->channels, c->image_size, c->patch, s, err);
+}
+
+int dit_gpu_loss(DitGpu *m, int B, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_loss", err));
+    return mse_loss_forward_backward_cuda(m->grad_acts.out, m->acts.loss, m->acts.out, m->acts.v_target,
+                                          image_floats(&m->cfg, B), &m->ctx, m->stream, err);
+}
+
+// ---- backward ----------------------------------------------------------------------------
+
+int dit_gpu_zero_grad(DitGpu *m, char *err) {
+    CUDA_CHECK(err, cudaMemsetAsync(m->grads_memory, 0, m->num_params * sizeof(float), m->stream),
+               "zeroing %zu parameter gradients", m->num_params);
+    return 0;
+}
+
+// Zeroes the activation gradients from `first` up to (not including) `end`: buffers that the
+// backward accumulates into (every CUDA backward adds, as the CPU ones).
+static int zero_range(DitGpu *m, const void *first, const void *end, char *err) {
+    size_t bytes = (size_t)((const char *)end - (const char *)first);
+    CUDA_CHECK(err, cudaMemsetAsync((void *)first, 0, bytes, m->stream), "zeroing %zu bytes of gradients", bytes);
+    return 0;
+}
+
+int dit_gpu_backward(DitGpu *m, int B, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_backward", err));
+    const DitConfig *c = &m->cfg;
+    const DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    const DitGpuWeights *w = &m->weights;
+    DitParams *dw = &m->grads;
+    const LayersCuda *ctx = &m->ctx;
+    cudaStream_t s = m->stream;
+    int h = c->hidden, T = dit_tokens(c), P = dit_patch_dim(c), H = c->heads, D = h / H;
+    int BT = B * T, L = c->depth, stride = L * 6 * h;
+    size_t blk = (size_t)BT * h, bt = (size_t)BT;
+    // every accumulated non-block gradient (they are contiguous from residual to ada)
+    TRY(zero_range(m, g->residual, g->ada + (size_t)m->batch * stride, err));
+
+    // final layer
+    TRY(unpatchify_backward_cuda(g->out_tokens, g->out, B, c->channels, c->image_size, c->patch, s, err));
+    TRY(linear_backward_cuda(g->lnf, dw->final_w, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h, P, ctx, s, err));
+    TRY(layernorm_modulate_backward_cuda(g->residual, g->final_ada, g->final_ada + h, g->lnf, a->residual + L * blk,
+                                         a->lnf_mean, a->lnf_rstd, a->final_ada + h, B, T, h, 2 * h, s, err));
+    TRY(cast_float_to_bf16_cuda(g->final_ada_bf16, g->final_ada, (size_t)B * 2 * h, s, err));
+    TRY(linear_backward_cuda(g->c_silu, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
+                             w->final_ada_w, B, h, 2 * h, ctx, s, err));
+
+    // The blocks. g->residual holds dL/dx_next on entry and dL/dx on exit: the residual adds of
+    // x_next = x_mid + … and x_mid = x + … pass the gradient through unchanged (dres = NULL),
+    // and the LayerNorm backwards add their part into it.
+    for (int l = L - 1; l >= 0; l--) {
+        const bf16 *ada = a->ada + (size_t)l * 6 * h;
+        float *dada = g->ada + (size_t)l * 6 * h;
+        size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
+        TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
+
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM
+        TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
+                                         B, T, h, stride, s, err));
+        TRY(linear_dgelu_backward_cuda(g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
+                                       g->fc2, a->gelu + o4, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
+                                       BT, 4 * h, h, ctx, s, err));
+        TRY(linear_backward_cuda(g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
+                                 g->fc1, a->ln2 + o1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, ctx, s, err));
+        TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
+                                             a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride, s, err));
+
+        // x_mid = x + gate_msa·proj(attention(...))
+        TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
+                                         B, T, h, stride, s, err));
+        TRY(linear_backward_cuda(g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
+                                 g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, ctx, s, err));
+        TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
+        TRY(attention_backward_gpu(m, l, B, err));
+        size_t n_qkv = 3 * blk;
+        qkv_grad_kernel<<<blocks_for(n_qkv, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(g->qkv, g->dq, g->dk, g->dv, T, H, D, n_qkv);
+        LAUNCH_CHECK(err, "qkv_grad_kernel", "B·T=%d H=%d D=%d", BT, H, D);
+        TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
+                                 g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, ctx, s, err));
+        TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
+                                             a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride, s, err));
+    }
+
+    // conditioning: c_silu feeds every adaLN; c = t_emb + y_emb passes its gradient to both
+    TRY(cast_float_to_bf16_cuda(g->ada_bf16, g->ada, (size_t)B * stride, s, err));
+    TRY(linear_backward_cuda(g->c_silu, dw->ada_w, dw->ada_b, g->ada_bf16, a->c_silu, w->ada_w, B, h, stride, ctx, s, err));
+    TRY(silu_backward_cuda(g->c, a->c, g->c_silu, (size_t)B * h, s, err));
+    TRY(embedding_backward_cuda(dw->y_table, g->c, a->labels, B, h, s, err));
+    TRY(linear_backward_cuda(g->t_h_silu, dw->t_w2, dw->t_b2, g->c, a->t_h_silu, w->t_w2, B, h, h, ctx, s, err));
+    TRY(silu_backward_cuda(g->t_h, a->t_h, g->t_h_silu, (size_t)B * h, s, err));
+    TRY(linear_backward_cuda(NULL, dw->t_w1, dw->t_b1, g->t_h, a->t_freq, w->t_w1, B, TIMESTEP_FREQ_DIM, h, ctx, s, err));
+
+    // patch embedding (the positions are fixed)
+    return linear_backward_cuda(NULL, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h, ctx, s, err);
+}
+
+// ---- optimizer ---------------------------------------------------------------------------
+
+int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
+                   float grad_clip, float ema_decay, int step, char *err) {
+    cudaStream_t s = m->stream;
+    TRY(global_norm_cuda(m->acts.grad_norm, m->grads_memory, m->num_params, &m->ctx, s, err));
+    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors):
+    // the per-block copies of a tensor are adjacent, so this is one launch per tensor kind.
+    int n = dit_num_tensors(&m->cfg);
+    DitTensorInfo *info = (DitTensorInfo *)malloc(n * sizeof(DitTensorInfo));
+    if (!info) {
+        dit_set_error(err, "dit_gpu_update: out of host memory for %d tensor infos", n);
+        return -1;
+    }
+    dit_tensor_infos(&m->cfg, info);
+    int status = 0;
+    for (int i = 0; i < n && status == 0;) {
+        int j = i + 1;
+        while (j < n && (info[j].ndim >= 2) == (info[i].ndim >= 2)) j++;
+        size_t o = info[i].offset, count = info[j - 1].offset + info[j - 1].numel - o;
+        float wd = info[i].ndim >= 2 ? weight_decay : 0.0f;
+        status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
+                                   m->adam_m_memory + o, m->adam_v_memory + o, count, lr, beta1, beta2, eps, wd,
+                                   m->acts.grad_norm, grad_clip, step, s, err);
+        i = j;
+    }
+    free(info);
+    TRY(status);
+    return ema_update_cuda(m->ema_memory, m->params_memory, m->num_params, ema_decay, s, err);
+}
+
+int dit_gpu_read_scalars(DitGpu *m, float *loss, float *grad_norm, char *err) {
+    if (loss)
+        CUDA_CHECK(err, cudaMemcpyAsync(loss, m->acts.loss, sizeof(float), cudaMemcpyDeviceToHost, m->stream), "read the loss");
+    if (grad_norm)
+        CUDA_CHECK(err, cudaMemcpyAsync(grad_norm, m->acts.grad_norm, sizeof(float), cudaMemcpyDeviceToHost, m->stream),
+                   "read the gradient norm");
+    CUDA_CHECK(err, cudaStreamSynchronize(m->stream), "the step's kernels");
+    return 0;
+}
+
+int dit_gpu_download_output(DitGpu *m, float *out, int B, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_download_output", err));
+    size_t n = image_floats(&m->cfg, B);
+    TRY(cast_bf16_to_float_cuda(m->acts.out_float, m->acts.out, n, m->stream, err));
+    CUDA_CHECK(err, cudaMemcpyAsync(out, m->acts.out_float, n * sizeof(float), cudaMemcpyDeviceToHost, m->stream),
+               "download of the output (%zu floats)", n);
+    CUDA_CHECK(err, cudaStreamSynchronize(m->stream), "download of the output");
+    return 0;
+}
+
+int dit_gpu_download_grads(DitGpu *m, float *grads, char *err) {
+    CUDA_CHECK(err, cudaMemcpyAsync(grads, m->grads_memory, m->num_params * sizeof(float), cudaMemcpyDeviceToHost,
+                                    m->stream), "download of %zu gradients", m->num_params);
+    CUDA_CHECK(err, cudaStreamSynchronize(m->stream), "download of the gradients");
+    return 0;
+}
+
+// ---- sampling ----------------------------------------------------------------------------
+
+int dit_gpu_sample(DitGpu *m, float *x, const int *labels, int n, int steps, float cfg_scale, char *err) {
+    const DitConfig *c = &m->cfg;
+    size_t img = image_floats(c, 1);
+    int chunk = m->batch;
+    float *t = (float *)malloc(chunk * sizeof(float));
+    float *v_cond = (float *)malloc(chunk * img * sizeof(float));
+    float *v_uncond = (float *)malloc(chunk * img * sizeof(float));
+    int *null_labels = (int *)malloc(chunk * sizeof(int));
+    int status = 0;
+    if (!t || !v_cond || !v_uncond || !null_labels) {
+        dit_set_error(err, "dit_gpu_sample: out of host memory for %d images", chunk);
+        status = -1;
+    }
+    if (status == 0) status = cast_float_to_bf16_cuda(m->ema_bf16_memory, m->ema_memory, m->num_params, m->stream, err);
+    for (int i = 0; status == 0 && i < chunk; i++) null_labels[i] = c->num_classes;
+    for (int start = 0; status == 0 && start < n; start += chunk) {
+        int B = n - start < chunk ? n - start : chunk;
+        float *xb = x + start * img;
+        for (int k = 0; status == 0 && k < steps; k++) {
+            float t_now = 1.0f - (float)k / steps, dt = 1.0f / steps;
+            for (int i = 0; i < B; i++) t[i] = t_now;
+            status = dit_gpu_set_inputs(m, xb, t, labels + start, B, err) ||
+                     dit_gpu_forward(m, &m->ema_weights, B, err) || dit_gpu_download_output(m, v_cond, B, err);
+            if (status == 0 && cfg_scale != 1.0f) {
+                status = dit_gpu_set_inputs(m, xb, t, null_labels, B, err) ||
+                         dit_gpu_forward(m, &m->ema_weights, B, err) || dit_gpu_download_output(m, v_uncond, B, err);
+                for (size_t j = 0; status == 0 && j < B * img; j++)
+                    v_cond[j] = v_uncond[j] + cfg_scale * (v_cond[j] - v_uncond[j]);
+            }
+            for (size_t j = 0; status == 0 && j < B * img; j++) xb[j] -= dt * v_cond[j];
+        }
+    }
+    free(t); free(v_cond); free(v_uncond); free(null_labels);
+    return status ? -1 : 0;
+}
+
+// ---- FLOPs -------------------------------------------------------------------------------
+
+double dit_train_flops(const DitConfig *c, int B) {
+    // Forward matmul FLOPs (2 per multiply-add), then ×3 for forward + backward.
+    // per token: patch embedding 2·P·h; per block qkv 6h², proj 2h², fc1 8h², fc2 8h² (= 24h²)
+    //   and attention 4·T·h (Q·Kᵀ and P·V over T keys); final linear 2·h·P.
+    // per image: timestep MLP 2·(256·h + h²), adaLN of all blocks 2·h·6h·depth, final adaLN 2·h·2h.
+    double h = c->hidden, T = dit_tokens(c), P = dit_patch_dim(c), L = c->depth;
+    double per_token = 2 * P * h + L * (24 * h * h + 4 * T * h) + 2 * h * P;
+    double per_image = 2 * (TIMESTEP_FREQ_DIM * h + h * h) + 2 * h * 6 * h * L + 2 * h * 2 * h;
+    return 3.0 * B * (T * per_token + per_image);
+}

@@ -1,0 +1,136 @@
+// The DiT on the GPU: the twin of model/dit.h (same parameter buffer layout, same forward and
+// backward, layer by layer), built from layers/layers_cuda.h and the GPU attention kernels.
+//
+// Precision as llm.c: fp32 master weights, AdamW moments, EMA and parameter gradients; a bf16
+// copy of the weights and bf16 activations for compute; fp32 LayerNorm statistics, attention
+// LSE, loss and reductions. Parameter gradients are sums in a fixed order (no float atomics).
+// Memory: one device allocation holds every parameter-sized buffer, one holds the activations,
+// their gradients, the attention workspaces and the batch (plus the LayersCuda context's own).
+//
+// Initialization and checkpoints stay on the CPU: a DitGpu is created from a CPU Dit (which can
+// be made with batch 1: only its parameters and optimizer state are read), uploaded from it and
+// downloaded back into it. Every function returns 0, or -1 with a message in err; work is queued
+// on m->stream and only the download/read functions wait for it.
+#pragma once
+#include <stddef.h>
+#include "layers/layers_cuda.h"
+#include "model/dit.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// bf16 views of one parameter buffer (the weights, or the EMA for sampling), as DitParams.
+typedef struct {
+    bf16 *patch_w, *patch_b, *t_w1, *t_b1, *t_w2, *t_b2, *y_table;
+    bf16 *ada_w, *ada_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+    bf16 *final_ada_w, *final_ada_b, *final_w, *final_b;
+} DitGpuWeights;
+
+// Activations of one forward (batch ≤ m->batch), kept for the backward; shapes as DitActivations.
+typedef struct {
+    float *x0, *noise, *v_target;      // (B, C, S, S) fp32: the flow-matching batch and target
+    float *t;                          // (B) flow-matching times
+    int *labels;                       // (B)
+    bf16 *x_t;                         // (B, C, S, S): the model input
+    bf16 *patches, *t_freq, *t_h, *t_h_silu, *t_emb, *y_emb, *c, *c_silu, *ada;
+    bf16 *residual;                    // (depth + 1, B, T, h)
+    bf16 *ln1, *qkv, *q, *k, *v, *att, *att_merged, *proj, *x_mid, *ln2;
+    float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;  // (depth, B, T)
+    float *att_lse;                    // (depth, B, H, T), base 2 (attention/attention.h)
+    void *att_workspace;               // depth × att_workspace_bytes: what the attention's
+                                       // backward reads (sage: the quantized Q, K, V)
+    bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h)
+    bf16 *final_ada, *lnf, *out_tokens, *out;
+    float *lnf_mean, *lnf_rstd;
+    float *out_float;                  // (B, C, S, S): the output as fp32, for downloads
+    float *loss, *grad_norm;           // one float each
+} DitGpuActivations;
+
+// Gradients of the activations. The block buffers hold one block and are reused by every block
+// (the backward walks the blocks one at a time); `residual` carries dL/d(residual stream).
+typedef struct {
+    bf16 *out;                         // (B, C, S, S): dL/dout, written by the loss
+    bf16 *residual, *out_tokens, *lnf, *c_silu, *c, *t_h_silu, *t_h;
+    float *final_ada, *ada;            // fp32 sums of dshift/dscale/dgate, (B, 2h), (B, depth·6h)
+    bf16 *final_ada_bf16, *ada_bf16;   // their bf16 copies, the GEMMs' input
+    // one block: the accumulated ones (zeroed per block) are contiguous from fc2 to ln1
+    bf16 *fc2, *ln2, *proj, *att_merged, *att, *ln1;
+    bf16 *fc1, *qkv;                   // written, not accumulated
+    float *dq, *dk, *dv;               // (B, H, T, D) fp32 from the attention backward
+    void *att_workspace;               // the attention backward's workspace
+} DitGpuGradActs;
+
+typedef struct {
+    DitConfig cfg;
+    size_t num_params;
+    int batch;                         // activations are allocated for this batch size
+    DitAttention attention;            // DIT_ATTN_SAGE (DIT_ATTN_EXACT has no GPU kernel)
+    SageConfig sage;                   // the GPU kernels fix q_block = k_block = 64; pv is used
+    // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
+    // copies of the params (updated by AdamW) and of the EMA (made before sampling)
+    void *params_alloc;
+    size_t params_bytes;
+    float *params_memory, *grads_memory, *adam_m_memory, *adam_v_memory, *ema_memory;
+    bf16 *params_bf16_memory, *ema_bf16_memory;
+    DitParams params, grads;           // fp32 views (device pointers)
+    DitGpuWeights weights, ema_weights;// bf16 views for compute
+    // activations, their gradients, workspaces and the batch, one allocation
+    void *acts_alloc;
+    size_t acts_bytes, att_workspace_bytes;
+    DitGpuActivations acts;
+    DitGpuGradActs grad_acts;
+    bf16 *pos_embed;                   // (T, h), fixed
+    LayersCuda ctx;
+    cudaStream_t stream;
+} DitGpu;
+
+// Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE.
+int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err);
+void dit_gpu_free(DitGpu *m);
+// Bytes of each part, for the memory plan: parameter-sized buffers, activations (incl. gradients
+// and workspaces), and the LayersCuda context (cuBLASLt workspace and reduction scratch).
+void dit_gpu_memory_plan(const DitGpu *m, size_t *params_bytes, size_t *acts_bytes, size_t *ctx_bytes);
+
+// Copies the weights, EMA and AdamW moments of a CPU model with the same config to the GPU
+// (and makes the bf16 copy of the weights); the download copies them back (for checkpoints).
+int dit_gpu_upload(DitGpu *m, const Dit *cpu, char *err);
+int dit_gpu_download(DitGpu *m, Dit *cpu, char *err);
+
+// Inputs of a forward from the host: x_t (B, C, S, S) (rounded to bf16), t (B), labels (B).
+int dit_gpu_set_inputs(DitGpu *m, const float *x_t, const float *t, const int *labels, int B, char *err);
+// A training batch from the host: x0, noise (B, C, S, S), t, labels; x_t = (1 - t)·x0 + t·ε and
+// the target v = ε - x0 are made on the GPU.
+int dit_gpu_set_flow_batch(DitGpu *m, const float *x0, const float *noise, const float *t,
+                           const int *labels, int B, char *err);
+
+// Forward of the inputs with weights w (&m->weights, or &m->ema_weights): output in acts.out.
+int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err);
+// acts.loss = mean (out - v_target)², grad_acts.out = dLoss/dout.
+int dit_gpu_loss(DitGpu *m, int B, char *err);
+int dit_gpu_zero_grad(DitGpu *m, char *err);
+// Backward of the last forward (with m->weights) from grad_acts.out; parameter gradients
+// accumulate into m->grads.
+int dit_gpu_backward(DitGpu *m, int B, char *err);
+// The optimizer step: acts.grad_norm = ‖grads‖₂; AdamW (weight decay on tensors with ndim ≥ 2)
+// with the clip scale min(1, grad_clip/(norm + 1e-6)) read on the device (grad_clip 0: off);
+// the bf16 weights; then ema = ema_decay·ema + (1 - ema_decay)·params.
+int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
+                   float grad_clip, float ema_decay, int step, char *err);
+// Waits for the queued work and reads the last loss and gradient norm (either may be NULL).
+int dit_gpu_read_scalars(DitGpu *m, float *loss, float *grad_norm, char *err);
+// Waits and copies out: the output (B, C, S, S) as fp32; all parameter gradients (num_params).
+int dit_gpu_download_output(DitGpu *m, float *out, int B, char *err);
+int dit_gpu_download_grads(DitGpu *m, float *grads, char *err);
+
+// Euler sampling with classifier-free guidance from the EMA weights, as dit_sample (model/sample.h):
+// x (n, C, S, S) on the host, noise in, images out, in chunks of m->batch.
+int dit_gpu_sample(DitGpu *m, float *x, const int *labels, int n, int steps, float cfg_scale, char *err);
+
+// Model FLOPs of one training step (forward + backward = 3 × forward matmul FLOPs, attention
+// included, no recomputation counted) for B images: the numerator of MFU.
+double dit_train_flops(const DitConfig *cfg, int B);
+
+#ifdef __cplusplus
+}
+#endif

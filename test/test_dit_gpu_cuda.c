@@ -1,0 +1,312 @@
+// Tests of the GPU model (model/dit_gpu.h) against the CPU fp32 model (model/dit.h) on the same
+// weights and batches, and of its determinism. Skipped when no CUDA GPU is found.
+//
+// Both sides run sage attention with the same SageConfig (SAGE_CONFIG_DEFAULT: 64-token blocks,
+// FP8 P·V), the CPU its bit-defined reference, the GPU its kernels. Weights are random for every
+// tensor (not DiT's zero init, so that every gradient is nonzero) and rounded to bf16, so both
+// sides start from the same numbers; the GPU then computes with bf16 activations.
+//
+// Tolerances, as ‖gpu - cpu‖/‖cpu‖ (measured on an H200, see dev/notes_dit_gpu.md):
+// - TOL_OUT 2e-2 for the output, TOL_LOSS 1e-2 for the loss;
+// - TOL_GRAD 5e-2 for every parameter gradient tensor (bf16 activation gradients through the
+//   whole backward, and sage's quantization of bf16 vs fp32 q, k);
+// - TOL_LOSS_10 2e-2 for each of the losses of 10 AdamW steps;
+// - TOL_SAMPLE 5e-2 for images after 4 Euler steps with guidance 2 (errors compound per step).
+// Resume: bitwise equality (memcmp) of losses and parameters.
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <cuda_runtime_api.h>
+#include "layers/common.h"
+#include "layers/layers.h"
+#include "model/checkpoint.h"
+#include "model/dit.h"
+#include "model/dit_gpu.h"
+#include "model/sample.h"
+
+#define TOL_OUT 2e-2
+#define TOL_LOSS 1e-2
+#define TOL_GRAD 5e-2
+#define TOL_LOSS_10 2e-2
+#define TOL_SAMPLE 5e-2
+
+#define REQUIRE_GPU() do {                                                                     \
+        int count_ = 0;                                                                        \
+        if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0)                         \
+            cr_skip_test("no CUDA GPU found");                                                 \
+    } while (0)
+#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
+
+// 20×20 images, patch 2: 100 tokens (a partial 64-token attention block), head dim 64.
+static const DitConfig small_config = {.image_size = 20, .channels = 3, .patch = 2, .hidden = 128,
+                                       .depth = 2, .heads = 2, .num_classes = 5};
+
+static float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
+
+static double rel_l2(const float *x, const float *ref, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)x[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1e-300));
+}
+
+// Every tensor random: weights N(0, 1/fan_in), vectors N(0, 0.1²); rounded to bf16; EMA = weights.
+static void randomize_params(Dit *m, uint64_t seed) {
+    int n = dit_num_tensors(&m->cfg);
+    DitTensorInfo *info = malloc(n * sizeof(DitTensorInfo));
+    cr_assert(info);
+    dit_tensor_infos(&m->cfg, info);
+    Rng rng;
+    rng_seed(&rng, seed);
+    for (int i = 0; i < n; i++) {
+        float *p = m->params_memory + info[i].offset;
+        float std = info[i].ndim >= 2 ? 1.0f / sqrtf((float)(info[i].numel / info[i].shape[0])) : 0.1f;
+        rng_fill_normal(&rng, p, info[i].numel, std);
+        for (size_t j = 0; j < info[i].numel; j++) p[j] = bf16_round(p[j]);
+    }
+    memcpy(m->ema_memory, m->params_memory, m->num_params * sizeof(float));
+    free(info);
+}
+
+// A training batch that depends only on (seed, step): x0, noise (B, C, S, S), t, labels.
+typedef struct { float *x0, *noise, *t, *x_t, *v, *dout; int *labels; size_t n; int B; } Batch;
+
+static Batch batch_new(const DitConfig *c, int B) {
+    Batch b = {.n = (size_t)B * c->channels * c->image_size * c->image_size, .B = B};
+    b.x0 = malloc(b.n * sizeof(float)); b.noise = malloc(b.n * sizeof(float));
+    b.x_t = malloc(b.n * sizeof(float)); b.v = malloc(b.n * sizeof(float));
+    b.dout = malloc(b.n * sizeof(float)); b.t = malloc(B * sizeof(float)); b.labels = malloc(B * sizeof(int));
+    cr_assert(b.x0 && b.noise && b.x_t && b.v && b.dout && b.t && b.labels);
+    return b;
+}
+
+static void batch_free(Batch *b) {
+    free(b->x0); free(b->noise); free(b->x_t); free(b->v); free(b->dout); free(b->t); free(b->labels);
+}
+
+// Fills the batch of `step`; x_t and v as the GPU makes them (x_t rounded to bf16).
+static void batch_fill(Batch *b, const DitConfig *c, uint64_t seed, int step) {
+    Rng rng;
+    rng_seed(&rng, seed * 1000 + step);
+    rng_fill_normal(&rng, b->x0, b->n, 1.0f);
+    rng_fill_normal(&rng, b->noise, b->n, 1.0f);
+    for (int i = 0; i < b->B; i++) {
+        b->t[i] = 0.05f + 0.9f * rng_uniform(&rng);
+        b->labels[i] = (int)(rng_u32(&rng) % (uint32_t)(c->num_classes + 1));   // the null label too
+    }
+    flow_matching_inputs(b->x_t, b->v, b->x0, b->noise, b->t, b->B, (int)(b->n / b->B));
+    for (size_t i = 0; i < b->n; i++) b->x_t[i] = bf16_round(b->x_t[i]);
+}
+
+// A CPU model with random weights and the GPU model uploaded from it.
+static void make_models(Dit *cpu, DitGpu *gpu, const DitConfig *c, int B, uint64_t seed, char *err) {
+    OK(dit_create(cpu, c, B, DIT_ATTN_SAGE, seed, err));
+    randomize_params(cpu, seed);
+    OK(dit_gpu_create(gpu, c, B, DIT_ATTN_SAGE, err));
+    OK(dit_gpu_upload(gpu, cpu, err));
+}
+
+// One training step on each side; returns the losses and gradient norms.
+static float cpu_step(Dit *m, Batch *b, float lr, int step, float *grad_norm) {
+    dit_forward(m, &m->params, b->x_t, b->t, b->labels, b->B);
+    float loss = mse_loss_forward_backward(b->dout, m->acts.out, b->v, b->n);
+    dit_zero_grad(m);
+    dit_backward(m, b->dout, b->labels, b->B);
+    *grad_norm = global_norm(m->grads_memory, m->num_params);
+    dit_adamw_step(m, lr, 0.9f, 0.999f, 1e-8f, 0.1f, clip_grad_scale(*grad_norm, 1.0f), step);
+    ema_update(m->ema_memory, m->params_memory, m->num_params, 0.99f);
+    return loss;
+}
+
+static float gpu_step(DitGpu *m, Batch *b, float lr, int step, float *grad_norm) {
+    char err[DIT_ERR_LEN];
+    float loss;
+    OK(dit_gpu_set_flow_batch(m, b->x0, b->noise, b->t, b->labels, b->B, err));
+    OK(dit_gpu_forward(m, &m->weights, b->B, err));
+    OK(dit_gpu_loss(m, b->B, err));
+    OK(dit_gpu_zero_grad(m, err));
+    OK(dit_gpu_backward(m, b->B, err));
+    OK(dit_gpu_update(m, lr, 0.9f, 0.999f, 1e-8f, 0.1f, 1.0f, 0.99f, step, err));
+    OK(dit_gpu_read_scalars(m, &loss, grad_norm, err));
+    return loss;
+}
+
+Test(dit_gpu, one_step_output_loss_and_every_gradient_match_the_cpu) {
+    REQUIRE_GPU();
+    char err[DIT_ERR_LEN];
+    const DitConfig *c = &small_config;
+    int B = 3;
+    Dit cpu;
+    DitGpu gpu;
+    make_models(&cpu, &gpu, c, B, 11, err);
+    Batch b = batch_new(c, B);
+    batch_fill(&b, c, 11, 1);
+
+    // CPU: fp32 forward, loss, backward from the same (bf16-valued) x_t
+    dit_forward(&cpu, &cpu.params, b.x_t, b.t, b.labels, B);
+    float cpu_loss = mse_loss_forward_backward(b.dout, cpu.acts.out, b.v, b.n);
+    dit_zero_grad(&cpu);
+    dit_backward(&cpu, b.dout, b.labels, B);
+
+    // GPU: the training path (x_t and v made on the device)
+    float *gpu_out = malloc(b.n * sizeof(float)), *gpu_grads = malloc(cpu.num_params * sizeof(float));
+    cr_assert(gpu_out && gpu_grads);
+    memset(gpu_out, 0xff, b.n * sizeof(float));
+    memset(gpu_grads, 0xff, cpu.num_params * sizeof(float));
+    float gpu_loss;
+    OK(dit_gpu_set_flow_batch(&gpu, b.x0, b.noise, b.t, b.labels, B, err));
+    OK(dit_gpu_forward(&gpu, &gpu.weights, B, err));
+    OK(dit_gpu_loss(&gpu, B, err));
+    OK(dit_gpu_zero_grad(&gpu, err));
+    OK(dit_gpu_backward(&gpu, B, err));
+    OK(dit_gpu_read_scalars(&gpu, &gpu_loss, NULL, err));
+    OK(dit_gpu_download_output(&gpu, gpu_out, B, err));
+    OK(dit_gpu_download_grads(&gpu, gpu_grads, err));
+
+    double e_out = rel_l2(gpu_out, cpu.acts.out, b.n), e_loss = fabs(gpu_loss - cpu_loss) / cpu_loss;
+    fprintf(stderr, "one step: output rel L2 %.3e, loss %.6f vs %.6f (rel %.3e)\n", e_out, gpu_loss, cpu_loss, e_loss);
+    cr_expect(e_out < TOL_OUT, "output: rel L2 %.3e >= %g", e_out, TOL_OUT);
+    cr_expect(e_loss < TOL_LOSS, "loss: %g vs %g, rel %.3e >= %g", gpu_loss, cpu_loss, e_loss, TOL_LOSS);
+
+    int n = dit_num_tensors(c);
+    DitTensorInfo *info = malloc(n * sizeof(DitTensorInfo));
+    cr_assert(info);
+    dit_tensor_infos(c, info);
+    double worst = 0;
+    for (int i = 0; i < n; i++) {
+        const float *ref = cpu.grads_memory + info[i].offset;
+        double ref_norm = global_norm(ref, info[i].numel);
+        double e = rel_l2(gpu_grads + info[i].offset, ref, info[i].numel);
+        fprintf(stderr, "  grad %-42s rel L2 %.3e (|ref| %.3e)\n", info[i].name, e, ref_norm);
+        cr_expect(ref_norm > 0, "%s: the CPU gradient is zero: the test would not see a GPU bug", info[i].name);
+        cr_expect(e < TOL_GRAD, "gradient %s: rel L2 %.3e >= %g", info[i].name, e, TOL_GRAD);
+        worst = e > worst ? e : worst;
+    }
+    fprintf(stderr, "one step: worst gradient rel L2 %.3e over %d tensors\n", worst, n);
+    free(info); free(gpu_out); free(gpu_grads);
+    batch_free(&b);
+    dit_gpu_free(&gpu);
+    dit_free(&cpu);
+}
+
+Test(dit_gpu, ten_adamw_steps_follow_the_cpu_losses) {
+    REQUIRE_GPU();
+    char err[DIT_ERR_LEN];
+    const DitConfig *c = &small_config;
+    int B = 4;
+    Dit cpu;
+    DitGpu gpu;
+    make_models(&cpu, &gpu, c, B, 12, err);
+    Batch b = batch_new(c, B);
+    for (int step = 1; step <= 10; step++) {
+        batch_fill(&b, c, 12, step);
+        float cpu_norm, gpu_norm;
+        float cpu_loss = cpu_step(&cpu, &b, 1e-3f, step, &cpu_norm);
+        float gpu_loss = gpu_step(&gpu, &b, 1e-3f, step, &gpu_norm);
+        double e = fabs(gpu_loss - cpu_loss) / cpu_loss;
+        fprintf(stderr, "step %2d: loss gpu %.6f cpu %.6f (rel %.2e) | grad norm gpu %.4f cpu %.4f\n",
+                step, gpu_loss, cpu_loss, e, gpu_norm, cpu_norm);
+        cr_expect(e < TOL_LOSS_10, "step %d: loss %g vs cpu %g, rel %.3e >= %g", step, gpu_loss, cpu_loss, e, TOL_LOSS_10);
+    }
+    // the weights moved alike (AdamW's update is sign-like, so this is a loose check)
+    Dit host;
+    OK(dit_create(&host, c, 1, DIT_ATTN_SAGE, 0, err));
+    OK(dit_gpu_download(&gpu, &host, err));
+    double e_params = rel_l2(host.params_memory, cpu.params_memory, cpu.num_params);
+    fprintf(stderr, "after 10 steps: parameters rel L2 %.3e\n", e_params);
+    cr_expect(e_params < TOL_GRAD, "parameters after 10 steps: rel L2 %.3e >= %g", e_params, TOL_GRAD);
+    dit_free(&host);
+    batch_free(&b);
+    dit_gpu_free(&gpu);
+    dit_free(&cpu);
+}
+
+// Train 3 steps, checkpoint (through a file), continue 3 steps; a fresh model loaded from the
+// checkpoint continues the same 3 steps: the losses and final parameters are bitwise equal.
+// 64 tokens: one attention key block, so sage's dq (fp32 atomics across key blocks) is exact.
+Test(dit_gpu, resume_from_a_checkpoint_is_bitwise_identical) {
+    REQUIRE_GPU();
+    char err[DIT_ERR_LEN];
+    DitConfig c = small_config;
+    c.image_size = 16;   // 8×8 = 64 tokens
+    int B = 4;
+    Dit cpu, host;
+    DitGpu gpu;
+    make_models(&cpu, &gpu, &c, B, 13, err);
+    Batch b = batch_new(&c, B);
+    float norm, first[3], second[3];
+    for (int step = 1; step <= 3; step++) {
+        batch_fill(&b, &c, 13, step);
+        gpu_step(&gpu, &b, 1e-3f, step, &norm);
+    }
+    char path[] = "/tmp/test_dit_gpu_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    close(fd);
+    OK(dit_gpu_download(&gpu, &cpu, err));
+    TrainState state = {.step = 3};
+    OK(checkpoint_save(path, &cpu, &state, "a,b,c,d,e", err));
+    for (int step = 4; step <= 6; step++) {
+        batch_fill(&b, &c, 13, step);
+        first[step - 4] = gpu_step(&gpu, &b, 1e-3f, step, &norm);
+    }
+    OK(dit_gpu_download(&gpu, &cpu, err));
+    dit_gpu_free(&gpu);
+
+    OK(dit_create(&host, &c, 1, DIT_ATTN_SAGE, 99, err));
+    OK(checkpoint_load(path, &host, &state, err));
+    unlink(path);
+    cr_assert_eq(state.step, 3);
+    OK(dit_gpu_create(&gpu, &c, B, DIT_ATTN_SAGE, err));
+    OK(dit_gpu_upload(&gpu, &host, err));
+    for (int step = 4; step <= 6; step++) {
+        batch_fill(&b, &c, 13, step);
+        second[step - 4] = gpu_step(&gpu, &b, 1e-3f, step, &norm);
+    }
+    OK(dit_gpu_download(&gpu, &host, err));
+    for (int i = 0; i < 3; i++)
+        fprintf(stderr, "resume: step %d loss %.9g vs %.9g\n", i + 4, first[i], second[i]);
+    cr_expect(memcmp(first, second, sizeof(first)) == 0, "the losses after resuming differ");
+    cr_expect(memcmp(cpu.params_memory, host.params_memory, cpu.num_params * sizeof(float)) == 0,
+              "the parameters after resuming differ");
+    cr_expect(memcmp(cpu.adam_v_memory, host.adam_v_memory, cpu.num_params * sizeof(float)) == 0,
+              "the AdamW second moments after resuming differ");
+    batch_free(&b);
+    dit_gpu_free(&gpu);
+    dit_free(&host);
+    dit_free(&cpu);
+}
+
+// Sampling from the EMA weights on the GPU follows the CPU sampler (same weights, same noise).
+Test(dit_gpu, sampling_from_the_ema_follows_the_cpu) {
+    REQUIRE_GPU();
+    char err[DIT_ERR_LEN];
+    const DitConfig *c = &small_config;
+    int B = 2, n = 3;   // two chunks, the second partial
+    Dit cpu;
+    DitGpu gpu;
+    make_models(&cpu, &gpu, c, B, 14, err);
+    size_t img = (size_t)c->channels * c->image_size * c->image_size;
+    float *x_cpu = malloc(n * img * sizeof(float)), *x_gpu = malloc(n * img * sizeof(float));
+    cr_assert(x_cpu && x_gpu);
+    Rng rng;
+    rng_seed(&rng, 5);
+    rng_fill_normal(&rng, x_cpu, n * img, 1.0f);
+    for (size_t i = 0; i < n * img; i++) x_cpu[i] = bf16_round(x_cpu[i]);
+    memcpy(x_gpu, x_cpu, n * img * sizeof(float));
+    int labels[3] = {0, 4, 5};
+    OK(dit_sample(&cpu, &cpu.ema, x_cpu, labels, n, 4, 2.0f, err));
+    OK(dit_gpu_sample(&gpu, x_gpu, labels, n, 4, 2.0f, err));
+    double e = rel_l2(x_gpu, x_cpu, n * img);
+    fprintf(stderr, "sampling (4 Euler steps, cfg 2): rel L2 %.3e\n", e);
+    cr_expect(e < TOL_SAMPLE, "samples: rel L2 %.3e >= %g", e, TOL_SAMPLE);
+    free(x_cpu); free(x_gpu);
+    dit_gpu_free(&gpu);
+    dit_free(&cpu);
+}
