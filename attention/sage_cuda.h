@@ -53,6 +53,15 @@ int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
                       const uint16_t *q, const uint16_t *k, const uint16_t *v,
                       int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
 
+// The Hopper forward (attention/sage_forward_sm90.cu): wgmma INT8 Q·Kᵀ and FP8 P·V fed by TMA,
+// the same math as sage_forward_cuda with SAGE_PV_FP8 (and the same workspace, so the backward
+// works after either). Available (1) on a compute capability 9.0 device when the build has sm_90a
+// machine code; sage_forward_sm90_cuda returns -1 otherwise.
+int sage_forward_sm90_available(void);
+int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace,
+                           const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           int B, int H, int N, int D, cudaStream_t stream, char *err);
+
 // Bytes of the backward workspace (delta = rowsum(dout∘out), (B,H,N) fp32).
 size_t sage_cuda_backward_workspace_size(int B, int H, int N, int D);
 

@@ -8,6 +8,7 @@
 // P stays in registers: the S accumulator layout is the P·V A fragment, up to the token order of
 // each 16-key group, which the quantization pass bakes into v_t (FP8; see sage_cuda.h).
 // Finally out = O·v_scale/448/l (FP8) or O/l, lse = m + log2(l).
+#include <stdlib.h>
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
@@ -189,6 +190,9 @@ static int launch_forward(uint16_t *out, float *lse, const SageCudaQuant *qv, in
 extern "C" int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
                                  const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                  int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
+    // Hopper: the wgmma kernel (sage_forward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
+    if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
+        return sage_forward_sm90_cuda(out, lse, workspace, q, k, v, B, H, N, D, stream, err);
     if (pv == SAGE_PV_FP8) {
         int dev, major, minor;
         SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");

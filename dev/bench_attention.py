@@ -6,9 +6,11 @@
 #   gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
 #   nvcc -O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 \
 #        -gencode=arch=compute_90a,code=sm_90a -shared -o build/libsage_bench.so \
-#        attention/sage_quant.cu attention/sage_forward.cu attention/sage_backward.cu build/common_pic.o
+#        attention/sage_quant.cu attention/sage_forward.cu attention/sage_forward_sm90.cu \
+#        attention/sage_backward.cu build/common_pic.o
 #   python3 dev/bench_attention.py [build/libsage_bench.so]
 import ctypes
+import os
 import statistics
 import sys
 
@@ -16,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+# "sage_fp8"/"sage_fp16" time the mma.sync kernel (sage_forward.cu), "sm90" the wgmma kernel
+# (sage_forward_sm90.cu, FP8 P·V), which sage_forward_cuda otherwise picks on an sm_90 device.
+os.environ["DIT_SAGE_MMA_SYNC"] = "1"
 lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "build/libsage_bench.so")
 P = ctypes.c_void_p
 I = ctypes.c_int
@@ -25,6 +30,8 @@ lib.sage_cuda_backward_workspace_size.restype = ctypes.c_size_t
 lib.sage_cuda_backward_workspace_size.argtypes = [I, I, I, I]
 lib.sage_quantize_cuda.argtypes = [P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
 lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+lib.sage_forward_sm90_available.restype = ctypes.c_int
+lib.sage_forward_sm90_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
 lib.sage_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
 FP8, FP16 = 0, 1
 err = ctypes.create_string_buffer(512)
@@ -55,6 +62,8 @@ def main():
     print(f"# device: {dev}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
     H = 16
     rows = []
+    sm90 = lib.sage_forward_sm90_available() == 1
+    print(f"# sm90 wgmma kernel available: {sm90}")
     for D in (64, 128):
         for N in (1024, 2048, 4096, 8192, 16384, 32768):
             B = max(1, 16384 // N)
@@ -76,6 +85,10 @@ def main():
                 check(lib.sage_forward_cuda(out.data_ptr(), lse.data_ptr(), ws[pv].data_ptr(), q.data_ptr(),
                                             k.data_ptr(), v.data_ptr(), B, H, N, D, pv, stream, err), "forward")
 
+            def fwd_sm90():
+                check(lib.sage_forward_sm90_cuda(out.data_ptr(), lse.data_ptr(), ws[FP8].data_ptr(), q.data_ptr(),
+                                                 k.data_ptr(), v.data_ptr(), B, H, N, D, stream, err), "forward sm90")
+
             def bwd():
                 check(lib.sage_backward_cuda(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bws.data_ptr(),
                                              ws[FP8].data_ptr(), do.data_ptr(), q.data_ptr(), k.data_ptr(),
@@ -89,6 +102,10 @@ def main():
             t["sage_fp8"] = median_ms(lambda: fwd(FP8), iters)
             ref = F.scaled_dot_product_attention(q.float()[:, :2], k.float()[:, :2], v.float()[:, :2])
             cos = F.cosine_similarity(out[:, :2].float().flatten(), ref.flatten(), dim=0).item()
+            cos90 = float("nan")
+            if sm90:
+                t["sm90"] = median_ms(fwd_sm90, iters)
+                cos90 = F.cosine_similarity(out[:, :2].float().flatten(), ref.flatten(), dim=0).item()
             t["sage_bwd"] = median_ms(bwd, iters)
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -100,15 +117,17 @@ def main():
             tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
             rows.append((D, N, B, t, tops, cos))
             print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
-                  + f" cos(sage_fp8, fp32 sdpa)={cos:.6f}", flush=True)
+                  + f" cos(sage_fp8, fp32 sdpa)={cos:.6f} cos(sm90, fp32 sdpa)={cos90:.6f}", flush=True)
             del q, k, v, do, out, lse, ws, bws, dq, dk, dv, qg, kg, vg, o
             torch.cuda.empty_cache()
-    print("\n| D | N | B | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd | fp8/cuDNN "
-          "| sage bwd | cuDNN bwd | flash bwd | bwd/cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| D | N | B | sm90 fwd | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd "
+          "| sm90/cuDNN | fp8/cuDNN | sage bwd | cuDNN bwd | flash bwd | bwd/cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for D, N, B, t, tops, cos in rows:
-        print(f"| {D} | {N} | {B} | {tops['sage_fp8']:.0f} | {tops['sage_fp16']:.0f} | {t['quant']:.3f} "
-              f"| {tops['cudnn']:.0f} | {tops['flash']:.0f} | {tops['sage_fp8'] / tops['cudnn']:.2f} "
+        t90 = tops.get("sm90", float("nan"))
+        print(f"| {D} | {N} | {B} | {t90:.0f} | {tops['sage_fp8']:.0f} | {tops['sage_fp16']:.0f} | {t['quant']:.3f} "
+              f"| {tops['cudnn']:.0f} | {tops['flash']:.0f} | {t90 / tops['cudnn']:.2f} "
+              f"| {tops['sage_fp8'] / tops['cudnn']:.2f} "
               f"| {tops['sage_bwd']:.0f} | {tops['cudnn_bwd']:.0f} | {tops['flash_bwd']:.0f} "
               f"| {tops['sage_bwd'] / tops['cudnn_bwd']:.2f} |")
     print("(TOPS; forward 4·B·H·N²·D, backward 2.5× that; sage fwd includes the quantization pass)")

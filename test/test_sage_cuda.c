@@ -501,3 +501,115 @@ Test(sage_cuda, rejects_bad_head_dim) {
     cr_expect_eq(sage_quantize_cuda(NULL, NULL, NULL, NULL, 1, 1, 64, 96, SAGE_PV_FP8, 0, err), -1);
     cr_expect(strstr(err, "D in {64, 128}") != NULL, "message names the constraint: %s", err);
 }
+
+// ---- 5. the Hopper forward (sage_forward_sm90.cu: wgmma + TMA) --------------------------------
+// Skips unless the device is sm_90 and the build has sm_90a code. Against the CPU definition
+// (same tolerances as check_forward), exact attention, and, at lengths too long for the CPU
+// definition, the mma.sync kernel (DIT_SAGE_MMA_SYNC=1 keeps sage_forward_cuda on it).
+#define SKIP_WITHOUT_SM90()                                                                 \
+    do {                                                                                    \
+        SKIP_WITHOUT_GPU();                                                                 \
+        if (!sage_forward_sm90_available()) cr_skip_test("no sm_90 device or no sm_90a code"); \
+    } while (0)
+
+static Fwd gpu_forward_sm90(const Case *c) {
+    Fwd f;
+    char err[DIT_ERR_LEN] = "";
+    size_t rows = (size_t)c->B * c->H * c->N;
+    f.ws = dmalloc(sage_cuda_forward_workspace_size(c->B, c->H, c->N, c->D, SAGE_PV_FP8));
+    f.out_dev = dmalloc(c->n * 2);
+    f.lse_dev = dmalloc(rows * 4);
+    int rc = sage_forward_sm90_cuda(f.out_dev, f.lse_dev, f.ws, c->dq_, c->dk_, c->dv_, c->B, c->H, c->N, c->D, 0, err);
+    cr_assert_eq(rc, 0, "sage_forward_sm90_cuda: %s", err);
+    CUDA_OK(cudaDeviceSynchronize());
+    uint16_t *bits = xmalloc(c->n * 2);
+    CUDA_OK(cudaMemcpy(bits, f.out_dev, c->n * 2, cudaMemcpyDeviceToHost));
+    f.out = xmalloc(c->n * sizeof(float));
+    for (size_t i = 0; i < c->n; i++) f.out[i] = from_bf16(bits[i]);
+    free(bits);
+    f.lse = xmalloc(rows * 4);
+    CUDA_OK(cudaMemcpy(f.lse, f.lse_dev, rows * 4, cudaMemcpyDeviceToHost));
+    return f;
+}
+
+static void check_forward_sm90(int B, int H, int N, int D, InputKind kind) {
+    Case c = make_case(B, H, N, D, kind, 7000 + N * 3 + D);
+    Fwd f = gpu_forward_sm90(&c);
+    size_t rows = (size_t)B * H * N;
+    float *out = xmalloc(c.n * 4), *lse = xmalloc(rows * 4);
+    sage_forward(out, lse, c.q, c.k, c.v, B, H, N, D, GPU_FP8);
+    for (size_t i = 0; i < c.n; i++) out[i] = from_bf16(to_bf16(out[i]));   // the GPU writes bf16
+    double rel_def, cos_def, lse_err = 0;
+    compare(&rel_def, &cos_def, f.out, out, c.n);
+    for (size_t i = 0; i < rows; i++) lse_err = fmax(lse_err, fabs(f.lse[i] - lse[i]));
+    if (isnan(lse_err)) lse_err = INFINITY;
+    attention_forward(out, lse, c.q, c.k, c.v, B, H, N, D);
+    double rel_ex, cos_ex;
+    compare(&rel_ex, &cos_ex, f.out, out, c.n);
+    fprintf(stderr, "sm90 forward B=%d H=%d N=%d D=%d fp8 %s: vs definition rel L2 %.2e (lse max diff %.1e); "
+                    "vs exact rel L2 %.2e cosine %.6f\n", B, H, N, D, kind == OUTLIERS ? "outliers" : "gaussian",
+            rel_def, lse_err, rel_ex, cos_ex);
+    cr_expect(rel_def < 2e-3, "sm90: rel L2 vs CPU definition %g >= 2e-3", rel_def);
+    cr_expect(lse_err < 1e-3, "sm90: lse max abs diff vs CPU definition %g >= 1e-3", lse_err);
+    double min_cos = kind == GAUSSIAN ? 0.999 : 0.998;   // as check_forward, FP8
+    cr_expect(cos_ex >= min_cos, "sm90: cosine vs exact attention %f < %g", cos_ex, min_cos);
+    free(out); free(lse);
+    free_fwd(&f);
+    free_case(&c);
+}
+
+Test(sage_cuda, sm90_forward_matches_definition_and_exact, .timeout = 120) {
+    SKIP_WITHOUT_SM90();
+    check_forward_sm90(1, 2, 256, 64, GAUSSIAN);
+    check_forward_sm90(2, 1, 333, 128, GAUSSIAN);
+    check_forward_sm90(1, 1, 1, 64, GAUSSIAN);
+    check_forward_sm90(1, 1, 1, 128, GAUSSIAN);
+    check_forward_sm90(1, 2, 70, 128, OUTLIERS);
+    check_forward_sm90(1, 1, 1024, 128, OUTLIERS);
+    check_forward_sm90(1, 3, 1000, 64, OUTLIERS);
+    check_forward_sm90(3, 2, 200, 128, GAUSSIAN);
+}
+
+// Long sequences and many heads: the sm90 output against the mma.sync kernel's (both equal the
+// definition at the lengths above; here both are bf16, so rel L2 ~ 1e-5 plus rare e4m3 flips).
+Test(sage_cuda, sm90_forward_matches_mma_sync_long, .timeout = 120) {
+    SKIP_WITHOUT_SM90();
+    int configs[4][4] = {{1, 2, 4096, 128}, {1, 1, 16384, 128}, {2, 3, 4000, 64}, {1, 16, 1111, 128}};
+    setenv("DIT_SAGE_MMA_SYNC", "1", 1);
+    for (int ci = 0; ci < 4; ci++) {
+        int B = configs[ci][0], H = configs[ci][1], N = configs[ci][2], D = configs[ci][3];
+        Case c = make_case(B, H, N, D, ci % 2 ? OUTLIERS : GAUSSIAN, 8000 + ci);
+        Fwd fs = gpu_forward_sm90(&c), fm = gpu_forward(&c, SAGE_PV_FP8);
+        double rel, cosv, lse_err = 0;
+        compare(&rel, &cosv, fs.out, fm.out, c.n);
+        for (size_t i = 0; i < (size_t)B * H * N; i++) lse_err = fmax(lse_err, fabs(fs.lse[i] - fm.lse[i]));
+        if (isnan(lse_err)) lse_err = INFINITY;
+        fprintf(stderr, "sm90 vs mma.sync B=%d H=%d N=%d D=%d: rel L2 %.2e, lse max diff %.1e\n", B, H, N, D, rel,
+                lse_err);
+        cr_expect(rel < 2e-3, "sm90 vs mma.sync rel L2 %g >= 2e-3 (B=%d H=%d N=%d D=%d)", rel, B, H, N, D);
+        cr_expect(lse_err < 1e-3, "sm90 vs mma.sync lse max diff %g >= 1e-3", lse_err);
+        free_fwd(&fs);
+        free_fwd(&fm);
+        free_case(&c);
+    }
+    unsetenv("DIT_SAGE_MMA_SYNC");
+}
+
+// The backward runs on the sm90 forward's workspace, out and lse (same quantized tensors).
+Test(sage_cuda, sm90_forward_then_backward_matches_definition, .timeout = 120) {
+    SKIP_WITHOUT_SM90();
+    Case c = make_case(1, 2, 300, 128, GAUSSIAN, 9000);
+    Fwd f = gpu_forward_sm90(&c);
+    float *g = gpu_backward(&c, &f, SAGE_PV_FP8, NULL);
+    float *ref = xmalloc(3 * c.n * 4);
+    sage_backward(ref, ref + c.n, ref + 2 * c.n, c.dout, c.q, c.k, c.v, f.out, f.lse, c.B, c.H, c.N, c.D, GPU_FP8);
+    for (int t = 0; t < 3; t++) {
+        double rel, cosv;
+        compare(&rel, &cosv, g + t * c.n, ref + t * c.n, c.n);
+        fprintf(stderr, "sm90 forward + backward: d%c rel L2 vs definition %.2e\n", "qkv"[t], rel);
+        cr_expect(rel < 1e-2, "d%c rel L2 vs CPU definition %g >= 1e-2", "qkv"[t], rel);
+    }
+    free(g); free(ref);
+    free_fwd(&f);
+    free_case(&c);
+}

@@ -1,0 +1,147 @@
+// Hopper (sm_90a) building blocks of the wgmma sage forward, named after what they do:
+// shared-memory matrix descriptors, wgmma calls and fences, TMA tile loads and mbarriers.
+// Everything here is PTX for sm_90a; callers compile it only under SAGE_SM90_DEVICE.
+//
+// Layouts (PTX ISA, "asynchronous warpgroup level matrix"), per warpgroup of 128 threads,
+// warp w = (thread % 128) / 32 owns rows 16w..16w+15; lane = 4·g + c:
+//   accumulator of m64nN (s32 or f32): d[4j + e] for j < N/8 is row 16w + g (e = 0, 1) or
+//     16w + g + 8 (e = 2, 3), column 8j + 2c + (e & 1): the mma.sync m16n8 C layout, N/8 times.
+//   8-bit A from registers (m64nNk32): a[0] row 16w + g, k 4c..4c+3 (lowest k in the lowest
+//     byte); a[1] row 16w + g + 8, same k; a[2], a[3] the same rows at k 16 + 4c..: the mma.sync
+//     m16n8k32 A layout of attention/sage_mma.cuh.
+//   Shared-memory operands of 8-bit wgmma are K-major only: each of the M (or N) rows holds its
+//     K bytes contiguously. With TMA's 128-byte (64-byte) swizzle a tile of rows of 128 (64) bytes
+//     lands in the canonical swizzled layout: 8-row atoms of 1024 (512) bytes, the 16-byte chunks
+//     of row r XOR-permuted by r % 8. Its descriptor: start address, stride between 8-row atoms
+//     (SBO = 8 · row bytes) and the swizzle mode; the k32 step inside a row is +32 bytes on the
+//     start address (the hardware applies the swizzle to the address it forms).
+#pragma once
+#include <cuda.h>
+#include <stdint.h>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SAGE_SM90_DEVICE 1
+#endif
+
+#ifdef SAGE_SM90_DEVICE
+
+// ---- matrix descriptors ----------------------------------------------------------------------
+// K-major tile at `smem` (aligned to its swizzle atom) with rows of ROW_BYTES = 128 or 64 bytes,
+// swizzled as TMA writes it (CU_TENSOR_MAP_SWIZZLE_128B / _64B).
+template <int ROW_BYTES>
+__device__ __forceinline__ uint64_t smem_desc(const void *smem) {
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "swizzled rows of 128 or 64 bytes");
+    uint64_t addr = (uint32_t)__cvta_generic_to_shared(smem);
+    uint64_t desc = (addr & 0x3ffff) >> 4;                   // bits 0-13: start address / 16
+    desc |= (uint64_t)1 << 16;                               // bits 16-29: LBO (unused when swizzled)
+    desc |= (uint64_t)((8 * ROW_BYTES) >> 4) << 32;          // bits 32-45: SBO / 16
+    desc |= (uint64_t)(ROW_BYTES == 128 ? 1 : 2) << 62;      // bits 62-63: 128B (1) or 64B (2) swizzle
+    return desc;
+}
+// The same descriptor moved `bytes` further along K (bytes < ROW_BYTES, a multiple of 16).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, int bytes) { return desc + (bytes >> 4); }
+
+// ---- wgmma ordering ---------------------------------------------------------------------------
+// Before the first wgmma of a batch: orders this thread's register writes (A fragments,
+// accumulators) before the asynchronous reads of the tensor cores.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Closes the batch of wgmma issued since the last commit into one group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most n committed groups are still in flight (0: all done, results readable).
+template <int n> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(n) : "memory");
+}
+// Keeps the compiler from moving accesses of wgmma registers (accumulators, A fragments) across
+// the wait that completes them: call it on each after wgmma_wait.
+template <int n> __device__ __forceinline__ void reg_fence(float (&d)[n]) {
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int n> __device__ __forceinline__ void reg_fence(int (&d)[n]) {
+    for (int i = 0; i < n; i++) asm volatile("" : "+r"(d[i])::"memory");
+}
+template <int n> __device__ __forceinline__ void reg_fence(uint32_t (&d)[n]) {
+    for (int i = 0; i < n; i++) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// ---- mbarriers -------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)),
+                 "r"(count));
+}
+// Makes initialized barriers visible to the other threads and to the TMA unit.
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+__device__ __forceinline__ void mbar_expect_bytes(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+}
+// Blocks until the phase with the given parity (0, 1, 0, ... per completed phase) has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n"
+                 "}\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+}
+
+// ---- TMA ---------------------------------------------------------------------------------------
+// Box of the 2-D tensor map at element coordinates (x = inner, y = outer) into shared memory;
+// completion is counted in bytes on `bar`. Out-of-bounds elements arrive as zeros.
+__device__ __forceinline__ void tma_load_2d(void *smem, const CUtensorMap *map, uint64_t *bar, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%3, %4}], [%2];\n"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(smem)), "l"((uint64_t)map),
+                   "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x), "r"(y) : "memory");
+}
+
+// ---- wgmma shapes of the sage forward ------------------------------------------------------------
+// d (+)= A·B, int8 × int8 -> int32, m64n64k32; A and B K-major in shared memory (descriptors).
+// scale_d = 0 overwrites d, 1 accumulates. d: 32 registers per thread (accumulator layout above).
+template <int scale_d>
+__device__ __forceinline__ void wgmma_s8_m64n64k32(int d[32], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, %34;\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+                   "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+                   "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+                   "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+                 : "l"(desc_a), "l"(desc_b), "n"(scale_d));
+}
+
+// d (+)= A·B, e4m3 × e4m3 -> fp32, m64n64k32; A from registers (4 per thread, the 8-bit A
+// fragment above), B K-major in shared memory. scale_d = 0 overwrites d, 1 accumulates.
+template <int scale_d>
+__device__ __forceinline__ void wgmma_e4m3_m64n64k32(float d[32], const uint32_t a[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, %37, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
+}
+
+// d (+)= A·B, e4m3 × e4m3 -> fp32, m64n128k32; A from registers (4 per thread, the 8-bit A
+// fragment above), B K-major in shared memory. scale_d = 0 overwrites d, 1 accumulates.
+template <int scale_d>
+__device__ __forceinline__ void wgmma_e4m3_m64n128k32(float d[64], const uint32_t a[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, %69, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
+}
+
+#endif  // SAGE_SM90_DEVICE
