@@ -2,6 +2,9 @@
 // Read main() from top to bottom: one training step is
 //   batch -> drop labels -> sample t and noise -> x_t -> forward -> MSE on the velocity ->
 //   backward -> clip by global norm -> AdamW -> EMA -> log.
+// The model runs on the CPU (model/dit.h, fp32) or the GPU (model/dit_gpu.h, bf16 compute with
+// fp32 master weights) behind the same step functions (step_gradients, step_update, ...); the
+// host does the rest (data, RNG, logging, checkpoints) the same way for both.
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -18,6 +21,10 @@
 #include "model/dit.h"
 #include "model/safetensors.h"
 #include "model/sample.h"
+#ifdef DIT_CUDA
+#include <cuda_runtime_api.h>
+#include "model/dit_gpu.h"
+#endif
 
 #define DEFAULT_DATA "data/fashion-mnist"
 
@@ -35,9 +42,9 @@ static const char *usage_text =
     "model:\n"
     "  --model NAME          preset tiny | S | B | L | XL (default tiny)\n"
     "  --depth N --hidden N --heads N --patch N --image-size N --channels N   override the preset\n"
-    "  --attn KIND           exact | sage (CPU: exact fp32 or the bit-defined quantized attention;\n"
-    "                        bf16 needs the GPU trainer) (default exact)\n"
-    "  --device KIND         auto | cpu | gpu (default auto)\n"
+    "  --attn KIND           CPU: exact (fp32) | sage (the bit-defined quantized attention);\n"
+    "                        GPU: sage (default: sage on the GPU, exact on the CPU)\n"
+    "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
     "data:\n"
     "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
     "                        (default " DEFAULT_DATA ", made by `make data`)\n"
@@ -90,9 +97,19 @@ static int parse_float(const char *flag, const char *text, float lo, float hi, f
     return 0;
 }
 
+// CUDA GPUs present: -1 when the build has no CUDA.
+static int gpu_count(void) {
+#ifdef DIT_CUDA
+    int count = 0;
+    return cudaGetDeviceCount(&count) == cudaSuccess ? count : 0;
+#else
+    return -1;
+#endif
+}
+
 static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     *a = (TrainArgs){.model = "tiny", .data = DEFAULT_DATA, .out = "out", .device = "auto",
-                     .attn = "exact", .t_sampling = "logit-normal", .steps = 2000, .batch = 32,
+                     .attn = NULL, .t_sampling = "logit-normal", .steps = 2000, .batch = 32,
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42};
@@ -144,12 +161,17 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         dit_set_error(err, "--device: expected auto, cpu or gpu, got '%s'", a->device);
         return -1;
     }
-    if (!strcmp(a->device, "gpu")) {
-        dit_set_error(err, "--device gpu: the GPU trainer is not part of this build yet; use --device cpu");
+    if (!strcmp(a->device, "auto")) a->device = gpu_count() > 0 ? "gpu" : "cpu";
+    if (!strcmp(a->device, "gpu") && gpu_count() == 0) {
+        dit_set_error(err, "--device gpu: %s", gpu_count() < 0 ? "this build has no CUDA (nvcc was not found)"
+                                                               : "no CUDA GPU found");
         return -1;
     }
-    if (strcmp(a->attn, "exact") && strcmp(a->attn, "sage")) {
-        dit_set_error(err, "--attn: expected exact or sage on the CPU (bf16 needs the GPU trainer), got '%s'", a->attn);
+    int on_gpu = !strcmp(a->device, "gpu");
+    if (!a->attn) a->attn = on_gpu ? "sage" : "exact";
+    if (on_gpu ? strcmp(a->attn, "sage") != 0 : strcmp(a->attn, "exact") && strcmp(a->attn, "sage")) {
+        dit_set_error(err, "--attn: expected %s on the %s, got '%s'", on_gpu ? "sage" : "exact or sage",
+                      a->device, a->attn);
         return -1;
     }
     if (strcmp(a->t_sampling, "logit-normal") && strcmp(a->t_sampling, "uniform")) {
@@ -183,6 +205,188 @@ static double now_seconds(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
+// ---- the model on its device: the same step functions for the CPU and the GPU ------------
+
+// On the CPU, `cpu` is the model. On the GPU, `cpu` (created for batch 1) is the host copy of the
+// weights, EMA and AdamW moments: initialization and checkpoints happen there and are uploaded.
+typedef struct {
+    int on_gpu;
+    Dit cpu;
+    float *x_t, *v_target, *dout;   // CPU: the batch's model input, target, dLoss/dout
+#ifdef DIT_CUDA
+    DitGpu gpu;
+#endif
+} Trainer;
+
+static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a, char *err) {
+    memset(tr, 0, sizeof(*tr));
+    tr->on_gpu = !strcmp(a->device, "gpu");
+    DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
+    if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : a->batch, attention, a->seed, err) != 0) die(err);
+#ifdef DIT_CUDA
+    if (tr->on_gpu) {
+        if (dit_gpu_create(&tr->gpu, cfg, a->batch, attention, err) != 0) die(err);
+        return;
+    }
+#endif
+    size_t n = (size_t)a->batch * cfg->channels * cfg->image_size * cfg->image_size;
+    tr->x_t = malloc(n * sizeof(float));
+    tr->v_target = malloc(n * sizeof(float));
+    tr->dout = malloc(n * sizeof(float));
+    if (!tr->x_t || !tr->v_target || !tr->dout) die("out of memory for the batch");
+}
+
+static void trainer_free(Trainer *tr) {
+#ifdef DIT_CUDA
+    if (tr->on_gpu) dit_gpu_free(&tr->gpu);
+#endif
+    dit_free(&tr->cpu);
+    free(tr->x_t); free(tr->v_target); free(tr->dout);
+}
+
+// After initialization or a checkpoint load into tr->cpu: copy it to the device that trains.
+static void trainer_to_device(Trainer *tr) {
+#ifdef DIT_CUDA
+    char err[DIT_ERR_LEN];
+    if (tr->on_gpu && dit_gpu_upload(&tr->gpu, &tr->cpu, err) != 0) die(err);
+#else
+    (void)tr;
+#endif
+}
+
+// Before a checkpoint: the weights, EMA and moments into tr->cpu.
+static void trainer_to_host(Trainer *tr) {
+#ifdef DIT_CUDA
+    char err[DIT_ERR_LEN];
+    if (tr->on_gpu && dit_gpu_download(&tr->gpu, &tr->cpu, err) != 0) die(err);
+#else
+    (void)tr;
+#endif
+}
+
+// x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward. Returns the loss.
+static float step_gradients(Trainer *tr, const float *x0, const float *noise, const float *t,
+                            const int *labels, int B) {
+    const DitConfig *c = &tr->cpu.cfg;
+    size_t img = (size_t)c->channels * c->image_size * c->image_size;
+#ifdef DIT_CUDA
+    if (tr->on_gpu) {
+        char err[DIT_ERR_LEN];
+        float loss;
+        DitGpu *g = &tr->gpu;
+        if (dit_gpu_set_flow_batch(g, x0, noise, t, labels, B, err) || dit_gpu_forward(g, &g->weights, B, err) ||
+            dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) || dit_gpu_backward(g, B, err) ||
+            dit_gpu_read_scalars(g, &loss, NULL, err))
+            die(err);
+        return loss;
+    }
+#endif
+    Dit *m = &tr->cpu;
+    flow_matching_inputs(tr->x_t, tr->v_target, x0, noise, t, B, (int)img);
+    dit_forward(m, &m->params, tr->x_t, t, labels, B);
+    float loss = mse_loss_forward_backward(tr->dout, m->acts.out, tr->v_target, B * img);
+    dit_zero_grad(m);
+    dit_backward(m, tr->dout, labels, B);
+    return loss;
+}
+
+// Clip by the global gradient norm, AdamW, EMA. Returns the norm (before clipping).
+static float step_update(Trainer *tr, const TrainArgs *a, float lr, int step) {
+#ifdef DIT_CUDA
+    if (tr->on_gpu) {
+        char err[DIT_ERR_LEN];
+        float grad_norm;
+        if (dit_gpu_update(&tr->gpu, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, a->ema_decay, step, err) ||
+            dit_gpu_read_scalars(&tr->gpu, NULL, &grad_norm, err))
+            die(err);
+        return grad_norm;
+    }
+#endif
+    Dit *m = &tr->cpu;
+    float grad_norm = global_norm(m->grads_memory, m->num_params);
+    dit_adamw_step(m, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, clip_grad_scale(grad_norm, a->grad_clip), step);
+    ema_update(m->ema_memory, m->params_memory, m->num_params, a->ema_decay);
+    return grad_norm;
+}
+
+// The last step's output (B, C, S, S) and parameter gradients, for --dump-parity.
+static void trainer_read_output_grads(Trainer *tr, float *out, float *grads, int B) {
+    const DitConfig *c = &tr->cpu.cfg;
+    size_t img = (size_t)c->channels * c->image_size * c->image_size;
+#ifdef DIT_CUDA
+    char err[DIT_ERR_LEN];
+    if (tr->on_gpu) {
+        if (dit_gpu_download_output(&tr->gpu, out, B, err) || dit_gpu_download_grads(&tr->gpu, grads, err)) die(err);
+        return;
+    }
+#endif
+    memcpy(out, tr->cpu.acts.out, B * img * sizeof(float));
+    memcpy(grads, tr->cpu.grads_memory, tr->cpu.num_params * sizeof(float));
+}
+
+// Euler sampling with guidance from the EMA weights (model/sample.h).
+static void trainer_sample(Trainer *tr, float *x, const int *labels, int n, const TrainArgs *a) {
+    char err[DIT_ERR_LEN];
+#ifdef DIT_CUDA
+    if (tr->on_gpu) {
+        if (dit_gpu_sample(&tr->gpu, x, labels, n, a->sample_steps, a->cfg_scale, err) != 0) die(err);
+        return;
+    }
+#endif
+    if (dit_sample(&tr->cpu, &tr->cpu.ema, x, labels, n, a->sample_steps, a->cfg_scale, err) != 0) die(err);
+}
+
+// The GPU's additions to the log: the memory plan at startup; tokens/s, MFU (model FLOPs from
+// dit_train_flops over the GPU's dense bf16 peak) and the device memory in use on each step line.
+#ifdef DIT_CUDA
+// Dense bf16 tensor-core peak in FLOP/s (0: unknown GPU). H100 and H200 (SXM): 989 TFLOP/s.
+static double gpu_peak_flops(void) {
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return 0;
+    if (strstr(prop.name, "H100") || strstr(prop.name, "H200")) return 989e12;
+    if (strstr(prop.name, "A100")) return 312e12;
+    return 0;
+}
+
+static double gpu_memory_used_mib(void) {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) return 0;
+    return (total_bytes - free_bytes) / 1048576.0;
+}
+#endif
+
+static void print_memory_plan(Trainer *tr) {
+#ifdef DIT_CUDA
+    if (!tr->on_gpu) return;
+    struct cudaDeviceProp prop;
+    size_t params_bytes, acts_bytes, ctx_bytes;
+    dit_gpu_memory_plan(&tr->gpu, &params_bytes, &acts_bytes, &ctx_bytes);
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = 0;
+    printf("gpu %s | memory plan: parameters, gradients, AdamW, EMA (fp32) + bf16 copies %.1f MiB | "
+           "activations, their gradients, attention workspaces (batch %d) %.1f MiB | cuBLASLt and "
+           "reductions %.1f MiB | in use now %.1f MiB\n", prop.name, params_bytes / 1048576.0, tr->gpu.batch,
+           acts_bytes / 1048576.0, ctx_bytes / 1048576.0, gpu_memory_used_mib());
+#else
+    (void)tr;
+#endif
+}
+
+static void format_device_stats(Trainer *tr, int B, double ms, char *text, size_t cap) {
+    text[0] = 0;
+#ifdef DIT_CUDA
+    static double peak_mib = 0;
+    if (!tr->on_gpu) return;
+    double used = gpu_memory_used_mib(), peak = gpu_peak_flops();
+    peak_mib = used > peak_mib ? used : peak_mib;
+    double tokens = (double)B * dit_tokens(&tr->cpu.cfg), flops = dit_train_flops(&tr->cpu.cfg, B);
+    char mfu[32] = "n/a";
+    if (peak > 0) snprintf(mfu, sizeof(mfu), "%.1f%%", 100.0 * flops / (ms / 1e3) / peak);
+    snprintf(text, cap, " | %.0f tokens/s | MFU %s | %.0f MiB peak", tokens / (ms / 1e3), mfu, peak_mib);
+#else
+    (void)tr; (void)B; (void)ms; (void)cap;
+#endif
+}
+
 // ---- pieces of the training step ---------------------------------------------------------
 
 // Flow-matching time: logit-normal concentrates training on the middle of the path (SD3).
@@ -198,7 +402,8 @@ static float learning_rate(const TrainArgs *a, int step) {
 
 // A grid of samples_per_class tiles per class from the EMA weights, with fixed noise so that
 // grids at different steps are comparable.
-static void write_samples(Dit *m, const TrainArgs *a, DataLoader *dl, int step) {
+static void write_samples(Trainer *tr, const TrainArgs *a, DataLoader *dl, int step) {
+    const Dit *m = &tr->cpu;
     int nc = m->cfg.num_classes, n = nc * a->samples_per_class;
     if (n == 0) return;
     size_t img = (size_t)m->cfg.channels * m->cfg.image_size * m->cfg.image_size;
@@ -214,14 +419,16 @@ static void write_samples(Dit *m, const TrainArgs *a, DataLoader *dl, int step) 
         captions[i] = dataloader_class_name(dl, labels[i]);
     }
     char err[DIT_ERR_LEN], path[1024];
-    if (dit_sample(m, &m->ema, x, labels, n, a->sample_steps, a->cfg_scale, err) != 0) die(err);
+    trainer_sample(tr, x, labels, n, a);
     snprintf(path, sizeof(path), "%s/samples_%06d.png", a->out, step);
     if (write_image_grid_png(path, x, n, m->cfg.channels, m->cfg.image_size, nc, captions, err) != 0) die(err);
     printf("wrote %s\n", path);
     free(x); free(labels); free(captions);
 }
 
-static void save_checkpoint(const Dit *m, const TrainArgs *a, DataLoader *dl, const Rng *rng, int step) {
+static void save_checkpoint(Trainer *tr, const TrainArgs *a, DataLoader *dl, const Rng *rng, int step) {
+    trainer_to_host(tr);
+    const Dit *m = &tr->cpu;
     char path[1024], err[DIT_ERR_LEN], names[4096] = "";
     for (int c = 0; c < m->cfg.num_classes; c++) {
         size_t len = strlen(names);
@@ -333,36 +540,37 @@ int main(int argc, char **argv) {
     cfg.num_classes = dataloader_num_classes(dl);
 
     // model, optimizer state, and the training RNG (label drop, t, noise)
-    Dit model;
-    DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
-    if (dit_create(&model, &cfg, a->batch, attention, a->seed, err) != 0) die(err);
+    Trainer tr;
+    trainer_create(&tr, &cfg, a, err);
+    const Dit *model = &tr.cpu;
     Rng rng;
     rng_seed(&rng, a->seed + 1);
     int first_step = 1;
     if (a->resume) {
         TrainState state;
-        if (checkpoint_load(a->resume, &model, &state, err) != 0) die(err);
+        if (checkpoint_load(a->resume, &tr.cpu, &state, err) != 0) die(err);
         rng.state = state.rng_state;
         DataPosition pos = {state.data_epoch, state.data_index, state.data_rng_state};
         if (dataloader_seek(dl, pos, err) != 0) die(err);
         first_step = (int)state.step + 1;
     }
-    printf("dit.c | device cpu | attention %s | depth %d hidden %d heads %d (head dim %d) patch %d | "
+    trainer_to_device(&tr);
+    printf("dit.c | device %s | attention %s | depth %d hidden %d heads %d (head dim %d) patch %d | "
            "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
-           a->attn, cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
+           a->device, a->attn, cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
            cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
-           model.num_params / 1e6);
+           model->num_params / 1e6);
+    print_memory_plan(&tr);
 
     size_t img = (size_t)cfg.channels * cfg.image_size * cfg.image_size, n_batch = a->batch * img;
     float *x0 = malloc(n_batch * sizeof(float)), *noise = malloc(n_batch * sizeof(float));
-    float *x_t = malloc(n_batch * sizeof(float)), *v_target = malloc(n_batch * sizeof(float));
-    float *dout = malloc(n_batch * sizeof(float)), *t = malloc(a->batch * sizeof(float));
+    float *t = malloc(a->batch * sizeof(float));
     int *labels = malloc(a->batch * sizeof(int));
-    if (!x0 || !noise || !x_t || !v_target || !dout || !t || !labels) die("out of memory for the batch");
+    if (!x0 || !noise || !t || !labels) die("out of memory for the batch");
 
     ParityDump parity = {0};
     if (a->dump_parity) {
-        size_t S = a->steps, P = model.num_params;
+        size_t S = a->steps, P = model->num_params;
         parity.init_params = malloc(P * sizeof(float));
         parity.grads1 = malloc(P * sizeof(float));
         parity.x0 = malloc(S * n_batch * sizeof(float));
@@ -376,7 +584,7 @@ int main(int argc, char **argv) {
         if (!parity.init_params || !parity.grads1 || !parity.x0 || !parity.noise || !parity.t ||
             !parity.labels || !parity.out1 || !parity.losses || !parity.grad_norms || !parity.lrs)
             die("--dump-parity: out of memory (use fewer steps)");
-        memcpy(parity.init_params, model.params_memory, P * sizeof(float));
+        memcpy(parity.init_params, model->params_memory, P * sizeof(float));
     }
 
     char log_path[1024];
@@ -396,21 +604,20 @@ int main(int argc, char **argv) {
         for (int b = 0; b < a->batch; b++)
             if (rng_uniform(&rng) < a->label_dropout) labels[b] = cfg.num_classes;
 
-        // 2. flow matching: t, noise ε, x_t = (1 - t)·x0 + t·ε, target v = ε - x0
+        // 2. flow matching: time t and noise ε (the model makes x_t = (1 - t)·x0 + t·ε, v = ε - x0)
         for (int b = 0; b < a->batch; b++) t[b] = sample_t(&rng, !strcmp(a->t_sampling, "uniform"));
         rng_fill_normal(&rng, noise, n_batch, 1.0f);
-        flow_matching_inputs(x_t, v_target, x0, noise, t, a->batch, (int)img);
 
         // 3. forward, loss, backward
-        dit_forward(&model, &model.params, x_t, t, labels, a->batch);
-        float loss = mse_loss_forward_backward(dout, model.acts.out, v_target, n_batch);
-        dit_zero_grad(&model);
-        dit_backward(&model, dout, labels, a->batch);
+        float loss = step_gradients(&tr, x0, noise, t, labels, a->batch);
+        if (a->dump_parity && step == 1) {
+            trainer_read_output_grads(&tr, parity.out1, parity.grads1, a->batch);
+            parity.loss1 = loss;
+        }
 
         // 4. clip by the global gradient norm, AdamW, EMA
-        float grad_norm = global_norm(model.grads_memory, model.num_params);
-        float grad_scale = clip_grad_scale(grad_norm, a->grad_clip);
         float lr = learning_rate(a, step);
+        float grad_norm = step_update(&tr, a, lr, step);
         if (!isfinite(loss) || !isfinite(grad_norm)) {
             dit_set_error(err, "step %d: loss %g, grad norm %g: training diverged", step, loss, grad_norm);
             die(err);
@@ -424,31 +631,29 @@ int main(int argc, char **argv) {
             parity.losses[s] = loss;
             parity.grad_norms[s] = grad_norm;
             parity.lrs[s] = lr;
-            if (step == 1) {
-                memcpy(parity.out1, model.acts.out, n_batch * sizeof(float));
-                memcpy(parity.grads1, model.grads_memory, model.num_params * sizeof(float));
-                parity.loss1 = loss;
-            }
         }
-        dit_adamw_step(&model, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, grad_scale, step);
-        ema_update(model.ema_memory, model.params_memory, model.num_params, a->ema_decay);
 
         // 5. log, checkpoint, samples
         double ms = 1e3 * (now_seconds() - t0);
-        printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s\n",
-               step, a->steps, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
+        char device_stats[256];
+        format_device_stats(&tr, a->batch, ms, device_stats, sizeof(device_stats));
+        printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s%s\n",
+               step, a->steps, loss, grad_norm, lr, ms, a->batch / (ms / 1e3), device_stats);
         fprintf(log, "%d,%.7g,%.7g,%.7g,%.3f,%.2f\n", step, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
         fflush(log);
         int last = step == a->steps;
-        if (a->ckpt_every && (step % a->ckpt_every == 0 || last)) save_checkpoint(&model, a, dl, &rng, step);
-        if (a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&model, a, dl, step);
+        if (a->ckpt_every && (step % a->ckpt_every == 0 || last)) save_checkpoint(&tr, a, dl, &rng, step);
+        if (a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&tr, a, dl, step);
     }
-    if (a->dump_parity) parity_save(&parity, &model, a);
+    if (a->dump_parity) {
+        trainer_to_host(&tr);
+        parity_save(&parity, model, a);
+    }
 
     fclose(log);
     dataloader_close(dl);
-    dit_free(&model);
-    free(x0); free(noise); free(x_t); free(v_target); free(dout); free(t); free(labels);
+    trainer_free(&tr);
+    free(x0); free(noise); free(t); free(labels);
     free(parity.init_params); free(parity.grads1); free(parity.x0); free(parity.noise);
     free(parity.t); free(parity.labels); free(parity.out1); free(parity.losses); free(parity.grad_norms);
     free(parity.lrs);
