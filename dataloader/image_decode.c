@@ -8,8 +8,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
-// The only translation unit with stb_image's implementation; the formats of the issue only,
-// so that no other decoder (PSD, HDR, PIC, PNM) sees untrusted files.
+// The only translation unit with stb_image's implementation (the vendored v2.30: see the top
+// of dataloader/stb_image.h); the formats of the issue only, so that no other decoder (PSD,
+// HDR, PIC, PNM) sees untrusted files.
 #define STB_IMAGE_IMPLEMENTATION
 #define STBI_ONLY_PNG
 #define STBI_ONLY_JPEG
@@ -18,7 +19,10 @@
 #define STBI_ONLY_GIF
 #define STBI_NO_STDIO
 #define STBI_FAILURE_USERMSG
-#include <stb/stb_image.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-but-set-variable"  // a PNG message unused with STBI_FAILURE_USERMSG
+#include "dataloader/stb_image.h"
+#pragma GCC diagnostic pop
 
 size_t image_max_file_bytes(int64_t max_pixels) {
     return (size_t)max_pixels * 8 + ((size_t)16 << 20);
@@ -75,6 +79,42 @@ int image_read_file(const char *path, size_t max_bytes, uint8_t **data, size_t *
     return 0;
 }
 
+// stb_image reads through these callbacks so that a decoder asking for bytes beyond the end
+// of the data is seen: stb_image itself pads truncated JPEG, BMP and TGA files with zeros
+// and reports success. stb_image reads in two ways: refills of its own buffer (the first
+// read of all, into the same buffer each time; a short refill is normal at the end of the
+// data, an empty one means the decoder wanted more) and stbi__getn of exactly the bytes it
+// needs into another buffer (any short read means the data ended too early).
+typedef struct {
+    const uint8_t *data;
+    size_t len, pos;
+    const char *refill_buffer;
+    int read_past_end;
+} MemoryReader;
+
+static int reader_read(void *user, char *out, int size) {
+    MemoryReader *r = user;
+    if (!r->refill_buffer) r->refill_buffer = out;
+    size_t n = r->len - r->pos < (size_t)size ? r->len - r->pos : (size_t)size;
+    if (n < (size_t)size && (n == 0 || out != r->refill_buffer)) r->read_past_end = 1;
+    memcpy(out, r->data + r->pos, n);
+    r->pos += n;
+    return (int)n;
+}
+
+static void reader_skip(void *user, int n) {
+    MemoryReader *r = user;
+    if (n < 0) r->pos = (size_t)-n > r->pos ? 0 : r->pos - (size_t)-n;
+    else r->pos = (size_t)n > r->len - r->pos ? r->len : r->pos + (size_t)n;
+}
+
+static int reader_eof(void *user) {
+    MemoryReader *r = user;
+    return r->pos >= r->len;
+}
+
+static const stbi_io_callbacks reader_callbacks = {reader_read, reader_skip, reader_eof};
+
 // The format by its signature, or NULL for none (TGA has no signature).
 static const char *signature_format(const uint8_t *data, size_t len) {
     if (len >= 8 && memcmp(data, "\x89PNG\r\n\x1a\n", 8) == 0) return "PNG";
@@ -110,7 +150,8 @@ int image_decode(const uint8_t *data, size_t len, const char *name, int64_t max_
     }
     int w, h, c;
     const char *format = signature_format(data, len);
-    if (!stbi_info_from_memory(data, (int)len, &w, &h, &c)) {
+    MemoryReader header = {data, len, 0, NULL, 0};
+    if (!stbi_info_from_callbacks(&reader_callbacks, &header, &w, &h, &c)) {
         if (format) {
             dit_set_error(err, "%s: cannot read the %s header (corrupt, truncated, or too large for stb_image): "
                           "stb_image: %s", name, format, failure_reason(format));
@@ -125,9 +166,16 @@ int image_decode(const uint8_t *data, size_t len, const char *name, int64_t max_
                       name, w, h, (long long)w * h, (long long)max_pixels);
         return -1;
     }
-    uint8_t *pixels = stbi_load_from_memory(data, (int)len, &w, &h, &c, 0);
+    MemoryReader reader = {data, len, 0, NULL, 0};
+    uint8_t *pixels = stbi_load_from_callbacks(&reader_callbacks, &reader, &w, &h, &c, 0);
+    if (!format) format = "TGA";  // the only format without a signature that stbi_info accepts
+    if (pixels && reader.read_past_end) {
+        dit_set_error(err, "%s: truncated %dx%d %s image: the decoder needed more than the file's %zu bytes",
+                      name, w, h, format, len);
+        stbi_image_free(pixels);
+        return -1;
+    }
     if (!pixels) {
-        if (!format) format = "TGA";  // the only format without a signature that stbi_info accepts
         dit_set_error(err, "%s: cannot decode this %dx%d %s image (corrupt or truncated): stb_image: %s",
                       name, w, h, format, failure_reason(format));
         return -1;

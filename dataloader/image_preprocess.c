@@ -89,7 +89,8 @@ int image_preprocess(const uint8_t *pixels, int w, int h, int in_channels,
                 if (color == out_channels) v = p[c];
                 else if (color == 1) v = p[0];
                 else v = 0.299f * p[0] + 0.587f * p[1] + 0.114f * p[2];
-                out[((size_t)c * S + oy) * S + ox] = v * (2.0f / 255.0f) - 1.0f;
+                v = v * (2.0f / 255.0f) - 1.0f;
+                out[((size_t)c * S + oy) * S + ox] = fminf(fmaxf(v, -1.0f), 1.0f);  // rounding of the weights
             }
         }
     }

@@ -15,7 +15,7 @@ extern "C" {
 // Geometry: the centered square of side m = min(w, h) (integer offsets (w-m)/2, (h-m)/2) is
 // resized to S x S: area (box) filter when m >= S, bilinear (pixel centers aligned,
 // edges clamped) when m < S. flip != 0 mirrors the output left-right.
-// Values: v / 255 * 2 - 1. Returns 0, or -1 with err for unsupported arguments.
+// Values: v / 255 * 2 - 1 (clipped to [-1, 1] against rounding). Returns 0, or -1 with err for unsupported arguments.
 int image_preprocess(const uint8_t *pixels, int w, int h, int in_channels,
                      int S, int out_channels, int flip, float *out, char *err);
 
