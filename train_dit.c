@@ -43,7 +43,8 @@ static const char *usage_text =
     "  --model NAME          preset tiny | S | B | L | XL (default tiny)\n"
     "  --depth N --hidden N --heads N --patch N --image-size N --channels N   override the preset\n"
     "  --attn KIND           CPU: exact (fp32) | sage (the bit-defined quantized attention);\n"
-    "                        GPU: sage (default: sage on the GPU, exact on the CPU)\n"
+    "                        GPU: sage | bf16 (exact attention in bf16, FlashAttention-2)\n"
+    "                        (default: sage on the GPU, exact on the CPU)\n"
     "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
     "data:\n"
     "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
@@ -169,8 +170,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     }
     int on_gpu = !strcmp(a->device, "gpu");
     if (!a->attn) a->attn = on_gpu ? "sage" : "exact";
-    if (on_gpu ? strcmp(a->attn, "sage") != 0 : strcmp(a->attn, "exact") && strcmp(a->attn, "sage")) {
-        dit_set_error(err, "--attn: expected %s on the %s, got '%s'", on_gpu ? "sage" : "exact or sage",
+    if (strcmp(a->attn, on_gpu ? "bf16" : "exact") && strcmp(a->attn, "sage")) {
+        dit_set_error(err, "--attn: expected %s on the %s, got '%s'", on_gpu ? "sage or bf16" : "exact or sage",
                       a->device, a->attn);
         return -1;
     }
@@ -221,6 +222,7 @@ typedef struct {
 static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a, char *err) {
     memset(tr, 0, sizeof(*tr));
     tr->on_gpu = !strcmp(a->device, "gpu");
+    // exact attention: fp32 on the CPU, bf16 flash attention on the GPU (--attn bf16)
     DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
     if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : a->batch, attention, a->seed, err) != 0) die(err);
 #ifdef DIT_CUDA

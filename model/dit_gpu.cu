@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "attention/flash_cuda.h"
 #include "attention/sage_cuda.h"
 #include "layers/cuda_common.cuh"
 #include "layers/layers.h"
@@ -26,14 +27,16 @@ static void *arena_take(Arena *a, size_t bytes) {
 }
 #define TAKE(arena, ptr, count) ((ptr) = (decltype(ptr))arena_take((arena), (size_t)(count) * sizeof(*(ptr))))
 
-// The attention workspace of one block's forward (read by its backward) and of the backward.
+// The attention workspace of one block's forward (read by its backward; flash needs none) and
+// of the backward.
 static size_t attention_forward_workspace_bytes(const DitGpu *m, int B) {
     int H = m->cfg.heads, D = m->cfg.hidden / H, T = dit_tokens(&m->cfg);
-    return sage_cuda_forward_workspace_size(B, H, T, D, m->sage.pv);
+    return m->attention == DIT_ATTN_SAGE ? sage_cuda_forward_workspace_size(B, H, T, D, m->sage.pv) : 0;
 }
 static size_t attention_backward_workspace_bytes(const DitGpu *m, int B) {
     int H = m->cfg.heads, D = m->cfg.hidden / H, T = dit_tokens(&m->cfg);
-    return sage_cuda_backward_workspace_size(B, H, T, D);
+    return m->attention == DIT_ATTN_SAGE ? sage_cuda_backward_workspace_size(B, H, T, D)
+                                         : flash_cuda_backward_workspace_size(B, H, T, D);
 }
 
 // Lays out the activations, their gradients, the workspaces and the batch (as dit.c's
@@ -110,8 +113,8 @@ int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention atte
     memset(m, 0, sizeof(*m));
     TRY(dit_config_validate(cfg, err));
     int D = cfg->hidden / cfg->heads;
-    if (attention != DIT_ATTN_SAGE) {
-        dit_set_error(err, "dit_gpu_create: the GPU model has sage attention only (exact attention is CPU-only)");
+    if (attention != DIT_ATTN_SAGE && attention != DIT_ATTN_EXACT) {
+        dit_set_error(err, "dit_gpu_create: unknown attention %d (expected DIT_ATTN_SAGE or DIT_ATTN_EXACT)", (int)attention);
         return -1;
     }
     if (D != 64 && D != 128) {
@@ -260,8 +263,9 @@ int dit_gpu_set_flow_batch(DitGpu *m, const float *x0, const float *noise, const
 
 // ---- attention: the one place that knows the kernel ----------------------------------------
 // Block l's attention: att, lse (B, H, T, D) from q, k, v; the forward may leave state for the
-// backward in the block's workspace. Another kernel with this shape (bf16 q, k, v, out; fp32
-// base-2 lse; fp32 dq, dk, dv written) plugs in here.
+// backward in the block's workspace. Both kernels have the same shape (bf16 q, k, v, out; fp32
+// base-2 lse; fp32 dq, dk, dv written): sage (quantized) for DIT_ATTN_SAGE, and for
+// DIT_ATTN_EXACT the bf16 FlashAttention-2 kernel (exact attention computed in bf16).
 
 static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
     const DitConfig *c = &m->cfg;
@@ -269,6 +273,10 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
     size_t blk = (size_t)B * T * c->hidden;
     DitGpuActivations *a = &m->acts;
     void *ws = (char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
+    if (m->attention == DIT_ATTN_EXACT)
+        return flash_forward_cuda((uint16_t *)(a->att + l * blk), a->att_lse + (size_t)l * B * H * T,
+                                  (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
+                                  (const uint16_t *)(a->v + l * blk), B, H, T, D, m->stream, err);
     return sage_forward_cuda((uint16_t *)(a->att + l * blk), a->att_lse + (size_t)l * B * H * T, ws,
                              (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
                              (const uint16_t *)(a->v + l * blk), B, H, T, D, m->sage.pv, m->stream, err);
@@ -281,6 +289,11 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, char *err) {
     DitGpuActivations *a = &m->acts;
     DitGpuGradActs *g = &m->grad_acts;
     const void *fwd_ws = (const char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
+    if (m->attention == DIT_ATTN_EXACT)
+        return flash_backward_cuda(g->dq, g->dk, g->dv, g->att_workspace, (const uint16_t *)g->att,
+                                   (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
+                                   (const uint16_t *)(a->v + l * blk), (const uint16_t *)(a->att + l * blk),
+                                   a->att_lse + (size_t)l * B * H * T, B, H, T, D, m->stream, err);
     return sage_backward_cuda(g->dq, g->dk, g->dv, g->att_workspace, fwd_ws, (const uint16_t *)g->att,
                               (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
                               (const uint16_t *)(a->v + l * blk), (const uint16_t *)(a->att + l * blk),

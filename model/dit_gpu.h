@@ -4,6 +4,7 @@
 // Precision as llm.c: fp32 master weights, AdamW moments, EMA and parameter gradients; a bf16
 // copy of the weights and bf16 activations for compute; fp32 LayerNorm statistics, attention
 // LSE, loss and reductions. Parameter gradients are sums in a fixed order (no float atomics).
+// Attention: sage (quantized) or exact attention computed in bf16 (FlashAttention-2 kernel).
 // Memory: one device allocation holds every parameter-sized buffer, one holds the activations,
 // their gradients, the attention workspaces and the batch (plus the LayersCuda context's own).
 //
@@ -65,8 +66,8 @@ typedef struct {
     DitConfig cfg;
     size_t num_params;
     int batch;                         // activations are allocated for this batch size
-    DitAttention attention;            // DIT_ATTN_SAGE (DIT_ATTN_EXACT has no GPU kernel)
-    SageConfig sage;                   // the GPU kernels fix q_block = k_block = 64; pv is used
+    DitAttention attention;            // DIT_ATTN_SAGE: sage kernels; DIT_ATTN_EXACT: bf16 flash attention
+    SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is used
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling)
     void *params_alloc;
@@ -85,7 +86,8 @@ typedef struct {
     cudaStream_t stream;
 } DitGpu;
 
-// Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE.
+// Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE (sage
+// kernels, attention/sage_cuda.h) or DIT_ATTN_EXACT (bf16 flash attention, attention/flash_cuda.h).
 int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err);
 void dit_gpu_free(DitGpu *m);
 // Bytes of each part, for the memory plan: parameter-sized buffers, activations (incl. gradients
