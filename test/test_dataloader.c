@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include "dataloader/stb_image.h"
 #include <stb/stb_image_write.h>
@@ -925,4 +926,37 @@ Test(grid, preview_writes_training_samples_and_keeps_the_position) {
     stbi_image_free(png);
     dataloader_close(dl2);
     dataloader_close(dl);
+}
+
+// ---- throughput (run by hand) ----------------------------------------------------------------
+// DITC_BENCH_DATA=data/fashion-mnist build/test_dataloader --filter 'bench/*' --jobs 1
+// prints decoded-and-preprocessed images/s, inline and with the prefetch thread, for 64 batches
+// of 256 at S = 32 (RGB: the gray files are converted).
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+Test(bench, images_per_second, .timeout = 600) {
+    const char *root = getenv("DITC_BENCH_DATA");
+    if (!root) cr_skip_test("set DITC_BENCH_DATA=<image folder> to measure decoded images/s");
+    enum { B = 256, S = 32, BATCHES = 64 };
+    static float images[B * 3 * S * S];
+    int labels[B];
+    for (int prefetch = 0; prefetch <= 4; prefetch += 4) {
+        DataLoaderConfig cfg = config(root, S, 3, B);
+        cfg.random_flip = 1;
+        cfg.prefetch = prefetch;
+        DataLoader *dl;
+        char err[DIT_ERR_LEN];
+        cr_assert_eq(dataloader_open(&dl, &cfg, err), 0, "%s", err);
+        double t0 = now_seconds();
+        for (int i = 0; i < BATCHES; i++) cr_assert_eq(dataloader_next_batch(dl, images, labels, err), 0, "%s", err);
+        double seconds = now_seconds() - t0;
+        printf("bench: %s, prefetch %d: %d images in %.2f s = %.0f images/s\n", root, prefetch, B * BATCHES,
+               seconds, B * BATCHES / seconds);
+        dataloader_close(dl);
+    }
 }
