@@ -91,6 +91,14 @@ fuzz: $(FUZZ_BINS)
 	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -artifact_prefix=$(BUILD)/fuzz_$$n- $(BUILD)/corpus/$$n test/corpus/$$n 2>&1 | grep -E 'stat::number_of_executed_units|ERROR|SUMMARY' ; \
 	  test $${PIPESTATUS[0]} -eq 0; done
 
+# make data: Fashion-MNIST's train split (Debian's dataset-fashion-mnist) as an image folder
+FASHION_MNIST_SRC ?= /usr/share/datasets/fashion-mnist
+$(BUILD)/make_fashion_mnist: dev/make_fashion_mnist.c $(BUILD)/dataloader/image_grid.o $(BUILD)/layers/common.o
+	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+
+data: $(BUILD)/make_fashion_mnist
+	$(BUILD)/make_fashion_mnist $(FASHION_MNIST_SRC) data/fashion-mnist
+
 clean:
 	rm -rf $(BUILD) train_dit
 
