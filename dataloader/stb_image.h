@@ -1,6 +1,7 @@
-// stb_image v2.30 from github.com/nothings/stb (commit 31c1ad3), vendored unchanged below this
+// stb_image v2.30 from github.com/nothings/stb (commit 31c1ad3), vendored below this
 // comment: Debian's libstb-dev ships v2.27, whose JPEG decoder writes out of bounds on crafted
 // files (stb issues 1289/1291, fixed in 2.28); test/fuzz_image_decode.c finds that in seconds.
+// One change, marked "dit.c": empty PNG IDAT chunks are skipped (UBSan: NULL + 0).
 /* stb_image - v2.30 - public domain image loader - http://nothings.org/stb
                                   no warranty implied; use at your own risk
 
@@ -5194,7 +5195,7 @@ static int stbi__parse_png_file(stbi__png *z, int scan, int req_comp)
                p = (stbi_uc *) STBI_REALLOC_SIZED(z->idata, idata_limit_old, idata_limit); if (p == NULL) return stbi__err("outofmem", "Out of memory");
                z->idata = p;
             }
-            // dit.c: skip empty IDAT chunks (z->idata may still be NULL: NULL + 0 is undefined)
+            // dit.c (the one change): skip empty IDAT chunks (z->idata may still be NULL: NULL + 0 is undefined)
             if (c.length && !stbi__getn(s, z->idata+ioff,c.length)) return stbi__err("outofdata","Corrupt PNG");
             ioff += c.length;
             break;
