@@ -444,11 +444,13 @@ static void save_checkpoint(Trainer *tr, const TrainArgs *a, DataLoader *dl, con
     printf("wrote %s\n", path);
 }
 
-// --dump-parity: everything dev/parity.py needs to replay the run in PyTorch.
+// --dump-parity: everything dev/parity.py needs to replay the run in PyTorch. The output, loss
+// and gradients are kept for the first step and for the last (when DiT's zero init makes most
+// first-step gradients exactly zero, the last step's are not).
 typedef struct {
-    float *init_params, *x0, *noise, *t, *out1, *grads1, *losses, *grad_norms, *lrs;
+    float *init_params, *x0, *noise, *t, *losses, *grad_norms, *lrs;
     int *labels;
-    float loss1;
+    float *out[2], *grads[2], loss[2];   // [0]: step 1, [1]: the last step
 } ParityDump;
 
 static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
@@ -459,15 +461,22 @@ static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
     if (!info || !w) die("out of memory for the parity dump");
     dit_tensor_infos(c, info);
     checkpoint_add_params(w, c, info, "params.", p->init_params);
-    checkpoint_add_params(w, c, info, "step1.grad.", p->grads1);
     checkpoint_add_params(w, c, info, "final.params.", m->params_memory);   // after the last step
     int64_t S = a->steps, B = a->batch, C = c->channels, R = c->image_size;
+    for (int k = 0; k < (S > 1 ? 2 : 1); k++) {
+        char prefix[32], name[96];
+        snprintf(prefix, sizeof(prefix), "step%d.", k ? a->steps : 1);
+        snprintf(name, sizeof(name), "%sgrad.", prefix);
+        checkpoint_add_params(w, c, info, name, p->grads[k]);
+        snprintf(name, sizeof(name), "%sout", prefix);
+        st_writer_add(w, name, ST_F32, (int64_t[]){B, C, R, R}, 4, p->out[k]);
+        snprintf(name, sizeof(name), "%sloss", prefix);
+        st_writer_add(w, name, ST_F32, (int64_t[]){1}, 1, &p->loss[k]);
+    }
     st_writer_add(w, "batch.x0", ST_F32, (int64_t[]){S, B, C, R, R}, 5, p->x0);
     st_writer_add(w, "batch.noise", ST_F32, (int64_t[]){S, B, C, R, R}, 5, p->noise);
     st_writer_add(w, "batch.t", ST_F32, (int64_t[]){S, B}, 2, p->t);
     st_writer_add(w, "batch.labels", ST_I32, (int64_t[]){S, B}, 2, p->labels);
-    st_writer_add(w, "step1.out", ST_F32, (int64_t[]){B, C, R, R}, 4, p->out1);
-    st_writer_add(w, "step1.loss", ST_F32, (int64_t[]){1}, 1, &p->loss1);
     st_writer_add(w, "losses", ST_F32, (int64_t[]){S}, 1, p->losses);
     st_writer_add(w, "grad_norms", ST_F32, (int64_t[]){S}, 1, p->grad_norms);
     st_writer_add(w, "lrs", ST_F32, (int64_t[]){S}, 1, p->lrs);
@@ -574,17 +583,20 @@ int main(int argc, char **argv) {
     if (a->dump_parity) {
         size_t S = a->steps, P = model->num_params;
         parity.init_params = malloc(P * sizeof(float));
-        parity.grads1 = malloc(P * sizeof(float));
+        for (int k = 0; k < 2; k++) {
+            parity.grads[k] = malloc(P * sizeof(float));
+            parity.out[k] = malloc(n_batch * sizeof(float));
+            if (!parity.grads[k] || !parity.out[k]) die("--dump-parity: out of memory");
+        }
         parity.x0 = malloc(S * n_batch * sizeof(float));
         parity.noise = malloc(S * n_batch * sizeof(float));
         parity.t = malloc(S * a->batch * sizeof(float));
         parity.labels = malloc(S * a->batch * sizeof(int));
-        parity.out1 = malloc(n_batch * sizeof(float));
         parity.losses = malloc(S * sizeof(float));
         parity.grad_norms = malloc(S * sizeof(float));
         parity.lrs = malloc(S * sizeof(float));
-        if (!parity.init_params || !parity.grads1 || !parity.x0 || !parity.noise || !parity.t ||
-            !parity.labels || !parity.out1 || !parity.losses || !parity.grad_norms || !parity.lrs)
+        if (!parity.init_params || !parity.x0 || !parity.noise || !parity.t || !parity.labels ||
+            !parity.losses || !parity.grad_norms || !parity.lrs)
             die("--dump-parity: out of memory (use fewer steps)");
         memcpy(parity.init_params, model->params_memory, P * sizeof(float));
     }
@@ -612,9 +624,10 @@ int main(int argc, char **argv) {
 
         // 3. forward, loss, backward
         float loss = step_gradients(&tr, x0, noise, t, labels, a->batch);
-        if (a->dump_parity && step == 1) {
-            trainer_read_output_grads(&tr, parity.out1, parity.grads1, a->batch);
-            parity.loss1 = loss;
+        if (a->dump_parity && (step == 1 || step == a->steps)) {
+            int k = step == 1 ? 0 : 1;
+            trainer_read_output_grads(&tr, parity.out[k], parity.grads[k], a->batch);
+            parity.loss[k] = loss;
         }
 
         // 4. clip by the global gradient norm, AdamW, EMA
@@ -656,8 +669,9 @@ int main(int argc, char **argv) {
     dataloader_close(dl);
     trainer_free(&tr);
     free(x0); free(noise); free(t); free(labels);
-    free(parity.init_params); free(parity.grads1); free(parity.x0); free(parity.noise);
-    free(parity.t); free(parity.labels); free(parity.out1); free(parity.losses); free(parity.grad_norms);
+    free(parity.init_params); free(parity.x0); free(parity.noise); free(parity.t); free(parity.labels);
+    free(parity.out[0]); free(parity.out[1]); free(parity.grads[0]); free(parity.grads[1]);
+    free(parity.losses); free(parity.grad_norms);
     free(parity.lrs);
     return 0;
 }
