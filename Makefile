@@ -20,7 +20,7 @@ ifeq ($(NO_CUDA),1)
 endif
 ifneq ($(NVCC),)
   CUDA_HOME  := $(patsubst %/bin/nvcc,%,$(NVCC))
-  NVCC_FLAGS := -O3 -std=c++17 -I. --use_fast_math -Xcompiler -Wall \
+  NVCC_FLAGS := -O3 -std=c++17 -I. --use_fast_math -Xcompiler -Wall -MMD -MP \
                 -gencode=arch=compute_80,code=sm_80 \
                 -gencode=arch=compute_90a,code=sm_90a
   CFLAGS     += -DDIT_CUDA -I$(CUDA_HOME)/include

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one go, for the GPU machine: the Criterion suites test_*_cuda,
+# then the attention benchmarks and the train_dit-vs-PyTorch step time. Logs go to LOGS (default
+# ./gpu_logs). BIN holds the prebuilt binaries and benchmark libraries (default build/); the
+# machine has no Criterion, so its runtime libraries come in LIBS (default .devlibs).
+#   BIN=build LOGS=/tmp/logs bash dev/gpu_suite.sh [tests|bench|all]
+set -uo pipefail
+BIN=${BIN:-build}; LOGS=${LOGS:-gpu_logs}; LIBS=${LIBS:-.devlibs}; what=${1:-all}
+mkdir -p "$LOGS"
+export LD_LIBRARY_PATH="$PWD/$LIBS:${LD_LIBRARY_PATH:-}"
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$LOGS/gpu.txt"
+date -u | tee -a "$LOGS/gpu.txt"
+if [ "$what" != bench ]; then
+    for t in "$BIN"/test_*_cuda; do
+        echo "== $t" | tee -a "$LOGS/tests.log"
+        "$t" --jobs 4 2>&1 | tee -a "$LOGS/tests.log" | grep -E "Synthesis|FAIL|Assertion" || status=1
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+fi
+if [ "$what" != tests ]; then
+    [ -f "$BIN/libsage_bench.so" ] && python3 dev/bench_attention.py "$BIN/libsage_bench.so" 2>&1 | tee "$LOGS/bench_sage.log"
+    [ -f "$BIN/libflash_bench.so" ] && python3 dev/bench_flash.py "$BIN/libflash_bench.so" 2>&1 | tee "$LOGS/bench_flash.log"
+    [ -x "$BIN/train_dit" ] && cp "$BIN/train_dit" . && python3 dev/bench_step.py --configs a,c 2>&1 | tee "$LOGS/bench_step.log"
+fi
+exit $status
