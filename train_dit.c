@@ -326,6 +326,32 @@ static void trainer_read_output_grads(Trainer *tr, float *out, float *grads, int
     memcpy(grads, tr->cpu.grads_memory, tr->cpu.num_params * sizeof(float));
 }
 
+// The host buffers of a batch: page-locked on the GPU, so the copies to the device run at full
+// speed and asynchronously.
+static void *batch_alloc(const Trainer *tr, size_t bytes) {
+    void *p = NULL;
+#ifdef DIT_CUDA
+    if (tr->on_gpu) {
+        if (cudaMallocHost(&p, bytes) != cudaSuccess) die("cudaMallocHost: out of pinned host memory for the batch");
+        return p;
+    }
+#endif
+    (void)tr;
+    if (!(p = malloc(bytes))) die("out of memory for the batch");
+    return p;
+}
+
+static void batch_free(const Trainer *tr, void *p) {
+#ifdef DIT_CUDA
+    if (tr->on_gpu) {
+        cudaFreeHost(p);
+        return;
+    }
+#endif
+    (void)tr;
+    free(p);
+}
+
 // Euler sampling with guidance from the EMA weights (model/sample.h).
 static void trainer_sample(Trainer *tr, float *x, const int *labels, int n, const TrainArgs *a) {
     char err[DIT_ERR_LEN];
@@ -574,10 +600,9 @@ int main(int argc, char **argv) {
     print_memory_plan(&tr);
 
     size_t img = (size_t)cfg.channels * cfg.image_size * cfg.image_size, n_batch = a->batch * img;
-    float *x0 = malloc(n_batch * sizeof(float)), *noise = malloc(n_batch * sizeof(float));
-    float *t = malloc(a->batch * sizeof(float));
-    int *labels = malloc(a->batch * sizeof(int));
-    if (!x0 || !noise || !t || !labels) die("out of memory for the batch");
+    float *x0 = batch_alloc(&tr, n_batch * sizeof(float)), *noise = batch_alloc(&tr, n_batch * sizeof(float));
+    float *t = batch_alloc(&tr, a->batch * sizeof(float));
+    int *labels = batch_alloc(&tr, a->batch * sizeof(int));
 
     ParityDump parity = {0};
     if (a->dump_parity) {
@@ -667,8 +692,8 @@ int main(int argc, char **argv) {
 
     fclose(log);
     dataloader_close(dl);
+    batch_free(&tr, x0); batch_free(&tr, noise); batch_free(&tr, t); batch_free(&tr, labels);
     trainer_free(&tr);
-    free(x0); free(noise); free(t); free(labels);
     free(parity.init_params); free(parity.x0); free(parity.noise); free(parity.t); free(parity.labels);
     free(parity.out[0]); free(parity.out[1]); free(parity.grads[0]); free(parity.grads[1]);
     free(parity.losses); free(parity.grad_norms);
