@@ -144,4 +144,105 @@ __device__ __forceinline__ void wgmma_e4m3_m64n128k32(float d[64], const uint32_
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
 }
 
+// ---- the sage backward: bf16 wgmma, MN-major operands, ordering, 1-D TMA -------------------------
+// 16-bit operands in shared memory may be K-major (trans 0) or MN-major (trans 1: each of the K
+// rows holds its M (or N) elements contiguously). MN-major with the 128-byte (64-byte) swizzle:
+// atoms of 8 K-rows × 64 (32) elements, 1024 (512) bytes, the 16-byte chunks of each row
+// XOR-permuted as in the K-major case; SBO = stride between groups of 8 K-rows, LBO = stride
+// between atoms along M (N); a k16 step is +2 groups of 8 K-rows on the start address.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint64_t smem_desc_mn(const void *smem, uint32_t lbo_bytes) {
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "swizzled rows of 128 or 64 bytes");
+    uint64_t addr = (uint32_t)__cvta_generic_to_shared(smem);
+    uint64_t desc = (addr & 0x3ffff) >> 4;                   // bits 0-13: start address / 16
+    desc |= (uint64_t)((lbo_bytes >> 4) & 0x3fff) << 16;     // bits 16-29: LBO / 16 (atoms along M/N)
+    desc |= (uint64_t)((8 * ROW_BYTES) >> 4) << 32;          // bits 32-45: SBO / 16 (8 K-rows)
+    desc |= (uint64_t)(ROW_BYTES == 128 ? 1 : 2) << 62;      // bits 62-63: 128B (1) or 64B (2) swizzle
+    return desc;
+}
+
+// Byte offset `off` (from a tile aligned to 1024 bytes) of the unswizzled layout with rows of
+// ROW_BYTES = 128 (64) bytes, moved to where the 128-byte (64-byte) swizzle puts it: the 16-byte
+// chunk index XOR the row index mod 8 (128 B rows) or (row / 2) mod 4 (64 B rows), i.e. address
+// bits 4-6 (4-5) XOR bits 7-9 (7-8). For ordinary stores into tiles that wgmma reads.
+template <int ROW_BYTES> __device__ __forceinline__ uint32_t swizzle_offset(uint32_t off) {
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "swizzled rows of 128 or 64 bytes");
+    return off ^ (((off >> 7) & (ROW_BYTES == 128 ? 7u : 3u)) << 4);
+}
+
+// Orders this thread's ordinary shared-memory writes before later reads by the tensor cores or
+// the TMA unit (the async proxy); a barrier must follow before another thread's wgmma reads them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Barrier `id` (1..15) over the first `threads` threads of the CTA (a multiple of 32).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// 1-D box of the tensor map at element x into shared memory, completion counted in bytes on `bar`.
+__device__ __forceinline__ void tma_load_1d(void *smem, const CUtensorMap *map, uint64_t *bar, int x) {
+    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%3}], [%2];\n"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(smem)), "l"((uint64_t)map),
+                   "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x) : "memory");
+}
+
+// d (+)= A·B, bf16 -> fp32, m64n32k16, A and B in shared memory (descriptors); TRANS_A / TRANS_B
+// = 1 for MN-major operands. scale_d = 0 overwrites d, 1 accumulates. d: 16 registers per thread.
+template <int scale_d, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_bf16_m64n32k16_ss(float d[16], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, %18, 1, 1, %19, %20;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(desc_a), "l"(desc_b), "n"(scale_d), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// d (+)= A·B, bf16 -> fp32, m64n64k16, A and B in shared memory (descriptors); TRANS_A / TRANS_B
+// = 1 for MN-major operands. scale_d = 0 overwrites d, 1 accumulates. d: 32 registers per thread.
+template <int scale_d, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_bf16_m64n64k16_ss(float d[32], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, %34, 1, 1, %35, %36;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b), "n"(scale_d), "n"(TRANS_A), "n"(TRANS_B));
+}
+
+// d (+)= A·B, bf16 -> fp32, m64n64k16, A from registers (4 per thread: each warp's 16 rows in the
+// m16n8k16 A layout of sage_mma.cuh), B in shared memory, MN-major if TRANS_B. d: 32 registers.
+template <int scale_d, int TRANS_B>
+__device__ __forceinline__ void wgmma_bf16_m64n64k16_rs(float d[32], const uint32_t a[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, %37, 1, 1, %38;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d), "n"(TRANS_B));
+}
+
+// d (+)= A·B, bf16 -> fp32, m64n128k16, A from registers (4 per thread: each warp's 16 rows in the
+// m16n8k16 A layout of sage_mma.cuh), B in shared memory, MN-major if TRANS_B. d: 64 registers.
+template <int scale_d, int TRANS_B>
+__device__ __forceinline__ void wgmma_bf16_m64n128k16_rs(float d[64], const uint32_t a[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, %69, 1, 1, %70;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d), "n"(TRANS_B));
+}
+
 #endif  // SAGE_SM90_DEVICE

@@ -7,8 +7,8 @@
 #   nvcc -O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 \
 #        -gencode=arch=compute_90a,code=sm_90a -shared -o build/libsage_bench.so \
 #        attention/sage_quant.cu attention/sage_forward.cu attention/sage_forward_sm90.cu \
-#        attention/sage_backward.cu build/common_pic.o
-#   python3 dev/bench_attention.py [build/libsage_bench.so]
+#        attention/sage_backward.cu attention/sage_backward_sm90.cu build/common_pic.o
+#   python3 dev/bench_attention.py [build/libsage_bench.so [D:N,...]]
 import ctypes
 import os
 import statistics
@@ -20,6 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # "sage_fp8"/"sage_fp16" time the mma.sync kernel (sage_forward.cu), "sm90" the wgmma kernel
 # (sage_forward_sm90.cu, FP8 P·V), which sage_forward_cuda otherwise picks on an sm_90 device.
+# "sage_bwd" times the mma.sync backward (sage_backward_cuda under DIT_SAGE_MMA_SYNC=1), "sm90_bwd"
+# the wgmma backward (sage_backward_sm90.cu), both on the same forward's out, lse and workspace.
 os.environ["DIT_SAGE_MMA_SYNC"] = "1"
 lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "build/libsage_bench.so")
 P = ctypes.c_void_p
@@ -33,6 +35,8 @@ lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_c
 lib.sage_forward_sm90_available.restype = ctypes.c_int
 lib.sage_forward_sm90_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
 lib.sage_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+lib.sage_backward_sm90_available.restype = ctypes.c_int
+lib.sage_backward_sm90_cuda.argtypes = lib.sage_backward_cuda.argtypes
 FP8, FP16 = 0, 1
 err = ctypes.create_string_buffer(512)
 
@@ -63,9 +67,14 @@ def main():
     H = 16
     rows = []
     sm90 = lib.sage_forward_sm90_available() == 1
-    print(f"# sm90 wgmma kernel available: {sm90}")
+    bwd90 = lib.sage_backward_sm90_available() == 1
+    print(f"# sm90 wgmma kernels available: forward {sm90}, backward {bwd90}")
+    # optional second argument: only these "D:N" sizes, comma-separated (e.g. 128:16384,64:16384)
+    only = {tuple(int(x) for x in dn.split(":")) for dn in sys.argv[2].split(",")} if len(sys.argv) > 2 else None
     for D in (64, 128):
         for N in (1024, 2048, 4096, 8192, 16384, 32768):
+            if only and (D, N) not in only:
+                continue
             B = max(1, 16384 // N)
             iters = 30 if N <= 8192 else 10
             q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -95,6 +104,12 @@ def main():
                                              v.data_ptr(), out.data_ptr(), lse.data_ptr(), None,
                                              B, H, N, D, FP8, stream, err), "backward")
 
+            def bwd_sm90():
+                check(lib.sage_backward_sm90_cuda(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), bws.data_ptr(),
+                                                  ws[FP8].data_ptr(), do.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                                  v.data_ptr(), out.data_ptr(), lse.data_ptr(), None,
+                                                  B, H, N, D, FP8, stream, err), "backward sm90")
+
             flops = 4 * B * H * N * N * D
             t = {}
             t["quant"] = median_ms(lambda: quant(FP8), iters)
@@ -107,6 +122,12 @@ def main():
                 t["sm90"] = median_ms(fwd_sm90, iters)
                 cos90 = F.cosine_similarity(out[:, :2].float().flatten(), ref.flatten(), dim=0).item()
             t["sage_bwd"] = median_ms(bwd, iters)
+            bwd_diff = float("nan")   # max over dq, dk, dv of rel L2(sm90 - mma.sync)
+            if bwd90:
+                ref_g = [x.clone() for x in (dq, dk, dv)]
+                t["sm90_bwd"] = median_ms(bwd_sm90, iters)
+                bwd_diff = max(((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref_g))
+                del ref_g
             qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
             for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
                 with sdpa_kernel(backend):
@@ -117,19 +138,21 @@ def main():
             tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
             rows.append((D, N, B, t, tops, cos))
             print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
-                  + f" cos(sage_fp8, fp32 sdpa)={cos:.6f} cos(sm90, fp32 sdpa)={cos90:.6f}", flush=True)
+                  + f" cos(sage_fp8, fp32 sdpa)={cos:.6f} cos(sm90, fp32 sdpa)={cos90:.6f}"
+                  + f" rel(sm90 bwd, sage bwd)={bwd_diff:.2e}", flush=True)
             del q, k, v, do, out, lse, ws, bws, dq, dk, dv, qg, kg, vg, o
             torch.cuda.empty_cache()
     print("\n| D | N | B | sm90 fwd | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd "
-          "| sm90/cuDNN | fp8/cuDNN | sage bwd | cuDNN bwd | flash bwd | bwd/cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| sm90/cuDNN | fp8/cuDNN | sage bwd | sm90 bwd | cuDNN bwd | flash bwd | bwd/cuDNN | sm90 bwd/cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for D, N, B, t, tops, cos in rows:
         t90 = tops.get("sm90", float("nan"))
+        b90 = tops.get("sm90_bwd", float("nan"))
         print(f"| {D} | {N} | {B} | {t90:.0f} | {tops['sage_fp8']:.0f} | {tops['sage_fp16']:.0f} | {t['quant']:.3f} "
               f"| {tops['cudnn']:.0f} | {tops['flash']:.0f} | {t90 / tops['cudnn']:.2f} "
               f"| {tops['sage_fp8'] / tops['cudnn']:.2f} "
-              f"| {tops['sage_bwd']:.0f} | {tops['cudnn_bwd']:.0f} | {tops['flash_bwd']:.0f} "
-              f"| {tops['sage_bwd'] / tops['cudnn_bwd']:.2f} |")
+              f"| {tops['sage_bwd']:.0f} | {b90:.0f} | {tops['cudnn_bwd']:.0f} | {tops['flash_bwd']:.0f} "
+              f"| {tops['sage_bwd'] / tops['cudnn_bwd']:.2f} | {b90 / tops['cudnn_bwd']:.2f} |")
     print("(TOPS; forward 4·B·H·N²·D, backward 2.5× that; sage fwd includes the quantization pass)")
 
 

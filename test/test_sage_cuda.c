@@ -613,3 +613,126 @@ Test(sage_cuda, sm90_forward_then_backward_matches_definition, .timeout = 120) {
     free_fwd(&f);
     free_case(&c);
 }
+
+// ---- 6. the Hopper backward (sage_backward_sm90.cu: wgmma + TMA) -------------------------------
+// Skips unless the device is sm_90 and the build has sm_90a code. The same forward (out, lse and
+// quantized tensors) feeds the sm90 backward, the mma.sync backward (sage_backward_cuda with
+// DIT_SAGE_MMA_SYNC=1) and the CPU definition. Both GPU kernels round the same P, dS, dO, Q and
+// k - k_mean to bf16 and differ only in fp32 summation order (and the rare bf16 rounding flip it
+// causes), so they must agree to 2e-3 rel L2; against the definition the tolerance is the
+// mma.sync backward's, 1e-2.
+#define SKIP_WITHOUT_SM90_BWD()                                                              \
+    do {                                                                                     \
+        SKIP_WITHOUT_GPU();                                                                  \
+        if (!sage_backward_sm90_available()) cr_skip_test("no sm_90 device or no sm_90a code"); \
+    } while (0)
+
+static float *gpu_backward_sm90(const Case *c, const Fwd *f, SagePV pv, const float *delta_dev) {
+    char err[DIT_ERR_LEN] = "";
+    float *d = dmalloc(3 * c->n * sizeof(float));
+    void *ws = dmalloc(sage_cuda_backward_workspace_size(c->B, c->H, c->N, c->D));
+    int rc = sage_backward_sm90_cuda(d, d + c->n, d + 2 * c->n, ws, f->ws, c->ddout, c->dq_, c->dk_, c->dv_,
+                                     f->out_dev, f->lse_dev, delta_dev, c->B, c->H, c->N, c->D, pv, 0, err);
+    cr_assert_eq(rc, 0, "sage_backward_sm90_cuda: %s", err);
+    CUDA_OK(cudaDeviceSynchronize());
+    float *h = xmalloc(3 * c->n * sizeof(float));
+    CUDA_OK(cudaMemcpy(h, d, 3 * c->n * sizeof(float), cudaMemcpyDeviceToHost));
+    cudaFree(d);
+    cudaFree(ws);
+    return h;
+}
+static float *gpu_backward_mma_sync(const Case *c, const Fwd *f, SagePV pv, const float *delta_dev) {
+    setenv("DIT_SAGE_MMA_SYNC", "1", 1);
+    float *g = gpu_backward(c, f, pv, delta_dev);
+    unsetenv("DIT_SAGE_MMA_SYNC");
+    return g;
+}
+
+// rel L2 of dq, dk, dv (3·n floats each side) into rel[3]; prints them under `what`.
+static void compare_grads(double rel[3], const float *g, const float *ref, const Case *c, const char *what) {
+    double cosv;
+    for (int t = 0; t < 3; t++) compare(&rel[t], &cosv, g + t * c->n, ref + t * c->n, c->n);
+    fprintf(stderr, "sm90 backward B=%d H=%d N=%d D=%d vs %s: rel L2 dq %.2e dk %.2e dv %.2e\n", c->B, c->H, c->N,
+            c->D, what, rel[0], rel[1], rel[2]);
+}
+
+static void check_backward_sm90(int B, int H, int N, int D, SagePV pv, InputKind kind) {
+    Case c = make_case(B, H, N, D, kind, 9100 + N + D + pv);
+    Fwd f = gpu_forward(&c, pv);
+    float *g = gpu_backward_sm90(&c, &f, pv, NULL), *gm = gpu_backward_mma_sync(&c, &f, pv, NULL);
+    float *ref = xmalloc(3 * c.n * 4);
+    sage_backward(ref, ref + c.n, ref + 2 * c.n, c.dout, c.q, c.k, c.v, f.out, f.lse, B, H, N, D,
+                  pv == SAGE_PV_FP8 ? GPU_FP8 : GPU_FP16);
+    double rel[3];
+    compare_grads(rel, g, ref, &c, pv == SAGE_PV_FP8 ? "definition (fp8)" : "definition (fp16)");
+    for (int t = 0; t < 3; t++) cr_expect(rel[t] < 1e-2, "d%c rel L2 vs CPU definition %g >= 1e-2", "qkv"[t], rel[t]);
+    compare_grads(rel, g, gm, &c, "mma.sync");
+    for (int t = 0; t < 3; t++) cr_expect(rel[t] < 2e-3, "d%c rel L2 vs mma.sync backward %g >= 2e-3", "qkv"[t], rel[t]);
+    free(g); free(gm); free(ref);
+    free_fwd(&f);
+    free_case(&c);
+}
+
+Test(sage_cuda, sm90_backward_matches_definition_and_mma_sync, .timeout = 120) {
+    SKIP_WITHOUT_SM90_BWD();
+    check_backward_sm90(1, 2, 256, 64, SAGE_PV_FP8, GAUSSIAN);
+    check_backward_sm90(1, 1, 200, 128, SAGE_PV_FP8, GAUSSIAN);
+    check_backward_sm90(1, 1, 130, 128, SAGE_PV_FP8, OUTLIERS);
+    check_backward_sm90(1, 1, 129, 64, SAGE_PV_FP8, OUTLIERS);
+    check_backward_sm90(1, 1, 1, 128, SAGE_PV_FP8, GAUSSIAN);
+    check_backward_sm90(1, 1, 1, 64, SAGE_PV_FP16, GAUSSIAN);
+    check_backward_sm90(2, 3, 333, 64, SAGE_PV_FP16, OUTLIERS);
+    check_backward_sm90(3, 2, 200, 128, SAGE_PV_FP16, GAUSSIAN);
+    check_backward_sm90(1, 1, 77, 64, SAGE_PV_FP16, GAUSSIAN);
+}
+
+// Lengths too long for the CPU definition: the sm90 backward against the mma.sync one.
+Test(sage_cuda, sm90_backward_matches_mma_sync_long, .timeout = 120) {
+    SKIP_WITHOUT_SM90_BWD();
+    int configs[4][5] = {{1, 2, 4096, 128, SAGE_PV_FP8}, {2, 3, 2000, 64, SAGE_PV_FP8},
+                         {1, 16, 1111, 128, SAGE_PV_FP16}, {1, 1, 8192, 64, SAGE_PV_FP8}};
+    for (int ci = 0; ci < 4; ci++) {
+        int B = configs[ci][0], H = configs[ci][1], N = configs[ci][2], D = configs[ci][3];
+        SagePV pv = (SagePV)configs[ci][4];
+        Case c = make_case(B, H, N, D, ci % 2 ? OUTLIERS : GAUSSIAN, 9200 + ci);
+        Fwd f = gpu_forward(&c, pv);
+        float *g = gpu_backward_sm90(&c, &f, pv, NULL), *gm = gpu_backward_mma_sync(&c, &f, pv, NULL);
+        double rel[3];
+        compare_grads(rel, g, gm, &c, "mma.sync");
+        for (int t = 0; t < 3; t++)
+            cr_expect(rel[t] < 2e-3, "d%c rel L2 vs mma.sync %g >= 2e-3 (B=%d H=%d N=%d D=%d)", "qkv"[t], rel[t], B, H,
+                      N, D);
+        free(g); free(gm);
+        free_fwd(&f);
+        free_case(&c);
+    }
+}
+
+// A caller's delta is used as given: 0.9·rowsum(dout∘out) (not what the backward would compute
+// itself) into both backwards; they must agree, and differ from the default delta's result.
+Test(sage_cuda, sm90_backward_uses_given_delta, .timeout = 60) {
+    SKIP_WITHOUT_SM90_BWD();
+    Case c = make_case(2, 2, 300, 128, GAUSSIAN, 9300);
+    Fwd f = gpu_forward(&c, SAGE_PV_FP8);
+    size_t rows = (size_t)c.B * c.H * c.N;
+    float *delta = xmalloc(rows * 4);
+    for (size_t r = 0; r < rows; r++) {
+        double s = 0;
+        for (int d = 0; d < c.D; d++) s += (double)c.dout[r * c.D + d] * f.out[r * c.D + d];
+        delta[r] = (float)(0.9 * s);
+    }
+    float *delta_dev = dmalloc(rows * 4);
+    CUDA_OK(cudaMemcpy(delta_dev, delta, rows * 4, cudaMemcpyHostToDevice));
+    float *g = gpu_backward_sm90(&c, &f, SAGE_PV_FP8, delta_dev);
+    float *gm = gpu_backward_mma_sync(&c, &f, SAGE_PV_FP8, delta_dev);
+    float *g0 = gpu_backward_sm90(&c, &f, SAGE_PV_FP8, NULL);
+    double rel[3], rel0[3];
+    compare_grads(rel, g, gm, &c, "mma.sync, both with the given delta");
+    compare_grads(rel0, g, g0, &c, "itself with the default delta");
+    for (int t = 0; t < 3; t++) cr_expect(rel[t] < 2e-3, "d%c rel L2 vs mma.sync (given delta) %g", "qkv"[t], rel[t]);
+    cr_expect(rel0[0] > 1e-2, "dq with the given delta equals the default delta's (rel L2 %g)", rel0[0]);
+    free(g); free(gm); free(g0); free(delta);
+    cudaFree(delta_dev);
+    free_fwd(&f);
+    free_case(&c);
+}
