@@ -1,0 +1,145 @@
+// Bad arguments to the library's checked entry points return -1 with a message that names the
+// function and the bad value (layers/common.h's convention), and a NULL err is allowed. The CUDA
+// argument checks run before any CUDA call, so these tests need no GPU (built when the library
+// has CUDA). The CPU layer and attention functions take trusted shapes and are not tested here.
+#include <criterion/criterion.h>
+#include <stdint.h>
+#include <string.h>
+#include "layers/common.h"
+#include "dataloader/dataloader.h"
+#include "model/dit.h"
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
+#ifdef DIT_CUDA
+#include "layers/layers_cuda.h"
+#include "attention/sage_cuda.h"
+#include "attention/flash_cuda.h"
+#endif
+
+// rc must be -1 and err must contain every one of the given fragments.
+#define EXPECT_ERROR(rc, err, ...) do {                                                          \
+        cr_assert_eq((rc), -1, "expected an error, got %d", (rc));                               \
+        const char *frags_[] = {__VA_ARGS__};                                                    \
+        for (size_t i_ = 0; i_ < sizeof frags_ / sizeof *frags_; i_++)                           \
+            cr_assert(strstr((err), frags_[i_]), "message \"%s\" lacks \"%s\"", (err), frags_[i_]); \
+    } while (0)
+
+// ---- data loader, model config, safetensors, checkpoints ----------------------------------
+
+Test(cpu_api, dataloader_rejects_bad_sizes_and_a_null_root) {
+    char err[DIT_ERR_LEN];
+    DataLoader *dl = (DataLoader *)1;
+    DataLoaderConfig cfg = {.root = DATALOADER_SYNTHETIC, .image_size = 8, .channels = 1, .batch_size = 2};
+    cfg.image_size = 5000;
+    EXPECT_ERROR(dataloader_open(&dl, &cfg, err), err, "image_size must be in 1..4096", "image_size=5000");
+    cr_assert_null(dl, "the handle is cleared on failure");
+    cfg.image_size = 8;
+    cfg.prefetch = 65;
+    EXPECT_ERROR(dataloader_open(&dl, &cfg, err), err, "prefetch must be in 0..64");
+    cfg.prefetch = 0;
+    cfg.root = NULL;
+    EXPECT_ERROR(dataloader_open(&dl, &cfg, err), err, "root must name a folder", "root=(null)");
+    cr_assert_eq(dataloader_open(&dl, &cfg, NULL), -1, "err may be NULL");
+}
+
+Test(cpu_api, model_config_and_batch_errors_name_the_field) {
+    char err[DIT_ERR_LEN];
+    DitConfig cfg;
+    cr_assert_eq(dit_config_preset(&cfg, "tiny", err), 0, "%s", err);
+    EXPECT_ERROR(dit_config_preset(&cfg, "huge", err), err, "huge");
+    DitConfig bad = cfg;
+    bad.heads = 3;
+    EXPECT_ERROR(dit_config_validate(&bad, err), err, "not a multiple of heads 3");
+    bad = cfg;
+    bad.patch = 0;
+    EXPECT_ERROR(dit_config_validate(&bad, err), err, "every size must be positive", "patch 0");
+    bad = cfg;
+    bad.image_size = cfg.patch * 3 + 1;
+    EXPECT_ERROR(dit_config_validate(&bad, err), err, "not a multiple of patch");
+    Dit m;
+    EXPECT_ERROR(dit_create(&m, &cfg, 0, DIT_ATTN_EXACT, 1, err), err, "batch", "got 0");
+    cr_assert_eq(dit_config_validate(&bad, NULL), -1, "err may be NULL");
+}
+
+Test(cpu_api, safetensors_and_checkpoint_errors_name_the_file) {
+    char err[DIT_ERR_LEN];
+    SafetensorsFile *f = (SafetensorsFile *)1;
+    EXPECT_ERROR(st_open(&f, "/nonexistent/dir/x.safetensors", err), err, "/nonexistent/dir/x.safetensors",
+                 "cannot open");
+    cr_assert_null(f);
+    EXPECT_ERROR(st_open_memory(&f, "", 0, "empty", err), err, "empty");
+    cr_assert_null(f);
+    // a shape whose byte count overflows 64 bits
+    const char header[] = "{\"t\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,0]}}";
+    unsigned char bytes[8 + sizeof header - 1];
+    uint64_t n = sizeof header - 1;
+    for (int i = 0; i < 8; i++) bytes[i] = (unsigned char)(n >> (8 * i));
+    memcpy(bytes + 8, header, n);
+    EXPECT_ERROR(st_open_memory(&f, bytes, sizeof bytes, "big", err), err, "big", "\"t\"", "overflows");
+    DitConfig cfg;
+    EXPECT_ERROR(checkpoint_read_config("/nonexistent/ckpt.safetensors", &cfg, err), err,
+                 "/nonexistent/ckpt.safetensors");
+    cr_assert_eq(st_open(&f, "/nonexistent/x", NULL), -1, "err may be NULL");
+}
+
+#ifdef DIT_CUDA
+// ---- attention kernels: head dim, sizes, the B·H grid limit --------------------------------
+
+Test(cuda_api, flash_attention_rejects_head_dim_sizes_and_grid_overflow) {
+    char err[DIT_ERR_LEN];
+    EXPECT_ERROR(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 1, 2, 64, 96, 0, err), err,
+                 "flash_forward_cuda", "D in {64, 128}", "D=96");
+    EXPECT_ERROR(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 1, 2, 0, 64, 0, err), err, "N=0");
+    EXPECT_ERROR(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 65536, 65536, 64, 64, 0, err), err,
+                 "B·H <= 65535", "B=65536 H=65536");
+    EXPECT_ERROR(flash_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                     1, 1, 64, 32, 0, err), err, "flash_backward_cuda", "D=32");
+    EXPECT_ERROR(flash_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                     300, 300, 64, 64, 0, err), err, "B=300 H=300");
+    cr_assert_eq(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 1, 1, 1, 96, 0, NULL), -1, "err may be NULL");
+}
+
+Test(cuda_api, sage_attention_rejects_head_dim_sizes_and_grid_overflow) {
+    char err[DIT_ERR_LEN];
+    EXPECT_ERROR(sage_quantize_cuda(NULL, NULL, NULL, NULL, 1, 2, 64, 96, SAGE_PV_FP8, 0, err), err,
+                 "sage_quantize_cuda", "D=96");
+    EXPECT_ERROR(sage_quantize_cuda(NULL, NULL, NULL, NULL, 0, 2, 64, 64, SAGE_PV_FP8, 0, err), err, "B=0");
+    EXPECT_ERROR(sage_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 1, 2, 64, 96, SAGE_PV_FP16, 0, err), err,
+                 "D=96");
+    EXPECT_ERROR(sage_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                    1, 2, 64, 96, SAGE_PV_FP8, 0, err), err, "sage_backward_cuda", "D=96");
+    EXPECT_ERROR(sage_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                    65536, 65536, 64, 64, SAGE_PV_FP8, 0, err), err, "B·H <= 65535");
+}
+
+// ---- layers: sizes, alignment rules of the cuBLASLt epilogues, scratch ---------------------
+
+Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
+    char err[DIT_ERR_LEN];
+    LayersCuda ctx = {0};   // never used: the checks come first
+    EXPECT_ERROR(linear_forward_cuda(NULL, NULL, NULL, NULL, 0, 8, 8, &ctx, 0, err), err,
+                 "linear_forward_cuda", "M=0");
+    EXPECT_ERROR(linear_gelu_forward_cuda(NULL, NULL, NULL, NULL, (const bf16 *)&ctx, 4, 8, 12, &ctx, 0, err),
+                 err, "multiple of 8", "OC=12");
+    EXPECT_ERROR(linear_gelu_forward_cuda(NULL, NULL, NULL, NULL, NULL, 4, 8, 16, &ctx, 0, err), err,
+                 "needs a bias");
+    EXPECT_ERROR(linear_dgelu_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, 4, 12, 8, &ctx, 0, err),
+                 err, "IC=12");
+    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 8, 4, 0, err), err,
+                 "mod_stride >= C", "mod_stride=4");
+    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, 0, err), err,
+                 "gated_residual_backward_cuda", "T=0");
+    EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 10, 4, 0, err), err, "S a multiple of p", "S=10 p=4");
+    EXPECT_ERROR(split_heads_forward_cuda(NULL, NULL, NULL, NULL, 1, 4, 0, 8, 0, err), err, "H=0");
+    EXPECT_ERROR(timestep_embedding_forward_cuda(NULL, NULL, 2, 255, 0, err), err, "dim=255");
+    EXPECT_ERROR(pos_embed_2d_cuda(NULL, 4, 6, 0, err), err, "multiple of 4", "C=6");
+    EXPECT_ERROR(embedding_backward_cuda(NULL, NULL, NULL, 2, 0, 0, err), err, "C=0");
+    EXPECT_ERROR(flow_matching_inputs_cuda(NULL, NULL, NULL, NULL, NULL, 0, 8, 0, err), err, "B=0");
+    EXPECT_ERROR(mse_loss_forward_backward_cuda(NULL, NULL, NULL, NULL, 16, &ctx, 0, err), err,
+                 "floats of scratch", "have 0");
+    EXPECT_ERROR(global_norm_cuda(NULL, NULL, 0, &ctx, 0, err), err, "n > 0");
+    EXPECT_ERROR(adamw_update_cuda(NULL, NULL, NULL, NULL, NULL, 16, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, NULL,
+                                   1.0f, 0, 0, err), err, "step >= 1", "step=0");
+    cr_assert_eq(pos_embed_2d_cuda(NULL, 4, 6, 0, NULL), -1, "err may be NULL");
+}
+#endif
