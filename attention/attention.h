@@ -6,6 +6,10 @@
 // lse is in BASE 2 of the scaled logits: with s_ij = (1/sqrt(D))·log2(e)·q_i·k_j,
 // lse_i = log2(sum_j 2^{s_ij}), so that P_ij = exp2(s_ij - lse_i).
 // Backward functions ACCUMULATE into dq, dk, dv (+=), as every backward in dit.c does.
+// Error handling: pure compute without a return code; the functions trust their arguments
+// (B, H, N, D >= 1, buffers of the sizes given here, SageConfig blocks >= 1) and check nothing.
+// The checked entry points (0 / -1 and a message, layers/common.h) are the CUDA versions
+// (sage_cuda.h, flash_cuda.h), the data loader, the safetensors reader and the checkpoints.
 #pragma once
 #include <stdint.h>
 

@@ -10,6 +10,12 @@
 // - Per-sample modulation vectors (shift, scale, gate) come from the adaLN projection, whose
 //   output holds several chunks per sample: `mod_stride` is the distance in floats from one
 //   sample's vector to the next.
+// - Error handling: these are pure compute functions without a return code. They trust their
+//   arguments (positive sizes, buffers of the sizes given here, no NULL except where marked) and
+//   check nothing. The checked entry points, which return 0 / -1 with a message (layers/common.h),
+//   are the CUDA functions (layers_cuda.h, attention/sage_cuda.h, attention/flash_cuda.h), the
+//   data loader, the safetensors reader and the checkpoint functions; validate shapes there, or
+//   with dit_config_validate, before calling these.
 #pragma once
 #include <stdint.h>
 #include <stddef.h>
