@@ -75,6 +75,47 @@ void sage_backward(float *dq, float *dk, float *dv,
                    const float *out, const float *lse,
                    int B, int H, int N, int D, SageConfig cfg);
 
+// ---- sage attention in parts: the quantizers and the attention of quantized inputs -----------
+// sage_forward is sage_quantize_qk, sage_v_scale (FP8), sage_quantize_v, then
+// sage_forward_quantized; sage_backward is sage_quantize_qk, then sage_backward_quantized (bit
+// for bit). A caller that holds a shard of the tokens (ring attention, sequence_parallel.h) calls
+// the parts with the GLOBAL k_mean and v_scale and runs the queries of one shard against the
+// keys of another. Here a tensor of n tokens is (B, H, n, D); nq query and nk key tokens.
+// Step 2 for Q: q (B, H, n, D) -> q8 (B, H, n, D) int8, q_scale (B, H, ceil(n/q_block)).
+void sage_quantize_q(int8_t *q8, float *q_scale, const float *q,
+                     int B, int H, int n, int D, int q_block);
+// Step 2 for K, smoothed with the given k_mean (B, H, D): k (B, H, n, D) -> k8 of k - k_mean
+// (B, H, n, D) int8, k_scale (B, H, ceil(n/k_block)).
+void sage_quantize_k(int8_t *k8, float *k_scale, const float *k, const float *k_mean,
+                     int B, int H, int n, int D, int k_block);
+// FP8 scale of step 4 over the n tokens given: v (B, H, n, D) -> v_scale (B, H, D).
+void sage_v_scale(float *v_scale, const float *v, int B, int H, int n, int D);
+// V as P·V sees it: v (B, H, n, D) -> v_q (B, H, n, D), FP8: e4m3(v/v_scale) with the given
+// v_scale (B, H, D); FP16: fp16(v) (v_scale unused, may be NULL).
+void sage_quantize_v(float *v_q, const float *v, const float *v_scale,
+                     int B, int H, int n, int D, SagePV pv);
+// Steps 3-5 from scratch (m = -inf, l = 0, acc = 0) over the nk keys given:
+// q8 (B, H, nq, D), q_scale (B, H, ceil(nq/q_block)); k8 (B, H, nk, D),
+// k_scale (B, H, ceil(nk/k_block)); v_q (B, H, nk, D); v_scale (B, H, D) (FP8; FP16: unused)
+// -> out (B, H, nq, D), lse (B, H, nq). Query block i/q_block and key block j/k_block count
+// from the start of the given tokens. Partial results over disjoint key sets combine exactly
+// by their lse (ring_merge_partial).
+void sage_forward_quantized(float *out, float *lse,
+                            const int8_t *q8, const float *q_scale,
+                            const int8_t *k8, const float *k_scale,
+                            const float *v_q, const float *v_scale,
+                            int B, int H, int nq, int nk, int D, SageConfig cfg);
+// The backward's sum over the nk keys given: dout, q, out, dq (B, H, nq, D), lse (B, H, nq);
+// k, v, dk, dv (B, H, nk, D); q8, q_scale, k8, k_scale as in sage_forward_quantized;
+// k_mean (B, H, D). out and lse are those of the forward over ALL keys, so that the sums over
+// key sets add up to sage_backward's. dq, dk, dv accumulate (+=).
+void sage_backward_quantized(float *dq, float *dk, float *dv,
+                             const float *dout, const float *q, const float *k, const float *v,
+                             const float *out, const float *lse,
+                             const int8_t *q8, const float *q_scale,
+                             const int8_t *k8, const float *k_scale, const float *k_mean,
+                             int B, int H, int nq, int nk, int D, SageConfig cfg);
+
 // Rounding helpers of the definition (also used by tests).
 float round_to_e4m3(float x);   // nearest-even, saturating at ±448
 float round_to_fp16(float x);   // nearest-even

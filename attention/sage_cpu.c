@@ -1,6 +1,9 @@
 // Sage attention on the CPU: the executable form of the bit-level definition in attention.h
 // (K smoothing, INT8 Q/K per token block, online base-2 softmax over key blocks, FP8 or FP16
 // P·V with two-level accumulation), its backward, and the e4m3 / fp16 rounding helpers.
+// The steps are exported one by one (quantizers, then attention on quantized inputs) so that
+// ring attention runs the same code on shards with the global k_mean and v_scale; sage_forward
+// and sage_backward are their composition.
 // Sums over d and over the keys of a block run in index order in fp32; a GPU kernel may sum
 // in another order, which is the only freedom the definition leaves.
 #include "attention/attention.h"
@@ -39,6 +42,19 @@ float round_to_fp16(float x) {
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The API has no error return: when scratch cannot be allocated, say so on stderr and make
+// the outputs NaN, so that no caller can take them for a result.
+static void fail_with_nan(const char *fn, float *a, size_t na, float *b, size_t nb,
+                          float *c, size_t nc, int B, int H, int N, int D) {
+    fprintf(stderr, "%s: out of memory for scratch (B=%d H=%d N=%d D=%d); outputs set to NaN\n",
+            fn, B, H, N, D);
+    for (size_t i = 0; i < na; i++) a[i] = NAN;
+    for (size_t i = 0; i < nb; i++) b[i] = NAN;
+    for (size_t i = 0; i < nc; i++) c[i] = NAN;
+}
+
+// ---- steps 1-2: quantization ----------------------------------------------------------------
+
 // One block of n tokens x (n, D) to int8 with one scale: y = (x - shift)·mul (shift: (D),
 // NULL for none); amax = max|y|; returns scale = amax/127 and q8 = rintf(y·(127/amax));
 // amax = 0 gives scale 0 and q8 = 0.
@@ -57,48 +73,190 @@ static float quantize_block(int8_t *q8, const float *x, const float *shift, floa
     return amax / 127.0f;
 }
 
+// x (BH, n, D) in blocks of `block` tokens (the last one may be shorter) -> x8 (BH, n, D),
+// scales (BH, ceil(n/block)). shift: (BH, D), one row per head, or NULL.
+static void quantize_blocks(int8_t *x8, float *scales, const float *x, const float *shift,
+                            float mul, int BH, int n, int D, int block) {
+    int nb = ceil_div(n, block);
+    for (int bh = 0; bh < BH; bh++)
+        for (int b = 0; b < nb; b++) {
+            int t0 = b * block, count = n - t0 < block ? n - t0 : block;
+            size_t at = ((size_t)bh * n + t0) * D;
+            scales[(size_t)bh * nb + b] = quantize_block(x8 + at, x + at,
+                                                         shift ? shift + (size_t)bh * D : NULL,
+                                                         mul, count, D);
+        }
+}
+
+// Q blocks of q·log2(e)/sqrt(D) to int8 with scale amax/127.
+void sage_quantize_q(int8_t *q8, float *q_scale, const float *q,
+                     int B, int H, int n, int D, int q_block) {
+    const float c = (1.0f / sqrtf((float)D)) * 1.44269504f;
+    quantize_blocks(q8, q_scale, q, NULL, c, B * H, n, D, q_block);
+}
+
+// K blocks of (k - k_mean) to int8 with scale amax/127.
+void sage_quantize_k(int8_t *k8, float *k_scale, const float *k, const float *k_mean,
+                     int B, int H, int n, int D, int k_block) {
+    quantize_blocks(k8, k_scale, k, k_mean, 1.0f, B * H, n, D, k_block);
+}
+
 // q, k: (B, H, N, D). Fills the caller-allocated arrays of qk (sizes in attention.h):
-// k_mean = mean_n k; K blocks of (k - k_mean), Q blocks of q·log2(e)/sqrt(D), each to int8
-// with scale amax/127.
+// k_mean = mean_n k (fp32 sum in token order, then / N), then Q and K as above.
 void sage_quantize_qk(SageQK *qk, const float *q, const float *k,
                       int B, int H, int N, int D, SageConfig cfg) {
-    const float c = (1.0f / sqrtf((float)D)) * 1.44269504f;
-    int nqb = ceil_div(N, cfg.q_block), nkb = ceil_div(N, cfg.k_block);
-    for (int bh = 0; bh < B * H; bh++) {
-        size_t head = (size_t)bh * N * D;
-        float *mean = qk->k_mean + (size_t)bh * D;
+    for (int bh = 0; bh < B * H; bh++)
         for (int d = 0; d < D; d++) {
             float sum = 0.0f;
-            for (int n = 0; n < N; n++) sum += k[head + (size_t)n * D + d];
-            mean[d] = sum / (float)N;
+            for (int n = 0; n < N; n++) sum += k[((size_t)bh * N + n) * D + d];
+            qk->k_mean[(size_t)bh * D + d] = sum / (float)N;
         }
-        for (int b = 0; b < nqb; b++) {
-            int t0 = b * cfg.q_block, n = N - t0 < cfg.q_block ? N - t0 : cfg.q_block;
-            size_t at = head + (size_t)t0 * D;
-            qk->q_scale[(size_t)bh * nqb + b] = quantize_block(qk->q8 + at, q + at, NULL, c, n, D);
+    sage_quantize_q(qk->q8, qk->q_scale, q, B, H, N, D, cfg.q_block);
+    sage_quantize_k(qk->k8, qk->k_scale, k, qk->k_mean, B, H, N, D, cfg.k_block);
+}
+
+// v_scale[bh, d] = max_t |v[bh, t, d]| / 448.
+void sage_v_scale(float *v_scale, const float *v, int B, int H, int n, int D) {
+    for (int bh = 0; bh < B * H; bh++)
+        for (int d = 0; d < D; d++) {
+            float amax = 0.0f;
+            for (int t = 0; t < n; t++) amax = fmaxf(amax, fabsf(v[((size_t)bh * n + t) * D + d]));
+            v_scale[(size_t)bh * D + d] = amax / 448.0f;
         }
-        for (int b = 0; b < nkb; b++) {
-            int t0 = b * cfg.k_block, n = N - t0 < cfg.k_block ? N - t0 : cfg.k_block;
-            size_t at = head + (size_t)t0 * D;
-            qk->k_scale[(size_t)bh * nkb + b] = quantize_block(qk->k8 + at, k + at, mean, 1.0f, n, D);
+}
+
+// FP8: v_q = e4m3(v/v_scale_d) (0 where v_scale_d = 0). FP16: v_q = fp16(v).
+void sage_quantize_v(float *v_q, const float *v, const float *v_scale,
+                     int B, int H, int n, int D, SagePV pv) {
+    for (size_t i = 0; i < (size_t)B * H * n * D; i++) {
+        if (pv == SAGE_PV_FP16) {
+            v_q[i] = round_to_fp16(v[i]);
+        } else {
+            float vs = v_scale[i / ((size_t)n * D) * D + i % D];   // head i/(n·D), channel i%D
+            v_q[i] = vs > 0.0f ? round_to_e4m3(v[i] / vs) : 0.0f;
         }
     }
 }
 
-// Scratch of one sage call: the quantized Q/K of all heads and, for the forward, one head's
-// quantized V and the per-row work arrays.
+// ---- steps 3-5: attention of quantized inputs ------------------------------------------------
+
+static int32_t dot_i8(const int8_t *a, const int8_t *b, int D) {
+    int32_t sum = 0;
+    for (int d = 0; d < D; d++) sum += (int32_t)a[d] * b[d];
+    return sum;
+}
+
+// Per query row: key blocks of k_block in order with the running max m, sum l and
+// accumulator acc; lse = m + log2(l) in the smoothed, quantized base-2 logits.
+// Shapes in attention.h.
+void sage_forward_quantized(float *out, float *lse,
+                            const int8_t *q8, const float *q_scale,
+                            const int8_t *k8, const float *k_scale,
+                            const float *v_q, const float *v_scale,
+                            int B, int H, int nq, int nk, int D, SageConfig cfg) {
+    float *p = malloc((size_t)cfg.k_block * sizeof(float));   // P of one key block
+    float *block_pv = malloc((size_t)D * sizeof(float));       // Σ_j P·V of one key block
+    float *acc = malloc((size_t)D * sizeof(float));
+    if (!p || !block_pv || !acc) {
+        fail_with_nan("sage_forward_quantized", out, (size_t)B * H * nq * D, lse, (size_t)B * H * nq,
+                      NULL, 0, B, H, nq, D);
+        free(p); free(block_pv); free(acc);
+        return;
+    }
+    int nqb = ceil_div(nq, cfg.q_block), nkb = ceil_div(nk, cfg.k_block);
+    for (int bh = 0; bh < B * H; bh++) {
+        const int8_t *k8_head = k8 + (size_t)bh * nk * D;
+        const float *v_head = v_q + (size_t)bh * nk * D;
+        for (int i = 0; i < nq; i++) {
+            size_t row = (size_t)bh * nq + i;
+            const int8_t *qi = q8 + row * D;
+            float qs = q_scale[(size_t)bh * nqb + i / cfg.q_block];
+            float m = -INFINITY, l = 0.0f;
+            memset(acc, 0, (size_t)D * sizeof(float));
+            for (int b = 0; b < nkb; b++) {
+                int j0 = b * cfg.k_block, n = nk - j0 < cfg.k_block ? nk - j0 : cfg.k_block;
+                float qk_scale = qs * k_scale[(size_t)bh * nkb + b];
+                float m_new = m;
+                for (int t = 0; t < n; t++) {
+                    p[t] = (float)dot_i8(qi, k8_head + (size_t)(j0 + t) * D, D) * qk_scale;
+                    m_new = fmaxf(m_new, p[t]);
+                }
+                float alpha = exp2f(m - m_new);
+                float row_sum = 0.0f;
+                memset(block_pv, 0, (size_t)D * sizeof(float));
+                for (int t = 0; t < n; t++) {
+                    float pt = exp2f(p[t] - m_new);
+                    row_sum += pt;
+                    float p_q = cfg.pv == SAGE_PV_FP8 ? round_to_e4m3(pt * 448.0f) : round_to_fp16(pt);
+                    const float *vj = v_head + (size_t)(j0 + t) * D;
+                    for (int d = 0; d < D; d++) block_pv[d] += p_q * vj[d];
+                }
+                l = l * alpha + row_sum;
+                for (int d = 0; d < D; d++) acc[d] = acc[d] * alpha + block_pv[d];
+                m = m_new;
+            }
+            float *oi = out + row * D;
+            const float *vs = cfg.pv == SAGE_PV_FP8 ? v_scale + (size_t)bh * D : NULL;
+            for (int d = 0; d < D; d++) oi[d] = vs ? acc[d] * vs[d] / 448.0f / l : acc[d] / l;
+            lse[row] = m + log2f(l);
+        }
+    }
+    free(p); free(block_pv); free(acc);
+}
+
+// s_ij recomputed from q8, k8 and their scales; P_ij = 2^(s_ij - lse_i);
+// Dr_i = Σ_d dout_id·out_id; dv_j += P_ij·dout_i; dS_ij = P_ij·(dout_i·v_j - Dr_i);
+// dq_i += dS_ij·(k_j - k_mean)/sqrt(D); dk_j += dS_ij·q_i/sqrt(D). Shapes in attention.h.
+void sage_backward_quantized(float *dq, float *dk, float *dv,
+                             const float *dout, const float *q, const float *k, const float *v,
+                             const float *out, const float *lse,
+                             const int8_t *q8, const float *q_scale,
+                             const int8_t *k8, const float *k_scale, const float *k_mean,
+                             int B, int H, int nq, int nk, int D, SageConfig cfg) {
+    int nqb = ceil_div(nq, cfg.q_block), nkb = ceil_div(nk, cfg.k_block);
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int bh = 0; bh < B * H; bh++) {
+        size_t k_head = (size_t)bh * nk * D;
+        const float *mean = k_mean + (size_t)bh * D;
+        for (int i = 0; i < nq; i++) {
+            size_t row = (size_t)bh * nq + i;
+            const int8_t *qi8 = q8 + row * D;
+            const float *qi = q + row * D, *doi = dout + row * D, *oi = out + row * D;
+            float *dqi = dq + row * D;
+            float qs = q_scale[(size_t)bh * nqb + i / cfg.q_block];
+            float dr = 0.0f;
+            for (int d = 0; d < D; d++) dr += doi[d] * oi[d];
+            for (int j = 0; j < nk; j++) {
+                size_t at = k_head + (size_t)j * D;
+                const float *kj = k + at, *vj = v + at;
+                float *dkj = dk + at, *dvj = dv + at;
+                float qk_scale = qs * k_scale[(size_t)bh * nkb + j / cfg.k_block];
+                float p = exp2f((float)dot_i8(qi8, k8 + at, D) * qk_scale - lse[row]);
+                float dp = 0.0f;
+                for (int d = 0; d < D; d++) dp += doi[d] * vj[d];
+                float ds = p * (dp - dr);
+                for (int d = 0; d < D; d++) {
+                    dvj[d] += p * doi[d];
+                    dqi[d] += ds * scale * (kj[d] - mean[d]);
+                    dkj[d] += ds * scale * qi[d];
+                }
+            }
+        }
+    }
+}
+
+// ---- the whole: sage_forward and sage_backward --------------------------------------------------
+
+// Scratch of one sage call: the quantized Q/K and, for the forward, V as P·V sees it.
 typedef struct {
     SageQK qk;
-    float *v_q;       // (N, D): e4m3(v/v_scale) for FP8, fp16(v) for FP16
-    float *v_scale;   // (D): max_n|v|/448 (FP8 only)
-    float *p;         // (k_block): P of one key block
-    float *block_pv;  // (D): Σ_j P·V of one key block
-    float *acc;       // (D)
+    float *v_q;       // (B, H, N, D): e4m3(v/v_scale) for FP8, fp16(v) for FP16
+    float *v_scale;   // (B, H, D): max_n|v|/448 (FP8 only)
 } SageScratch;
 
 static void scratch_free(SageScratch *s) {
     free(s->qk.q8); free(s->qk.k8); free(s->qk.q_scale); free(s->qk.k_scale); free(s->qk.k_mean);
-    free(s->v_q); free(s->v_scale); free(s->p); free(s->block_pv); free(s->acc);
+    free(s->v_q); free(s->v_scale);
 }
 
 // Returns 0, or -1 when malloc fails (then nothing stays allocated).
@@ -112,57 +270,17 @@ static int scratch_alloc(SageScratch *s, int B, int H, int N, int D, SageConfig 
     s->qk.k_mean = malloc((size_t)B * H * D * sizeof(float));
     int ok = s->qk.q8 && s->qk.k8 && s->qk.q_scale && s->qk.k_scale && s->qk.k_mean;
     if (forward) {
-        s->v_q = malloc((size_t)N * D * sizeof(float));
-        s->v_scale = malloc((size_t)D * sizeof(float));
-        s->p = malloc((size_t)cfg.k_block * sizeof(float));
-        s->block_pv = malloc((size_t)D * sizeof(float));
-        s->acc = malloc((size_t)D * sizeof(float));
-        ok = ok && s->v_q && s->v_scale && s->p && s->block_pv && s->acc;
+        s->v_q = malloc(n_qkv * sizeof(float));
+        s->v_scale = malloc((size_t)B * H * D * sizeof(float));
+        ok = ok && s->v_q && s->v_scale;
     }
     if (ok) return 0;
     scratch_free(s);
     return -1;
 }
 
-// The API has no error return: when scratch cannot be allocated, say so on stderr and make
-// the outputs NaN, so that no caller can take them for a result.
-static void fail_with_nan(const char *fn, float *a, size_t na, float *b, size_t nb,
-                          float *c, size_t nc, int B, int H, int N, int D) {
-    fprintf(stderr, "%s: out of memory for scratch (B=%d H=%d N=%d D=%d); outputs set to NaN\n",
-            fn, B, H, N, D);
-    for (size_t i = 0; i < na; i++) a[i] = NAN;
-    for (size_t i = 0; i < nb; i++) b[i] = NAN;
-    for (size_t i = 0; i < nc; i++) c[i] = NAN;
-}
-
-// One head's V as the P·V product sees it. FP8: v_scale_d = max_n|v_nd|/448 and
-// v_q = e4m3(v/v_scale_d) (0 where v_scale_d = 0). FP16: v_q = fp16(v).
-static void quantize_v(float *v_q, float *v_scale, const float *v, int N, int D, SagePV pv) {
-    if (pv == SAGE_PV_FP16) {
-        for (size_t i = 0; i < (size_t)N * D; i++) v_q[i] = round_to_fp16(v[i]);
-        return;
-    }
-    for (int d = 0; d < D; d++) {
-        float amax = 0.0f;
-        for (int n = 0; n < N; n++) amax = fmaxf(amax, fabsf(v[(size_t)n * D + d]));
-        v_scale[d] = amax / 448.0f;
-    }
-    for (int n = 0; n < N; n++)
-        for (int d = 0; d < D; d++) {
-            size_t at = (size_t)n * D + d;
-            v_q[at] = v_scale[d] > 0.0f ? round_to_e4m3(v[at] / v_scale[d]) : 0.0f;
-        }
-}
-
-static int32_t dot_i8(const int8_t *a, const int8_t *b, int D) {
-    int32_t sum = 0;
-    for (int d = 0; d < D; d++) sum += (int32_t)a[d] * b[d];
-    return sum;
-}
-
-// q, k, v, out: (B, H, N, D); lse: (B, H, N). The forward of the definition in attention.h:
-// per query row, key blocks of k_block in order with the running max m, sum l and
-// accumulator acc; lse = m + log2(l) in the smoothed, quantized base-2 logits.
+// q, k, v, out: (B, H, N, D); lse: (B, H, N). Steps 1-2 (sage_quantize_qk; v_scale and V
+// rounding of step 4), then steps 3-5 over all N keys.
 void sage_forward(float *out, float *lse,
                   const float *q, const float *k, const float *v,
                   int B, int H, int N, int D, SageConfig cfg) {
@@ -173,51 +291,15 @@ void sage_forward(float *out, float *lse,
         return;
     }
     sage_quantize_qk(&s.qk, q, k, B, H, N, D, cfg);
-    int nqb = ceil_div(N, cfg.q_block), nkb = ceil_div(N, cfg.k_block);
-    for (int bh = 0; bh < B * H; bh++) {
-        size_t head = (size_t)bh * N * D;
-        quantize_v(s.v_q, s.v_scale, v + head, N, D, cfg.pv);
-        for (int i = 0; i < N; i++) {
-            const int8_t *qi = s.qk.q8 + head + (size_t)i * D;
-            float q_scale = s.qk.q_scale[(size_t)bh * nqb + i / cfg.q_block];
-            float m = -INFINITY, l = 0.0f;
-            memset(s.acc, 0, (size_t)D * sizeof(float));
-            for (int b = 0; b < nkb; b++) {
-                int j0 = b * cfg.k_block, n = N - j0 < cfg.k_block ? N - j0 : cfg.k_block;
-                float qk_scale = q_scale * s.qk.k_scale[(size_t)bh * nkb + b];
-                float m_new = m;
-                for (int t = 0; t < n; t++) {
-                    const int8_t *kj = s.qk.k8 + head + (size_t)(j0 + t) * D;
-                    s.p[t] = (float)dot_i8(qi, kj, D) * qk_scale;
-                    m_new = fmaxf(m_new, s.p[t]);
-                }
-                float alpha = exp2f(m - m_new);
-                float row_sum = 0.0f;
-                memset(s.block_pv, 0, (size_t)D * sizeof(float));
-                for (int t = 0; t < n; t++) {
-                    float p = exp2f(s.p[t] - m_new);
-                    row_sum += p;
-                    float p_q = cfg.pv == SAGE_PV_FP8 ? round_to_e4m3(p * 448.0f) : round_to_fp16(p);
-                    const float *vj = s.v_q + (size_t)(j0 + t) * D;
-                    for (int d = 0; d < D; d++) s.block_pv[d] += p_q * vj[d];
-                }
-                l = l * alpha + row_sum;
-                for (int d = 0; d < D; d++) s.acc[d] = s.acc[d] * alpha + s.block_pv[d];
-                m = m_new;
-            }
-            float *oi = out + head + (size_t)i * D;
-            for (int d = 0; d < D; d++)
-                oi[d] = cfg.pv == SAGE_PV_FP8 ? s.acc[d] * s.v_scale[d] / 448.0f / l : s.acc[d] / l;
-            lse[(size_t)bh * N + i] = m + log2f(l);
-        }
-    }
+    if (cfg.pv == SAGE_PV_FP8) sage_v_scale(s.v_scale, v, B, H, N, D);
+    sage_quantize_v(s.v_q, v, s.v_scale, B, H, N, D, cfg.pv);
+    sage_forward_quantized(out, lse, s.qk.q8, s.qk.q_scale, s.qk.k8, s.qk.k_scale, s.v_q, s.v_scale,
+                           B, H, N, N, D, cfg);
     scratch_free(&s);
 }
 
 // Shapes as in sage_forward; out and lse are sage_forward's; dq, dk, dv accumulate (+=).
-// s_ij recomputed from the same q8, k8 and scales; P_ij = 2^(s_ij - lse_i);
-// Dr_i = Σ_d dout_id·out_id; dv_j += P_ij·dout_i; dS_ij = P_ij·(dout_i·v_j - Dr_i);
-// dq_i += dS_ij·(k_j - k_mean)/sqrt(D); dk_j += dS_ij·q_i/sqrt(D).
+// The same q8, k8 and scales as the forward, then the backward over all N keys.
 void sage_backward(float *dq, float *dk, float *dv,
                    const float *dout, const float *q, const float *k, const float *v,
                    const float *out, const float *lse,
@@ -229,38 +311,8 @@ void sage_backward(float *dq, float *dk, float *dv,
         return;
     }
     sage_quantize_qk(&s.qk, q, k, B, H, N, D, cfg);
-    int nqb = ceil_div(N, cfg.q_block), nkb = ceil_div(N, cfg.k_block);
-    const float scale = 1.0f / sqrtf((float)D);
-    for (int bh = 0; bh < B * H; bh++) {
-        size_t head = (size_t)bh * N * D;
-        const float *mean = s.qk.k_mean + (size_t)bh * D;
-        for (int i = 0; i < N; i++) {
-            const int8_t *qi8 = s.qk.q8 + head + (size_t)i * D;
-            const float *qi = q + head + (size_t)i * D;
-            const float *doi = dout + head + (size_t)i * D;
-            const float *oi = out + head + (size_t)i * D;
-            float *dqi = dq + head + (size_t)i * D;
-            float q_scale = s.qk.q_scale[(size_t)bh * nqb + i / cfg.q_block];
-            float row_lse = lse[(size_t)bh * N + i];
-            float dr = 0.0f;
-            for (int d = 0; d < D; d++) dr += doi[d] * oi[d];
-            for (int j = 0; j < N; j++) {
-                const float *kj = k + head + (size_t)j * D;
-                const float *vj = v + head + (size_t)j * D;
-                float *dkj = dk + head + (size_t)j * D;
-                float *dvj = dv + head + (size_t)j * D;
-                float qk_scale = q_scale * s.qk.k_scale[(size_t)bh * nkb + j / cfg.k_block];
-                float p = exp2f((float)dot_i8(qi8, s.qk.k8 + head + (size_t)j * D, D) * qk_scale - row_lse);
-                float dp = 0.0f;
-                for (int d = 0; d < D; d++) dp += doi[d] * vj[d];
-                float ds = p * (dp - dr);
-                for (int d = 0; d < D; d++) {
-                    dvj[d] += p * doi[d];
-                    dqi[d] += ds * scale * (kj[d] - mean[d]);
-                    dkj[d] += ds * scale * qi[d];
-                }
-            }
-        }
-    }
+    sage_backward_quantized(dq, dk, dv, dout, q, k, v, out, lse,
+                            s.qk.q8, s.qk.q_scale, s.qk.k8, s.qk.k_scale, s.qk.k_mean,
+                            B, H, N, N, D, cfg);
     scratch_free(&s);
 }
