@@ -78,6 +78,7 @@ $(BUILD)/test_%: test/test_%.c $(LIB)
 test: $(TEST_BINS) train_dit
 	@set -e; for t in $(TEST_BINS); do echo "== $$t"; $$t --jobs 2; done
 	@echo "== PyTorch parity"; $(PYTHON) dev/parity.py
+	@$(MAKE) --no-print-directory test-example
 	@$(MAKE) --no-print-directory fuzz
 
 $(BUILD)/fuzz_%: test/fuzz_%.c $(FUZZ_LIB_C)
@@ -90,6 +91,65 @@ fuzz: $(FUZZ_BINS)
 	  echo "== $$f ($(FUZZ_SECONDS) s)"; \
 	  $$f -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -artifact_prefix=$(BUILD)/fuzz_$$n- $(BUILD)/corpus/$$n test/corpus/$$n 2>&1 | grep -E 'stat::number_of_executed_units|ERROR|SUMMARY' ; \
 	  test $${PIPESTATUS[0]} -eq 0; done
+
+# ---- the library for other programs ------------------------------------------------------
+#   make lib                    build/libditc.a and build/libditc.so
+#   make install PREFIX=DIR     DIR/include/ditc/<folder>/*.h, DIR/lib/libditc.{a,so}, DIR/lib/pkgconfig/ditc.pc
+#   make example PREFIX=DIR     dev/example_attention_layer.c built against the installed library
+# The shared library is linked from position-independent copies of the objects (build/pic/).
+PREFIX       ?= /usr/local
+DITC_VERSION := 0.1.0
+SHLIB        := $(BUILD)/libditc.so
+PIC_OBJS     := $(patsubst $(BUILD)/%,$(BUILD)/pic/%,$(LIB_OBJS))
+PUBLIC_H     := layers/common.h layers/layers.h attention/attention.h attention/sequence_parallel.h \
+                dataloader/dataloader.h \
+                dataloader/image_grid.h model/dit.h model/safetensors.h model/checkpoint.h model/sample.h \
+                $(if $(NVCC),layers/layers_cuda.h attention/sage_cuda.h attention/flash_cuda.h model/dit_gpu.h)
+PC_CFLAGS    := $(if $(NVCC),-DDIT_CUDA -I$(CUDA_HOME)/include)
+,            := ,
+PC_LIBS      := $(if $(NVCC),-L$(CUDA_HOME)/lib64 -Wl$(,)-rpath$(,)$(CUDA_HOME)/lib64 -lcudart)
+INSTALL_DIR   = $(abspath $(DESTDIR)$(PREFIX))
+
+.PHONY: install example test-example
+lib: $(SHLIB)
+$(SHLIB): $(PIC_OBJS)
+	$(CC) -shared -fopenmp -Wl,-soname,libditc.so.0 -o $@ $^ $(LDLIBS)
+
+$(BUILD)/pic/%.o: %.c
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS) -fPIC -c -o $@ $<
+
+$(BUILD)/pic/%.o: %.cu
+	@mkdir -p $(@D)
+	$(NVCC) $(NVCC_FLAGS) -Xcompiler -fPIC -c -o $@ $<
+
+install: $(LIB) $(SHLIB)
+	@for h in $(PUBLIC_H); do install -D -m 644 $$h $(INSTALL_DIR)/include/ditc/$$h; done
+	install -d $(INSTALL_DIR)/lib/pkgconfig
+	install -m 644 $(LIB) $(INSTALL_DIR)/lib/libditc.a
+	install -m 755 $(SHLIB) $(INSTALL_DIR)/lib/libditc.so.0
+	ln -sf libditc.so.0 $(INSTALL_DIR)/lib/libditc.so
+	sed -e 's|@PREFIX@|$(abspath $(PREFIX))|' -e 's|@VERSION@|$(DITC_VERSION)|' -e 's|@CFLAGS@|$(PC_CFLAGS)|' -e 's|@LIBS@|$(PC_LIBS)|' \
+	    -e 's|@LIBS_PRIVATE@|-fopenmp $(LDLIBS)|' dev/ditc.pc.in > $(INSTALL_DIR)/lib/pkgconfig/ditc.pc
+
+# The example, as another program builds it: pkg-config against PREFIX, shared and static.
+EXAMPLE_CFLAGS := -std=c11 -O2 -Wall -Wextra -Werror
+example:
+	@command -v pkg-config >/dev/null || { echo "make example: needs pkg-config (apt-get install pkgconf)"; exit 1; }
+	@mkdir -p $(BUILD)
+	export PKG_CONFIG_PATH=$(abspath $(PREFIX))/lib/pkgconfig; \
+	$(CC) $(EXAMPLE_CFLAGS) $$(pkg-config --cflags ditc) -o $(BUILD)/example_attention_layer \
+	    dev/example_attention_layer.c $$(pkg-config --libs ditc) -Wl,-rpath,$$(pkg-config --variable=libdir ditc) && \
+	$(CC) $(EXAMPLE_CFLAGS) $$(pkg-config --cflags ditc) -o $(BUILD)/example_attention_layer_static \
+	    dev/example_attention_layer.c -Wl,--as-needed $$(pkg-config --variable=libdir ditc)/libditc.a $$(pkg-config --static --libs ditc)
+
+# make test's library check: install into a fresh prefix, build the example against it, run both builds.
+test-example: $(LIB) $(SHLIB)
+	@set -e; prefix=$$(mktemp -d); trap 'rm -rf "$$prefix"' EXIT; \
+	  $(MAKE) --no-print-directory install PREFIX=$$prefix >/dev/null; \
+	  $(MAKE) --no-print-directory example PREFIX=$$prefix >/dev/null; \
+	  echo "== example_attention_layer (shared, installed in $$prefix)"; $(BUILD)/example_attention_layer; \
+	  echo "== example_attention_layer (static)"; $(BUILD)/example_attention_layer_static
 
 # make data: Fashion-MNIST's train split (Debian's dataset-fashion-mnist) as an image folder
 FASHION_MNIST_SRC ?= /usr/share/datasets/fashion-mnist
