@@ -107,11 +107,12 @@ int ring_attention_backward(SpComm *comm, float *const *dq, float *const *dk, fl
 int ring_sage_k_mean(SpComm *comm, float *const *k_mean, const float *const *k,
                      int B, int H, int N, int D, char *err);
 // Forward with the k_mean of ring_sage_k_mean. For FP8 P·V the per-channel v_scale is also a
-// global quantity: one all-reduce (max) of the per-shard max|v| (B·H·D floats). Every rank
-// quantizes its own shard once (q8, k8 with the global k_mean, v) exactly as sage_quantize_qk /
-// sage_forward do; the QUANTIZED k8, k_scale, v travel the ring. Per step, the online softmax of
-// attention.h runs over the k_block blocks of the shard held, giving a partial (out_s, lse_s),
-// merged with ring_merge_partial. Requires N/R to be a multiple of q_block and of k_block, so
+// global quantity: one all-reduce (max) of the per-shard sage_v_scale (B·H·D floats). Every rank
+// quantizes its own shard once (sage_quantize_q, sage_quantize_k with the global k_mean,
+// sage_quantize_v with the global v_scale); the QUANTIZED k8, k_scale, v travel the ring. Per
+// step, sage_forward_quantized of the local q8 against the shard held (the online softmax of
+// attention.h over its k_block blocks) gives a partial (out_s, lse_s), merged with
+// ring_merge_partial. Requires N/R to be a multiple of q_block and of k_block, so
 // that every Q and K quantization block is the single-process one.
 // Equal to sage_forward up to float rounding: k_mean's sum order differs, and the online
 // softmax restarts per shard, so P is rounded (e4m3/fp16) relative to another running max.
@@ -120,8 +121,8 @@ int ring_sage_forward(SpComm *comm, float *const *out, float *const *lse,
                       const float *const *k_mean, int B, int H, int N, int D, SageConfig cfg,
                       char *err);
 // Backward with the global out, lse and the forward's k_mean: as ring_attention_backward, with
-// sage_backward's step (s recomputed from q8 and from k8 re-quantized on arrival with the global
-// k_mean; dq from k - k_mean). k/v travel in fp32, dk/dv travel with them and make the return trip.
+// sage_backward_quantized as the step (s recomputed from q8 and from k8 re-quantized on arrival
+// with the global k_mean; dq from k - k_mean). k/v travel in fp32, dk/dv travel with them and make the return trip.
 int ring_sage_backward(SpComm *comm, float *const *dq, float *const *dk, float *const *dv,
                        const float *const *dout,
                        const float *const *q, const float *const *k, const float *const *v,
