@@ -182,9 +182,13 @@ __global__ void __launch_bounds__(QUANT_THREADS) sage_quantize_kernel(
 extern "C" int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint16_t *k,
                                   const uint16_t *v, int B, int H, int N, int D, SagePV pv,
                                   cudaStream_t stream, char *err) {
-    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1) {
-        dit_set_error(err, "sage_quantize_cuda: need D in {64, 128}, B, H, N >= 1 (got B=%d H=%d N=%d D=%d)",
-                      B, H, N, D);
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
+        dit_set_error(err, "sage_quantize_cuda: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 "
+                      "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
+        return -1;
+    }
+    if (!workspace || !q || !k || !v) {
+        dit_set_error(err, "sage_quantize_cuda: workspace, q, k and v must not be NULL");
         return -1;
     }
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);

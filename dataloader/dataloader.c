@@ -194,6 +194,10 @@ static int check_config(const DataLoaderConfig *cfg, char *err) {
 }
 
 int dataloader_open(DataLoader **out, const DataLoaderConfig *cfg, char *err) {
+    if (!out || !cfg) {
+        dit_set_error(err, "dataloader_open: the handle and the config must not be NULL");
+        return -1;
+    }
     *out = NULL;
     if (check_config(cfg, err) != 0) return -1;
     DataLoader *dl = calloc(1, sizeof(DataLoader));

@@ -36,6 +36,14 @@ int dit_config_validate(const DitConfig *c, char *err) {
                       c->channels, c->patch, c->hidden, c->depth, c->heads, c->num_classes);
         return -1;
     }
+    // upper bounds keep every token count and buffer offset within int / size_t arithmetic
+    if (c->image_size > 8192 || c->channels > 64 || c->hidden > 65536 || c->depth > 1024 ||
+        c->num_classes > 1000000 || (c->image_size / c->patch) * (c->image_size / c->patch) > (1 << 20)) {
+        dit_set_error(err, "model config: too large (image_size %d ≤ 8192, channels %d ≤ 64, hidden %d ≤ 65536, "
+                      "depth %d ≤ 1024, num_classes %d ≤ 1000000, tokens (image_size/patch)² ≤ 1048576)",
+                      c->image_size, c->channels, c->hidden, c->depth, c->num_classes);
+        return -1;
+    }
     if (c->image_size % c->patch != 0) {
         dit_set_error(err, "model config: image_size %d is not a multiple of patch %d", c->image_size, c->patch);
         return -1;
