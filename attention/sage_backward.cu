@@ -20,11 +20,10 @@ extern "C" int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspa
                            "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
-    // Hopper: the wgmma kernel (sage_backward_sm90.cu), opt-in with DIT_SAGE_BWD_SM90=1 until it has
-    // passed its tests on a GPU; DIT_SAGE_MMA_SYNC=1 keeps this one.
-    bool tma_aligned = (((uintptr_t)dout | (uintptr_t)q | (uintptr_t)v | (uintptr_t)lse | (uintptr_t)delta) % 16) == 0;
-    if (getenv("DIT_SAGE_BWD_SM90") && !getenv("DIT_SAGE_MMA_SYNC") && tma_aligned && sage_backward_sm90_available() &&
-        (long long)B * H * N < (1ll << 31))
+    // Hopper: the wgmma kernel (sage_backward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
+    bool tma_aligned = (((uintptr_t)dout | (uintptr_t)q | (uintptr_t)v) % 16) == 0;
+    if (!getenv("DIT_SAGE_MMA_SYNC") && tma_aligned && (long long)B * H * N < (1ll << 31) &&
+        sage_backward_sm90_available())
         return sage_backward_sm90_cuda(dq, dk, dv, workspace, fwd_workspace, dout, q, k, v, out, lse, delta, B, H, N,
                                        D, pv, stream, err);
     size_t rows = (size_t)B * H * N;

@@ -4,8 +4,10 @@
 //
 // One CTA of two warpgroups per (128-key block, head); warpgroup w owns keys 64w..64w+63 (one
 // k_scale block) and keeps K̂ and V of the CTA in shared memory (TMA, once) with k - k_mean in bf16
-// (written by the threads). Thread 0 streams the 64-query blocks (Q̂, Q, dO, lse, delta) through two
-// shared-memory stages, each completing on its mbarrier. Per query block, in each warpgroup
+// (written by the threads). Thread 0 streams the 64-query blocks (Q̂, Q, dO) through two
+// shared-memory stages, each completing on its mbarrier; lse and delta of the block (64 floats each,
+// at any offset: the TMA wants 16-byte aligned boxes) go through the same stage by the first 128
+// threads, one block ahead. Per query block, in each warpgroup
 // (m64 = its 64 keys, TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from registers):
 //   Sᵀ  = K̂·Q̂ᵀ         wgmma s8 m64n64k32 (both K-major, as the quantization pass stores them)
 //   dPᵀ = V·dOᵀ         wgmma bf16 m64n64k16 (V and dO rows are K-major), same batch as Sᵀ
@@ -14,7 +16,8 @@
 //   dK += bf16(dSᵀ)·Q   likewise
 //   dSᵀ -> shared memory (bf16, swizzled), barrier over both warpgroups, then
 //   dQ[:, w·D/2..] += dS·(k - k_mean) over all 128 keys   wgmma m64n(D/2)k16, both operands
-//        MN-major in shared memory; scaled by 1/sqrt(D) and added to the fp32 dq with atomics.
+//        MN-major in shared memory; scaled by 1/sqrt(D) and added to the fp32 dq with atomics
+//        during the next block's Sᵀ/dPᵀ wgmma.
 // At the end dV and dK/sqrt(D) are stored (rows < N). The shared memory tiles use the 128-byte
 // swizzle (64-byte for the D = 64 int8 rows and the D = 64 k - k_mean boxes), see wgmma.cuh.
 #include <cudaTypedefs.h>
@@ -35,18 +38,19 @@ template <int D> struct Bwd90Smem {
     static constexpr int KS = V + BWD90_KEYS * D * 2;             // k - k_mean: 2 boxes of 128 keys × D/2 bf16
     static constexpr int DS = KS + BWD90_KEYS * D * 2;            // dSᵀ: 128 keys × 64 queries bf16
     static constexpr int STAGE0 = DS + BWD90_KEYS * BWD90_QUERIES * 2;
-    // one stage: Q̂ (64 × D int8) | Q | dO (D/64 boxes of 64 queries × 64 bf16) | lse | delta (64 fp32)
+    // one stage: Q̂ (64 × D int8) | Q | dO (D/64 boxes of 64 queries × 64 bf16) by the TMA, then
+    // lse | delta (64 fp32 each) by the threads
     static constexpr int Q8 = 0, Q = BWD90_QUERIES * D, DO = Q + BWD90_QUERIES * D * 2;
-    static constexpr int LSE = DO + BWD90_QUERIES * D * 2, DELTA = LSE + BWD90_QUERIES * 4;
-    static constexpr int STAGE_TX = DELTA + BWD90_QUERIES * 4;    // bytes the TMA brings per stage
-    static constexpr int STAGE_BYTES = (STAGE_TX + 1023) / 1024 * 1024;
+    static constexpr int STAGE_TX = DO + BWD90_QUERIES * D * 2;   // bytes the TMA brings per stage
+    static constexpr int LSE = STAGE_TX, DELTA = LSE + BWD90_QUERIES * 4;
+    static constexpr int STAGE_BYTES = (DELTA + BWD90_QUERIES * 4 + 1023) / 1024 * 1024;
     static constexpr int TOTAL = 1024 + STAGE0 + 2 * STAGE_BYTES;   // + alignment slack
 };
 
 // k8, q8: int8 (D inner, B·H·N outer), boxes D × 128 and D × 64; v, q, dout: bf16 rows as bytes
-// (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64; lse, delta: fp32 (B·H·N), box 64.
+// (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64.
 typedef struct {
-    CUtensorMap k8, v, q8, q, dout, lse, delta;
+    CUtensorMap k8, v, q8, q, dout;
 } Bwd90Maps;
 
 #ifdef SAGE_SM90_DEVICE
@@ -61,8 +65,13 @@ __device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, con
         tma_load_2d(st + S::Q + b * BWD90_QUERIES * 128, &m.q, bar, 128 * b, row);
         tma_load_2d(st + S::DO + b * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, row);
     }
-    tma_load_1d(st + S::LSE, &m.lse, bar, row);
-    tma_load_1d(st + S::DELTA, &m.delta, bar, row);
+}
+
+// Thread tid < 128: lse (tid < 64) or delta of query qb·64 + tid % 64 of head bh (0 past N).
+__device__ __forceinline__ float load_query_stat(const AttnBwdArgs &a, int bh, int qb, int tid) {
+    int q = qb * BWD90_QUERIES + tid % BWD90_QUERIES;
+    const float *src = tid < BWD90_QUERIES ? a.lse : a.delta;
+    return q < a.N ? src[(size_t)bh * a.N + q] : 0.0f;
 }
 
 // d += a·B for one k16 step of dV or dK (m64nDk16, B MN-major with 64-column atoms 8 KB apart).
@@ -70,6 +79,24 @@ template <int D>
 __device__ __forceinline__ void dkv_wgmma(float (&d)[D / 2], const uint32_t a[4], uint64_t desc_b) {
     if constexpr (D == 128) wgmma_bf16_m64n128k16_rs<1, 1>(d, a, desc_b);
     else wgmma_bf16_m64n64k16_rs<1, 1>(d, a, desc_b);
+}
+
+// dq (already scaled by 1/sqrt(D)) of the block's queries q0.. (this warpgroup's D/2 columns,
+// m64n(D/2) accumulator layout) added to the fp32 dq with atomics. Branch-free, as it runs while
+// wgmma are in flight (a divergent path there makes ptxas serialize them): rows >= N add 0 to
+// row N - 1.
+template <int D>
+__device__ __forceinline__ void add_dq(const AttnBwdArgs &a, size_t head, int q0, int wg, const float (&dq)[D / 4]) {
+    int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int row = q0 + 16 * warp + g + 8 * h;
+        bool valid = row < a.N;
+        float *dq_row = a.dq + head + (size_t)min(row, a.N - 1) * D + wg * (D / 2) + 2 * c;
+#pragma unroll
+        for (int j = 0; j < D / 16; j++)
+            atomic_add_f32x2(dq_row + 8 * j, valid ? dq[4 * j + 2 * h] : 0.0f, valid ? dq[4 * j + 2 * h + 1] : 0.0f);
+    }
 }
 
 // d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
@@ -128,6 +155,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         uint32_t off = (col / HALF) * (BWD90_KEYS * D) + swizzle_offset<D>(r * D + (col % HALF) * 2);
         *(uint4 *)(sm + S::KS + off) = u;
     }
+    if (tid < 2 * BWD90_QUERIES)   // lse | delta of block 0 (adjacent in the stage)
+        ((float *)(sm + S::STAGE0 + S::LSE))[tid] = load_query_stat(a, bh, 0, tid);
     fence_proxy_async();
     __syncthreads();
 
@@ -138,11 +167,14 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
     const uint64_t desc_k8 = smem_desc<D>(sm + S::K8 + 64 * wg * D);
     float dv[HALF] = {}, dk[HALF] = {};   // m64nD accumulators: keys × D
+    float dq[D / 4] = {};                 // m64n(D/2): dQ of the previous block until its atomics
     mbar_wait(&bar_kv, 0);
 
     for (int qb = 0; qb < nqb; qb++) {
         const int stage = qb & 1, q0 = qb * BWD90_QUERIES;
         uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
+        float next_stat = 0.0f;   // lse or delta of block qb + 1, stored into the other stage below
+        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb) next_stat = load_query_stat(a, bh, qb + 1, tid);
         mbar_wait(&bar_q[stage], (qb >> 1) & 1);
         const float scale = __fmul_rn(a.qv.q_scale[(size_t)bh * nqb + qb], k_scale);
 
@@ -165,6 +197,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             else wgmma_bf16_m64n64k16_ss<1, 0, 0>(dp, da, db);
         }
         wgmma_commit();
+        if (qb > 0) add_dq<D>(a, head, q0 - BWD90_QUERIES, wg, dq);   // while the tensor cores work
         wgmma_wait<0>();
         reg_fence(s_acc);
         reg_fence(dp);
@@ -197,6 +230,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
                 *(uint32_t *)(sm + S::DS + swizzle_offset<128>(off)) = dsa[t][i];
             }
         fence_proxy_async();
+        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb)   // the other stage's statistics were last read in step qb - 1
+            ((float *)(sm + S::STAGE0 + (stage ^ 1) * S::STAGE_BYTES + S::LSE))[tid] = next_stat;
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: dO and Q rows are MN-major B (16 queries = 2 groups of 8 rows)
         wgmma_fence();
@@ -206,10 +241,11 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
         }
         wgmma_commit();
-        __syncthreads();   // dSᵀ of both warpgroups is in shared memory
+        __syncthreads();   // dSᵀ of both warpgroups (and the next block's lse, delta) in shared memory
 
         // dQ[:, wg·D/2 ..] = dS·(k - k_mean) over the 128 keys, 16 keys per k-step
-        float dq[D / 4] = {};
+#pragma unroll
+        for (int i = 0; i < D / 4; i++) dq[i] = 0.0f;
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BWD90_KEYS / 16; ks++) {
@@ -228,19 +264,13 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             reg_fence(pa[t]);
             reg_fence(dsa[t]);
         }
+#pragma unroll
+        for (int i = 0; i < D / 4; i++) dq[i] *= inv_sqrt_d;   // ordinary values now: the next step's
+                                                              // atomics need not wait for its wgmma
         __syncthreads();   // both warpgroups are done with this stage and with dSᵀ
         if (tid == 0 && qb + 2 < nqb) load_query_stage<D>(st, &bar_q[stage], maps, bh, N, qb + 2);
-
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int row = q0 + 16 * warp + g + 8 * h;
-            if (row >= N) continue;
-            float *dq_row = a.dq + head + (size_t)row * D + wg * HALF + 2 * c;
-#pragma unroll
-            for (int j = 0; j < HALF / 8; j++)
-                atomic_add_f32x2(dq_row + 8 * j, dq[4 * j + 2 * h] * inv_sqrt_d, dq[4 * j + 2 * h + 1] * inv_sqrt_d);
-        }
     }
+    add_dq<D>(a, head, (nqb - 1) * BWD90_QUERIES, wg, dq);
 
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -274,20 +304,17 @@ static PFN_cuTensorMapEncodeTiled_v12000 bwd90_map_encoder(char *err) {
     return encode;
 }
 
-// Tensor map over `base`: 2-D bytes (inner × outer, row stride = inner), box box_inner × box_outer
-// swizzled by its row length (128 or 64 bytes); or 1-D fp32 (inner elements, outer = 0), box
-// box_inner, no swizzle. Elements outside the tensor arrive as zeros.
+// 2-D tensor map of bytes over `base` (inner × outer, row stride = inner), box box_inner ×
+// box_outer swizzled by its row length (128 or 64 bytes). Elements outside arrive as zeros.
 static int bwd90_map(CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
                      uint32_t box_outer, const char *what, char *err) {
     PFN_cuTensorMapEncodeTiled_v12000 encode = bwd90_map_encoder(err);
     if (!encode) return -1;
-    bool flat = outer == 0;
     cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner};
     cuuint32_t box[2] = {box_inner, box_outer}, elem_strides[2] = {1, 1};
-    CUresult r = encode(map, flat ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, flat ? 1 : 2,
-                        (void *)base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        flat ? CU_TENSOR_MAP_SWIZZLE_NONE
-                             : box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)base, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) {
         dit_set_error(err, "sage_backward_sm90: cuTensorMapEncodeTiled(%s: %llu x %llu, box %u x %u) failed (%d)",
@@ -315,7 +342,7 @@ extern "C" int sage_backward_sm90_available(void) {
 
 template <int D>
 static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, const uint16_t *q, const uint16_t *v,
-                                const float *lse, int BH, cudaStream_t stream, char *err) {
+                                int BH, cudaStream_t stream, char *err) {
     int N = a.N;
     uint64_t rows = (uint64_t)BH * N;
     Bwd90Maps m;
@@ -323,9 +350,7 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
         bwd90_map(&m.q8, a.qv.q8, D, rows, D, BWD90_QUERIES, "q8", err) ||
         bwd90_map(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "v", err) ||
         bwd90_map(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "q", err) ||
-        bwd90_map(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "dout", err) ||
-        bwd90_map(&m.lse, lse, rows, 0, BWD90_QUERIES, 1, "lse", err) ||
-        bwd90_map(&m.delta, a.delta, rows, 0, BWD90_QUERIES, 1, "delta", err))
+        bwd90_map(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "dout", err))
         return -1;
     int bytes = Bwd90Smem<D>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_backward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
@@ -352,8 +377,8 @@ extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *wo
                            "B·H·N < 2^31 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
-    if (((uintptr_t)dout | (uintptr_t)q | (uintptr_t)v | (uintptr_t)lse | (uintptr_t)delta) % 16 != 0) {
-        dit_set_error(err, "sage_backward_sm90_cuda: dout, q, v, lse and delta must be 16-byte aligned (TMA)");
+    if (((uintptr_t)dout | (uintptr_t)q | (uintptr_t)v) % 16 != 0) {
+        dit_set_error(err, "sage_backward_sm90_cuda: dout, q and v must be 16-byte aligned (TMA)");
         return -1;
     }
     size_t rows = (size_t)B * H * N;
@@ -369,6 +394,6 @@ extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *wo
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
                      sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N};
-    if (D == 64) return launch_backward_sm90<64>(a, dout, q, v, lse, B * H, stream, err);
-    return launch_backward_sm90<128>(a, dout, q, v, lse, B * H, stream, err);
+    if (D == 64) return launch_backward_sm90<64>(a, dout, q, v, B * H, stream, err);
+    return launch_backward_sm90<128>(a, dout, q, v, B * H, stream, err);
 }

@@ -77,10 +77,10 @@ int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const v
                        cudaStream_t stream, char *err);
 
 // The Hopper backward (attention/sage_backward_sm90.cu): the same math as sage_backward_cuda with
-// wgmma tensor-core products fed by TMA (same arguments; dout, q, v, lse and delta 16-byte
-// aligned). Available (1) on a compute capability 9.0 device when the build has sm_90a machine
-// code; sage_backward_sm90_cuda returns -1 otherwise. sage_backward_cuda dispatches to it when
-// DIT_SAGE_BWD_SM90=1 (opt-in until validated on a GPU); DIT_SAGE_MMA_SYNC=1 keeps the mma.sync one.
+// wgmma tensor-core products fed by TMA (same arguments; dout, q and v 16-byte aligned, B·H·N <
+// 2^31). Available (1) on a compute capability 9.0 device when the build has sm_90a machine code;
+// sage_backward_sm90_cuda returns -1 otherwise. sage_backward_cuda dispatches to it where it is
+// available and the arguments fit; DIT_SAGE_MMA_SYNC=1 keeps the mma.sync kernel.
 int sage_backward_sm90_available(void);
 int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
                             const uint16_t *dout, const uint16_t *q, const uint16_t *k,

@@ -144,7 +144,7 @@ __device__ __forceinline__ void wgmma_e4m3_m64n128k32(float d[64], const uint32_
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
 }
 
-// ---- the sage backward: bf16 wgmma, MN-major operands, ordering, 1-D TMA -------------------------
+// ---- the sage backward: bf16 wgmma, MN-major operands, ordering -------------------------------
 // 16-bit operands in shared memory may be K-major (trans 0) or MN-major (trans 1: each of the K
 // rows holds its M (or N) elements contiguously). MN-major with the 128-byte (64-byte) swizzle:
 // atoms of 8 K-rows × 64 (32) elements, 1024 (512) bytes, the 16-byte chunks of each row
@@ -173,18 +173,6 @@ template <int ROW_BYTES> __device__ __forceinline__ uint32_t swizzle_offset(uint
 // Orders this thread's ordinary shared-memory writes before later reads by the tensor cores or
 // the TMA unit (the async proxy); a barrier must follow before another thread's wgmma reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Barrier `id` (1..15) over the first `threads` threads of the CTA (a multiple of 32).
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// 1-D box of the tensor map at element x into shared memory, completion counted in bytes on `bar`.
-__device__ __forceinline__ void tma_load_1d(void *smem, const CUtensorMap *map, uint64_t *bar, int x) {
-    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
-                 "[%0], [%1, {%3}], [%2];\n"
-                 ::"r"((uint32_t)__cvta_generic_to_shared(smem)), "l"((uint64_t)map),
-                   "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x) : "memory");
-}
 
 // d (+)= A·B, bf16 -> fp32, m64n32k16, A and B in shared memory (descriptors); TRANS_A / TRANS_B
 // = 1 for MN-major operands. scale_d = 0 overwrites d, 1 accumulates. d: 16 registers per thread.
