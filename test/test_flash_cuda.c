@@ -17,62 +17,13 @@
 #include "attention/attention.h"
 #include "attention/flash_cuda.h"
 #include "layers/common.h"
-
-#define SKIP_WITHOUT_GPU()                                                          \
-    do {                                                                            \
-        int n_ = 0;                                                                 \
-        if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) {                    \
-            cudaGetLastError();                                                     \
-            cr_skip_test("no CUDA GPU");                                            \
-        }                                                                           \
-    } while (0)
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed: %s", #call, cudaGetErrorString(cudaGetLastError()))
+#include "test/attention_test.h"
 
 #define OUT_REL_TOL 1e-2
 #define OUT_MIN_COS 0.99995
 #define LSE_TOL 1e-3
 #define GRAD_REL_TOL 2e-2
 #define GRAD_MIN_COS 0.9998
-
-static uint16_t to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static void *xmalloc(size_t n) {
-    void *p = calloc(n, 1);
-    cr_assert(p, "out of host memory (%zu bytes)", n);
-    return p;
-}
-static void *dmalloc(size_t n) {
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n));
-    CUDA_OK(cudaMemset(p, 0xff, n));   // poison: NaN for fp32 and bf16
-    return p;
-}
-
-static void compare(double *rel_l2, double *cosine, const float *x, const float *ref, size_t n) {
-    double err = 0, r2 = 0, x2 = 0, xr = 0;
-    for (size_t i = 0; i < n; i++) {
-        err += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
-        r2 += (double)ref[i] * ref[i];
-        x2 += (double)x[i] * x[i];
-        xr += (double)x[i] * ref[i];
-    }
-    *rel_l2 = sqrt(err / r2);
-    *cosine = xr / sqrt(x2 * r2);
-    if (isnan(*rel_l2)) *rel_l2 = INFINITY;   // NaN never passes
-    if (isnan(*cosine)) *cosine = -1;
-}
 
 // One case: q, k, v, dout as host floats (bf16 values) and device bf16 copies.
 // q is scaled by q_gain: 1 gives softmax logits of std ~1, 4 a peaked softmax.

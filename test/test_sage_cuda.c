@@ -11,33 +11,10 @@
 #include "attention/attention.h"
 #include "attention/sage_cuda.h"
 #include "layers/common.h"
-
-#define SKIP_WITHOUT_GPU()                                                          \
-    do {                                                                            \
-        int n_ = 0;                                                                 \
-        if (cudaGetDeviceCount(&n_) != cudaSuccess || n_ == 0) {                    \
-            cudaGetLastError();                                                     \
-            cr_skip_test("no CUDA GPU");                                            \
-        }                                                                           \
-    } while (0)
-
-#define CUDA_OK(call) cr_assert_eq((call), cudaSuccess, "%s failed: %s", #call, cudaGetErrorString(cudaGetLastError()))
+#include "test/attention_test.h"
 
 static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8}, GPU_FP16 = {64, 64, SAGE_PV_FP16};
 
-static uint16_t to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 static float from_e4m3(uint8_t b) {
     int e = (b >> 3) & 15, m = b & 7;
     float x = e == 0 ? ldexpf((float)m, -9) : (e == 15 && m == 7 ? NAN : ldexpf(1.0f + m / 8.0f, e - 7));
@@ -47,32 +24,6 @@ static float from_fp16(uint16_t h) {
     int e = (h >> 10) & 31, m = h & 1023;
     float x = e == 0 ? ldexpf((float)m, -24) : (e == 31 ? (m ? NAN : INFINITY) : ldexpf(1.0f + m / 1024.0f, e - 15));
     return (h & 0x8000) ? -x : x;
-}
-
-static void *xmalloc(size_t n) {
-    void *p = calloc(n, 1);
-    cr_assert(p, "out of host memory (%zu bytes)", n);
-    return p;
-}
-static void *dmalloc(size_t n) {
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, n));
-    CUDA_OK(cudaMemset(p, 0xff, n));   // poison: NaN for floats and bf16
-    return p;
-}
-
-static void compare(double *rel_l2, double *cosine, const float *x, const float *ref, size_t n) {
-    double err = 0, r2 = 0, x2 = 0, xr = 0;
-    for (size_t i = 0; i < n; i++) {
-        err += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
-        r2 += (double)ref[i] * ref[i];
-        x2 += (double)x[i] * x[i];
-        xr += (double)x[i] * ref[i];
-    }
-    *rel_l2 = sqrt(err / r2);
-    *cosine = xr / sqrt(x2 * r2);
-    if (isnan(*rel_l2)) *rel_l2 = INFINITY;   // NaN never passes
-    if (isnan(*cosine)) *cosine = -1;
 }
 
 // Inputs of one case, as bf16 (device) and as the same values in float (host).
