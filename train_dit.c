@@ -32,7 +32,7 @@ typedef struct {
     const char *model, *data, *out, *resume, *device, *attn, *t_sampling, *dump_parity;
     int depth, hidden, heads, patch, image_size, channels;   // 0: the preset's value
     int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
-    int skip_bad_images, preview_data, random_flip;
+    int skip_bad_images, preview_data, random_flip, save_init;
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale;
     uint64_t seed;
 } TrainArgs;
@@ -66,6 +66,8 @@ static const char *usage_text =
     "output:\n"
     "  --out DIR             train_log.csv, checkpoints, samples (default out)\n"
     "  --ckpt-every N        write OUT/ckpt_<step>.safetensors every N steps and at the end (default 500)\n"
+    "  --save-init           also write OUT/ckpt_000000.safetensors, the initial weights, before step 1\n"
+    "                        (dev/loss_curves.py starts PyTorch from it; --resume from it replays the run)\n"
     "  --resume FILE         continue bit-identically from a checkpoint\n"
     "  --sample-every N      write OUT/samples_<step>.png every N steps and at the end (default 500)\n"
     "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
@@ -121,6 +123,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         if (!strcmp(f, "--skip-bad-images")) { a->skip_bad_images = 1; continue; }
         if (!strcmp(f, "--preview-data")) { a->preview_data = 1; continue; }
         if (!strcmp(f, "--no-flip")) { a->random_flip = 0; continue; }
+        if (!strcmp(f, "--save-init")) { a->save_init = 1; continue; }
         if (strncmp(f, "--", 2) != 0 || i + 1 >= argc) {
             dit_set_error(err, "%s: %s (see --help)", f,
                           strncmp(f, "--", 2) ? "unexpected argument" : "missing value or unknown flag");
@@ -426,12 +429,6 @@ static void format_device_stats(Trainer *tr, int B, double ms, char *text, size_
 
 // ---- pieces of the training step ---------------------------------------------------------
 
-// Flow-matching time: logit-normal concentrates training on the middle of the path (SD3).
-static float sample_t(Rng *rng, int uniform) {
-    if (uniform) return rng_uniform(rng);
-    return 1.0f / (1.0f + expf(-rng_normal(rng)));
-}
-
 // Linear warmup, then constant (as DiT, which trains at a constant rate).
 static float learning_rate(const TrainArgs *a, int step) {
     return step <= a->warmup ? a->lr * step / (a->warmup + 1) : a->lr;
@@ -643,18 +640,18 @@ int main(int argc, char **argv) {
         die(err);
     }
     if (!a->resume) fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
+    if (a->save_init && !a->resume) save_checkpoint(&tr, a, dl, &rng, 0);
 
     for (int step = first_step; step <= a->steps; step++) {
         double t0 = now_seconds();
 
-        // 1. a batch of images and labels; drop labels to the null class for guidance
+        // 1. a batch of images and labels
         if (dataloader_next_batch(dl, x0, labels, err) != 0) die(err);
-        for (int b = 0; b < a->batch; b++)
-            if (rng_uniform(&rng) < a->label_dropout) labels[b] = cfg.num_classes;
 
-        // 2. flow matching: time t and noise ε (the model makes x_t = (1 - t)·x0 + t·ε, v = ε - x0)
-        for (int b = 0; b < a->batch; b++) t[b] = sample_t(&rng, !strcmp(a->t_sampling, "uniform"));
-        rng_fill_normal(&rng, noise, n_batch, 1.0f);
+        // 2. drop labels to the null class for guidance; flow-matching time t and noise ε (the
+        //    model makes x_t = (1 - t)·x0 + t·ε, v = ε - x0)
+        flow_matching_sample(&rng, labels, t, noise, a->batch, img, a->label_dropout, cfg.num_classes,
+                             !strcmp(a->t_sampling, "uniform"));
 
         // 3. forward, loss, backward
         float loss = step_gradients(&tr, x0, noise, t, labels, a->batch);

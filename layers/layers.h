@@ -19,6 +19,7 @@
 #pragma once
 #include <stdint.h>
 #include <stddef.h>
+#include "layers/common.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -99,6 +100,13 @@ void embedding_backward(float *dtable, const float *dout, const int *labels, int
 void pos_embed_2d(float *out, int G, int C);
 
 // ---- flow-matching loss ------------------------------------------------------------------
+// One training step's randomness, drawn from rng in this order: B uniforms u_b, label b becomes
+// null_label where u_b < label_dropout (classifier-free guidance; labels (B) are read and
+// overwritten); B times t_b, uniform in [0, 1) or logit-normal σ(N(0, 1)) (SD3: the middle of
+// the path) when uniform_t is 0; noise (B, n_per_sample) ~ N(0, 1) by rng_fill_normal.
+// train_dit and dev/loss_curves.py (through ctypes) both draw their steps with it.
+void flow_matching_sample(Rng *rng, int *labels, float *t, float *noise, int B, size_t n_per_sample,
+                          float label_dropout, int null_label, int uniform_t);
 // Rectified flow: x_t = (1 - t)·x0 + t·ε, target velocity v = ε - x0.
 void flow_matching_inputs(float *x_t, float *v_target, const float *x0, const float *noise,
                           const float *t, int B, int n_per_sample);

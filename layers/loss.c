@@ -1,5 +1,16 @@
-// Flow-matching (rectified flow) inputs and the MSE loss on the predicted velocity.
+// Flow-matching (rectified flow): the per-step randomness, the inputs, and the MSE loss on the
+// predicted velocity.
+#include <math.h>
 #include "layers/layers.h"
+
+void flow_matching_sample(Rng *rng, int *labels, float *t, float *noise, int B, size_t n_per_sample,
+                          float label_dropout, int null_label, int uniform_t) {
+    for (int b = 0; b < B; b++)
+        if (rng_uniform(rng) < label_dropout) labels[b] = null_label;
+    for (int b = 0; b < B; b++)
+        t[b] = uniform_t ? rng_uniform(rng) : 1.0f / (1.0f + expf(-rng_normal(rng)));
+    rng_fill_normal(rng, noise, (size_t)B * n_per_sample, 1.0f);
+}
 
 void flow_matching_inputs(float *x_t, float *v_target, const float *x0, const float *noise,
                           const float *t, int B, int n_per_sample) {
