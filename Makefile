@@ -78,6 +78,7 @@ $(BUILD)/test_%: test/test_%.c $(LIB)
 test: $(TEST_BINS) train_dit
 	@set -e; for t in $(TEST_BINS); do echo "== $$t"; $$t --jobs 2; done
 	@echo "== PyTorch parity"; $(PYTHON) dev/parity.py
+	@echo "== PyTorch parity, clipping active"; $(PYTHON) dev/parity.py --steps 12 --grad-clip 0.5
 	@$(MAKE) --no-print-directory test-example
 	@$(MAKE) --no-print-directory fuzz
 
