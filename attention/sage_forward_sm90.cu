@@ -8,16 +8,16 @@
 // then K̂ and V̂ tiles of 64 keys through SM90_STAGES shared-memory stages, each completing on its
 // own mbarrier. Per key block kb:
 //   S = Q8·K8ᵀ     wgmma m64n64k32 s8 (Q and K from shared memory), int32 accumulators
-//   s = (float)S · (q_scale·k_scale); online softmax in base 2 as the definition (64-key steps)
-//   P8 = e4m3(P·448) packed in registers straight from the S accumulators: the quantization pass
+//   online softmax in base 2 over the 64-key step of the definition (softmax_fused): row max on the
+//        int32 S, p' = exp2(S·q_scale·k_scale − m + log2 448) = 448·p by one FFMA and one ex2
+//   P8 = e4m3(p') packed in registers straight from the S accumulators: the quantization pass
 //        stores V̂ᵀ with the tokens of each group of 16 in the A-fragment order (sage_cuda.h)
 //   blk = P8·V8     wgmma m64nDk32 e4m3, A from registers, V̂ᵀ (K-major) from shared memory
 //   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
-// then thread 0 refills the stage with key block kb + SM90_STAGES. Finally out = O·v_scale/448/l
-// and lse = m + log2(l), as sage_forward.cu.
+// then thread 0 refills the stage with key block kb + SM90_STAGES. Finally out = O·v_scale/l'
+// and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
 #include <cudaTypedefs.h>
 #include <limits.h>
-#include <stdlib.h>
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "attention/wgmma.cuh"
@@ -43,55 +43,12 @@ __device__ __forceinline__ void pv_wgmma(float (&blk)[D / 2], const uint32_t a[4
     else wgmma_e4m3_m64n64k32<scale_d>(blk, a, desc_v);
 }
 
-// Online softmax of one 64 × 64 block in the definition's order of operations: s = rn((float)S ·
-// scale), masked to -inf for keys >= N (`valid` keys in this block), row max, alpha = exp2(m_old −
-// m_new), p = exp2(s − m_new), l = l·alpha + Σ p, then P8 = e4m3(p·448) packed into the two k32 A
-// fragments: a[t][2h] row g, a[t][2h + 1] row g + 8, key chunks 4t+2h, 4t+2h+1. This thread holds
-// keys 8j + 2c + (e & 1) of rows g (e < 2) and g + 8 (e >= 2) in s[4j + e].
-__device__ __forceinline__ void softmax_definition_order(uint32_t (&a)[2][4], float (&alpha)[2], float (&m)[2],
-                                                         float (&l)[2], const int (&s)[32], float scale, int valid,
-                                                         int c) {
-    float p[32], mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-        int key = 8 * (i / 4) + 2 * c + (i & 1);
-        p[i] = key < valid ? __fmul_rn((float)s[i], scale) : -INFINITY;
-        mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], p[i]);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        float m_new = fmaxf(m[r], mx[r]);
-        alpha[r] = exp2f(m[r] - m_new);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < 32; i++) {
-        p[i] = exp2f(p[i] - m[(i % 4) / 2]);
-        l[(i % 4) / 2] += p[i];
-    }
-#pragma unroll
-    for (int t = 0; t < 2; t++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float *p0 = p + 4 * (4 * t + 2 * h), *p1 = p0 + 4;
-            a[t][2 * h] = pack_e4m3x2(p0[0] * 448.0f, p0[1] * 448.0f) |
-                          (uint32_t)pack_e4m3x2(p1[0] * 448.0f, p1[1] * 448.0f) << 16;
-            a[t][2 * h + 1] = pack_e4m3x2(p0[2] * 448.0f, p0[3] * 448.0f) |
-                              (uint32_t)pack_e4m3x2(p1[2] * 448.0f, p1[3] * 448.0f) << 16;
-        }
-}
-
 #define LOG2_448 8.807354922057604f
 
-// S (int32) to the float the fused softmax multiplies by scale: exact, |S| <= 127·127·128 < 2^24.
-__device__ __forceinline__ float s_to_float(int s) { return (float)s; }
-// The addend of the fused softmax's FFMA: x = s_to_float(S)·scale + offset = S·scale − mb.
-__device__ __forceinline__ float softmax_offset(float scale, float mb) { return -mb; }
-
-// The same online softmax with fewer instructions per element (the kernel is issue-bound):
+// Online softmax of one 64 × 64 block (this thread holds keys 8j + 2c + (e & 1) of rows g (e < 2)
+// and g + 8 (e >= 2) in s[4j + e]), then P8 packed into the two k32 A fragments: a[t][2h] row g,
+// a[t][2h + 1] row g + 8, key chunks 4t+2h, 4t+2h+1. Few instructions per element (the kernel is
+// issue-bound; the definition's order of operations cost ~12 per element, this ~7.5 at D = 128):
 // the row max is taken on the int32 S (rn is monotonic and scale >= 0, so rn(max S · scale) is
 // the definition's max, bit for bit), and p' = exp2(S·scale − (m − log2 448)) = 448·p comes from
 // one FFMA and one ex2 per element, so P8 = e4m3(p') needs no ×448 and l' = Σ p' = 448·l (the
@@ -117,11 +74,11 @@ __device__ __forceinline__ void softmax_fused(uint32_t (&a)[2][4], float (&alpha
         alpha[r] = exp2f(m[r] - m_new);
         m[r] = m_new;
         l[r] *= alpha[r];
-        offset[r] = softmax_offset(scale, m_new - LOG2_448);
+        offset[r] = LOG2_448 - m_new;
     }
     float p[32];
 #pragma unroll
-    for (int i = 0; i < 32; i++) p[i] = exp2f(fmaf(s_to_float(s[i]), scale, offset[(i % 4) / 2]));
+    for (int i = 0; i < 32; i++) p[i] = exp2f(fmaf((float)s[i], scale, offset[(i % 4) / 2]));
     if (valid < SAGE_CUDA_BLOCK) {
 #pragma unroll
         for (int i = 0; i < 32; i++)
@@ -152,8 +109,7 @@ __device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *bar,
 
 // map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
 // B·H·D outer), box 64 × D. Grid (ceil(N/64), B·H), SM90_THREADS threads, Sm90Smem<D>::TOTAL bytes.
-// FUSED picks softmax_fused (l accumulates 448·l) instead of softmax_definition_order.
-template <int D, bool FUSED>
+template <int D>
 __global__ void __launch_bounds__(SM90_THREADS, 2)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
@@ -207,8 +163,7 @@ __global__ void __launch_bounds__(SM90_THREADS, 2)
 
         float alpha[2];
         uint32_t a[2][4];   // P8 as two k32 A fragments
-        if constexpr (FUSED) softmax_fused(a, alpha, m, l, s_acc, __fmul_rn(q_scale, k_scale[kb]), N - kb * BN, c);
-        else softmax_definition_order(a, alpha, m, l, s_acc, __fmul_rn(q_scale, k_scale[kb]), N - kb * BN, c);
+        softmax_fused(a, alpha, m, l, s_acc, __fmul_rn(q_scale, k_scale[kb]), N - kb * BN, c);
 
         // blk = P8·V8 over the block's 64 keys, then the two-level accumulation
         wgmma_fence();
@@ -234,25 +189,15 @@ __global__ void __launch_bounds__(SM90_THREADS, 2)
         int row = qb * BN + warp * 16 + g + 8 * r;
         if (row >= N) continue;
         __nv_bfloat16 *orow = out + ((size_t)bh * N + row) * D;
-        if constexpr (FUSED) {   // o = 448·Σ p·v̂ and l = 448·Σ p: out = o·v_scale/l
-            float inv_l = 1.0f / l[r];
+        // o = 448·Σ p·v̂ and l = 448·Σ p: out = o·v_scale/l
+        float inv_l = 1.0f / l[r];
 #pragma unroll
-            for (int j = 0; j < D / 8; j++) {
-                int col = 8 * j + 2 * c;
-                *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * vs[col] * inv_l,
-                                                                        o[4 * j + 2 * r + 1] * vs[col + 1] * inv_l);
-            }
-            if (c == 0) lse[(size_t)bh * N + row] = m[r] + (log2f(l[r]) - LOG2_448);
-        } else {
-#pragma unroll
-            for (int j = 0; j < D / 8; j++) {
-                int col = 8 * j + 2 * c;
-                float x0 = __fdiv_rn(__fmul_rn(o[4 * j + 2 * r], vs[col]), 448.0f);
-                float x1 = __fdiv_rn(__fmul_rn(o[4 * j + 2 * r + 1], vs[col + 1]), 448.0f);
-                *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(__fdiv_rn(x0, l[r]), __fdiv_rn(x1, l[r]));
-            }
-            if (c == 0) lse[(size_t)bh * N + row] = m[r] + log2f(l[r]);
+        for (int j = 0; j < D / 8; j++) {
+            int col = 8 * j + 2 * c;
+            *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * vs[col] * inv_l,
+                                                                    o[4 * j + 2 * r + 1] * vs[col + 1] * inv_l);
         }
+        if (c == 0) lse[(size_t)bh * N + row] = m[r] + (log2f(l[r]) - LOG2_448);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -305,14 +250,14 @@ extern "C" int sage_forward_sm90_available(void) {
         return 0;
     }
     if (major != 9 || minor != 0) return 0;
-    if (cudaFuncGetAttributes(&attr, sage_forward_sm90_kernel<128, false>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, sage_forward_sm90_kernel<128>) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
     return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;   // sm_90a machine code, not JIT from older PTX
 }
 
-template <int D, bool FUSED>
+template <int D>
 static int launch_sm90(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N, cudaStream_t stream,
                        char *err) {
     int nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
@@ -323,11 +268,11 @@ static int launch_sm90(uint16_t *out, float *lse, const SageCudaQuant *qv, int B
         make_tensor_map(&map_v, qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "v_t", err))
         return -1;
     int bytes = Sm90Smem<D>::TOTAL;
-    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D, FUSED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_sm90_kernel max dynamic smem)");
     dim3 grid(nblk, BH);
-    sage_forward_sm90_kernel<D, FUSED><<<grid, SM90_THREADS, bytes, stream>>>(map_q, map_k, map_v,
+    sage_forward_sm90_kernel<D><<<grid, SM90_THREADS, bytes, stream>>>(map_q, map_k, map_v,
                                                                               (__nv_bfloat16 *)out, lse, *qv, N);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
@@ -343,10 +288,6 @@ extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace
     }
     if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, SAGE_PV_FP8, stream, err) != 0) return -1;
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, SAGE_PV_FP8);
-    // DIT_SAGE_SM90_FUSED=1: the fused softmax (softmax_fused), until measured on the device
-    bool fused = getenv("DIT_SAGE_SM90_FUSED") && atoi(getenv("DIT_SAGE_SM90_FUSED")) == 1;
-    if (D == 64) return fused ? launch_sm90<64, true>(out, lse, &qv, B * H, N, stream, err)
-                              : launch_sm90<64, false>(out, lse, &qv, B * H, N, stream, err);
-    return fused ? launch_sm90<128, true>(out, lse, &qv, B * H, N, stream, err)
-                 : launch_sm90<128, false>(out, lse, &qv, B * H, N, stream, err);
+    return D == 64 ? launch_sm90<64>(out, lse, &qv, B * H, N, stream, err)
+                   : launch_sm90<128>(out, lse, &qv, B * H, N, stream, err);
 }
