@@ -47,6 +47,29 @@ SageCudaQuant sage_cuda_quant_view(void *workspace, int B, int H, int N, int D, 
 int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                        int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
 
+// For sequence parallelism (attention/sequence_parallel_cuda.h), where k_mean and v_scale are
+// global quantities over the shards of all ranks:
+// sage_kv_stats_cuda: the statistics of one shard, k (B,H,N,D) and v: k_sum (B,H,D) = Σ_t k in
+// fp32 (the chunked sum of sage_quantize_cuda, not divided by N) and v_scale (B,H,D) =
+// max_t |v| / 448 in FP8 mode, zeros in FP16 mode. Uses the scratch of `workspace` (a forward
+// workspace for these B, H, N, D, pv).
+int sage_kv_stats_cuda(float *k_sum, float *v_scale, void *workspace, const uint16_t *k, const uint16_t *v,
+                       int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
+// sage_quantize_given_cuda: the quantization pass with the GIVEN k_mean (B,H,D) and, in FP8 mode,
+// v_scale (B,H,D) (device pointers; v_scale may be NULL in FP16 mode): copies them into the
+// workspace and quantizes Q, K - k_mean and V / v_scale exactly as sage_quantize_cuda does.
+int sage_quantize_given_cuda(void *workspace, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                             const float *k_mean, const float *v_scale, int B, int H, int N, int D,
+                             SagePV pv, cudaStream_t stream, char *err);
+// sage_forward_quantized_cuda: the forward's attention over an already quantized workspace (no
+// quantization pass): the q8 and scales of the queries, the k8, k_scale, v_t of the keys, the
+// k_mean and v_scale in the workspace as they are. Dispatches like sage_forward_cuda (the Hopper
+// kernel for FP8 on sm_90a unless DIT_SAGE_MMA_SYNC=1).
+int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
+                                SagePV pv, cudaStream_t stream, char *err);
+int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
+                                     int D, cudaStream_t stream, char *err);
+
 // out = sage attention of q, k, v (bf16, (B,H,N,D)); lse (B,H,N) fp32 base 2.
 // Quantizes into `workspace` (sage_cuda_forward_workspace_size bytes), which the backward reads.
 int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,

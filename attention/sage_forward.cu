@@ -187,30 +187,53 @@ static int launch_forward(uint16_t *out, float *lse, const SageCudaQuant *qv, in
     return 0;
 }
 
+// FP8 P·V needs compute capability 8.9+ on the current device.
+static int check_fp8_capability(const char *fn, char *err) {
+    int dev, major, minor;
+    SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
+    SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), err,
+                    "cudaDeviceGetAttribute(major)");
+    SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), err,
+                    "cudaDeviceGetAttribute(minor)");
+    if (major * 10 + minor < 89) {
+        dit_set_error(err, "%s: FP8 P·V needs compute capability 8.9+ (device %d is %d.%d); "
+                           "use SAGE_PV_FP16", fn, dev, major, minor);
+        return -1;
+    }
+    return 0;
+}
+
+// The mma.sync forward over the quantized tensors of `workspace`.
+static int launch_forward_quantized(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
+                                    int D, SagePV pv, cudaStream_t stream, char *err) {
+    SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, pv);
+    int BH = B * H;
+    if (D == 64) return pv == SAGE_PV_FP8 ? launch_forward<64, true>(out, lse, &qv, BH, N, stream, err)
+                                          : launch_forward<64, false>(out, lse, &qv, BH, N, stream, err);
+    return pv == SAGE_PV_FP8 ? launch_forward<128, true>(out, lse, &qv, BH, N, stream, err)
+                             : launch_forward<128, false>(out, lse, &qv, BH, N, stream, err);
+}
+
 extern "C" int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
                                  const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                  int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
     // Hopper: the wgmma kernel (sage_forward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
     if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
         return sage_forward_sm90_cuda(out, lse, workspace, q, k, v, B, H, N, D, stream, err);
-    if (pv == SAGE_PV_FP8) {
-        int dev, major, minor;
-        SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
-        SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), err,
-                        "cudaDeviceGetAttribute(major)");
-        SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), err,
-                        "cudaDeviceGetAttribute(minor)");
-        if (major * 10 + minor < 89) {
-            dit_set_error(err, "sage_forward_cuda: FP8 P·V needs compute capability 8.9+ (device %d is %d.%d); "
-                               "use SAGE_PV_FP16", dev, major, minor);
-            return -1;
-        }
-    }
+    if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_cuda", err) != 0) return -1;
     if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, pv, stream, err) != 0) return -1;
-    SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
-    int BH = B * H;
-    if (D == 64) return pv == SAGE_PV_FP8 ? launch_forward<64, true>(out, lse, &qv, BH, N, stream, err)
-                                          : launch_forward<64, false>(out, lse, &qv, BH, N, stream, err);
-    return pv == SAGE_PV_FP8 ? launch_forward<128, true>(out, lse, &qv, BH, N, stream, err)
-                             : launch_forward<128, false>(out, lse, &qv, BH, N, stream, err);
+    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, stream, err);
+}
+
+extern "C" int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
+                                           int D, SagePV pv, cudaStream_t stream, char *err) {
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 || !workspace) {
+        dit_set_error(err, "sage_forward_quantized_cuda: need a workspace, D in {64, 128}, B, H, N >= 1 and "
+                           "B·H <= 65535 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
+        return -1;
+    }
+    if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
+        return sage_forward_sm90_quantized_cuda(out, lse, workspace, B, H, N, D, stream, err);
+    if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_quantized_cuda", err) != 0) return -1;
+    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, stream, err);
 }

@@ -291,3 +291,20 @@ extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace
     return D == 64 ? launch_sm90<64>(out, lse, &qv, B * H, N, stream, err)
                    : launch_sm90<128>(out, lse, &qv, B * H, N, stream, err);
 }
+
+extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
+                                                int N, int D, cudaStream_t stream, char *err) {
+    if (!sage_forward_sm90_available()) {
+        dit_set_error(err, "sage_forward_sm90_quantized_cuda: needs a compute capability 9.0 device and a build "
+                           "with sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
+        return -1;
+    }
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 || !workspace) {
+        dit_set_error(err, "sage_forward_sm90_quantized_cuda: need a workspace, D in {64, 128}, B, H, N >= 1 and "
+                           "B·H <= 65535 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
+        return -1;
+    }
+    SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, SAGE_PV_FP8);
+    return D == 64 ? launch_sm90<64>(out, lse, &qv, B * H, N, stream, err)
+                   : launch_sm90<128>(out, lse, &qv, B * H, N, stream, err);
+}

@@ -85,9 +85,9 @@ __global__ void __launch_bounds__(128) sage_stats_kernel(float *part, const __nv
     }
 }
 
-// k_mean[bh][d] = (Σ_chunks part sums) / N; v_scale[bh][d] = max/448. Grid BH, D threads.
+// k_mean[bh][d] = (Σ_chunks part sums) / divisor (N, or 1 for the sum); v_scale[bh][d] = max/448. Grid BH, D threads.
 __global__ void sage_stats_reduce_kernel(float *k_mean, float *v_scale, const float *part,
-                                         int nchunk, int N, int D, int fp8) {
+                                         int nchunk, float divisor, int D, int fp8) {
     int bh = blockIdx.x, d = threadIdx.x;
     float s = 0.0f, m = 0.0f;
     for (int c = 0; c < nchunk; c++) {
@@ -95,7 +95,7 @@ __global__ void sage_stats_reduce_kernel(float *k_mean, float *v_scale, const fl
         s += p[d];
         m = fmaxf(m, p[D + d]);
     }
-    k_mean[(size_t)bh * D + d] = __fdiv_rn(s, (float)N);
+    k_mean[(size_t)bh * D + d] = __fdiv_rn(s, divisor);
     v_scale[(size_t)bh * D + d] = fp8 ? __fdiv_rn(m, 448.0f) : 0.0f;
 }
 
@@ -179,35 +179,91 @@ __global__ void __launch_bounds__(QUANT_THREADS) sage_quantize_kernel(
     }
 }
 
+static int check_shape(const char *fn, int B, int H, int N, int D, char *err) {
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
+        dit_set_error(err, "%s: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 "
+                      "(got B=%d H=%d N=%d D=%d)", fn, B, H, N, D);
+        return -1;
+    }
+    return 0;
+}
+
+// Launches 1 and 2 of the quantization pass: k_mean[bh][d] = (Σ_t k) / divisor and
+// v_scale[bh][d] = max_t |v| / 448 (0 in FP16 mode), through the workspace's column partials.
+static int launch_stats(float *k_mean, float *v_scale, void *workspace, const uint16_t *k, const uint16_t *v,
+                        int B, int H, int N, int D, SagePV pv, float divisor, cudaStream_t stream, char *err) {
+    float *part = partials(workspace, B, H, N, D, pv);
+    int BH = B * H, nchunk = ceil_div(N, STATS_CHUNK);
+    const __nv_bfloat16 *kb = (const __nv_bfloat16 *)k, *vb = (const __nv_bfloat16 *)v;
+    dim3 stats_grid(nchunk, BH);
+    if (D == 64) sage_stats_kernel<64><<<stats_grid, 128, 0, stream>>>(part, kb, vb, N);
+    else sage_stats_kernel<128><<<stats_grid, 128, 0, stream>>>(part, kb, vb, N);
+    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_kernel");
+    sage_stats_reduce_kernel<<<BH, D, 0, stream>>>(k_mean, v_scale, part, nchunk, divisor, D, pv == SAGE_PV_FP8);
+    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_reduce_kernel");
+    return 0;
+}
+
+// Launch 3: Q, K (with the k_mean in qv) and V (with the v_scale in qv) per 64-token block.
+static int launch_quantize(const SageCudaQuant *qv, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
+    const __nv_bfloat16 *qb = (const __nv_bfloat16 *)q, *kb = (const __nv_bfloat16 *)k,
+                        *vb = (const __nv_bfloat16 *)v;
+    float q_mul = (1.0f / sqrtf((float)D)) * 1.44269504f;   // host arithmetic, as the CPU definition
+    dim3 quant_grid(ceil_div(N, SAGE_CUDA_BLOCK), B * H);
+    bool fp8 = pv == SAGE_PV_FP8;
+    if (D == 64 && fp8) sage_quantize_kernel<64, true><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
+    if (D == 64 && !fp8) sage_quantize_kernel<64, false><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
+    if (D == 128 && fp8) sage_quantize_kernel<128, true><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
+    if (D == 128 && !fp8) sage_quantize_kernel<128, false><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
+    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_quantize_kernel");
+    return 0;
+}
+
 extern "C" int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint16_t *k,
                                   const uint16_t *v, int B, int H, int N, int D, SagePV pv,
                                   cudaStream_t stream, char *err) {
-    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
-        dit_set_error(err, "sage_quantize_cuda: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 "
-                      "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
-        return -1;
-    }
+    if (check_shape("sage_quantize_cuda", B, H, N, D, err) != 0) return -1;
     if (!workspace || !q || !k || !v) {
         dit_set_error(err, "sage_quantize_cuda: workspace, q, k and v must not be NULL");
         return -1;
     }
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
-    float *part = partials(workspace, B, H, N, D, pv);
-    int BH = B * H, nchunk = ceil_div(N, STATS_CHUNK), nblk = ceil_div(N, SAGE_CUDA_BLOCK);
-    const __nv_bfloat16 *qb = (const __nv_bfloat16 *)q, *kb = (const __nv_bfloat16 *)k,
-                        *vb = (const __nv_bfloat16 *)v;
-    float q_mul = (1.0f / sqrtf((float)D)) * 1.44269504f;   // host arithmetic, as the CPU definition
-    dim3 stats_grid(nchunk, BH), quant_grid(nblk, BH);
-    bool fp8 = pv == SAGE_PV_FP8;
-    if (D == 64) sage_stats_kernel<64><<<stats_grid, 128, 0, stream>>>(part, kb, vb, N);
-    else sage_stats_kernel<128><<<stats_grid, 128, 0, stream>>>(part, kb, vb, N);
-    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_kernel");
-    sage_stats_reduce_kernel<<<BH, D, 0, stream>>>(qv.k_mean, qv.v_scale, part, nchunk, N, D, fp8);
-    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_reduce_kernel");
-    if (D == 64 && fp8) sage_quantize_kernel<64, true><<<quant_grid, QUANT_THREADS, 0, stream>>>(qv, qb, kb, vb, N, q_mul);
-    if (D == 64 && !fp8) sage_quantize_kernel<64, false><<<quant_grid, QUANT_THREADS, 0, stream>>>(qv, qb, kb, vb, N, q_mul);
-    if (D == 128 && fp8) sage_quantize_kernel<128, true><<<quant_grid, QUANT_THREADS, 0, stream>>>(qv, qb, kb, vb, N, q_mul);
-    if (D == 128 && !fp8) sage_quantize_kernel<128, false><<<quant_grid, QUANT_THREADS, 0, stream>>>(qv, qb, kb, vb, N, q_mul);
-    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_quantize_kernel");
-    return 0;
+    if (launch_stats(qv.k_mean, qv.v_scale, workspace, k, v, B, H, N, D, pv, (float)N, stream, err) != 0) return -1;
+    return launch_quantize(&qv, q, k, v, B, H, N, D, pv, stream, err);
+}
+
+extern "C" int sage_kv_stats_cuda(float *k_sum, float *v_scale, void *workspace, const uint16_t *k,
+                                  const uint16_t *v, int B, int H, int N, int D, SagePV pv,
+                                  cudaStream_t stream, char *err) {
+    if (check_shape("sage_kv_stats_cuda", B, H, N, D, err) != 0) return -1;
+    if (!workspace || !k || !v || !k_sum || !v_scale) {
+        dit_set_error(err, "sage_kv_stats_cuda: workspace, k, v, k_sum and v_scale must not be NULL");
+        return -1;
+    }
+    // divisor 1: the reduction's k_mean = Σ/1 is the sum, exactly
+    return launch_stats(k_sum, v_scale, workspace, k, v, B, H, N, D, pv, 1.0f, stream, err);
+}
+
+extern "C" int sage_quantize_given_cuda(void *workspace, const uint16_t *q, const uint16_t *k,
+                                        const uint16_t *v, const float *k_mean, const float *v_scale,
+                                        int B, int H, int N, int D, SagePV pv, cudaStream_t stream,
+                                        char *err) {
+    if (check_shape("sage_quantize_given_cuda", B, H, N, D, err) != 0) return -1;
+    if (!workspace || !q || !k || !v || !k_mean || (pv == SAGE_PV_FP8 && !v_scale)) {
+        dit_set_error(err, "sage_quantize_given_cuda: workspace, q, k, v, k_mean (and v_scale in FP8 mode) "
+                           "must not be NULL");
+        return -1;
+    }
+    SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
+    size_t bytes = (size_t)B * H * D * sizeof(float);
+    if (qv.k_mean != k_mean)
+        SAGE_CUDA_CHECK(cudaMemcpyAsync(qv.k_mean, k_mean, bytes, cudaMemcpyDeviceToDevice, stream), err,
+                        "cudaMemcpyAsync(workspace k_mean <- given k_mean)");
+    if (pv != SAGE_PV_FP8)
+        SAGE_CUDA_CHECK(cudaMemsetAsync(qv.v_scale, 0, bytes, stream), err, "cudaMemsetAsync(workspace v_scale)");
+    else if (qv.v_scale != v_scale)
+        SAGE_CUDA_CHECK(cudaMemcpyAsync(qv.v_scale, v_scale, bytes, cudaMemcpyDeviceToDevice, stream), err,
+                        "cudaMemcpyAsync(workspace v_scale <- given v_scale)");
+    return launch_quantize(&qv, q, k, v, B, H, N, D, pv, stream, err);
 }
