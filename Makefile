@@ -30,10 +30,22 @@ else
   $(info dit.c: no nvcc (or NO_CUDA=1): CPU-only build)
 endif
 
+# ---- NCCL detection: nccl.h beside CUDA's headers or in /usr/include (with nvcc only) ----------
+NCCL_H := $(if $(NVCC),$(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h)))
+ifneq ($(NCCL_H),)
+  CFLAGS     += -DDIT_NCCL
+  NVCC_FLAGS += -DDIT_NCCL
+  LDLIBS     += -lnccl
+  $(info dit.c: nccl.h found at $(NCCL_H): building the NCCL parts (*_nccl.cu))
+endif
+
 # ---- library sources: every .c (and .cu with CUDA) in the library folders -
 LIB_DIRS  := layers attention model dataloader
 LIB_C     := $(wildcard $(addsuffix /*.c,$(LIB_DIRS)))
 LIB_CU    := $(if $(NVCC),$(wildcard $(addsuffix /*.cu,$(LIB_DIRS))))
+ifeq ($(NCCL_H),)
+  LIB_CU  := $(filter-out %_nccl.cu,$(LIB_CU))
+endif
 LIB_OBJS  := $(patsubst %.c,$(BUILD)/%.o,$(LIB_C)) $(patsubst %.cu,$(BUILD)/%.o,$(LIB_CU))
 LIB       := $(BUILD)/libditc.a
 
@@ -105,7 +117,8 @@ PIC_OBJS     := $(patsubst $(BUILD)/%,$(BUILD)/pic/%,$(LIB_OBJS))
 PUBLIC_H     := layers/common.h layers/layers.h attention/attention.h attention/sequence_parallel.h \
                 dataloader/dataloader.h \
                 dataloader/image_grid.h model/dit.h model/safetensors.h model/checkpoint.h model/sample.h \
-                $(if $(NVCC),layers/layers_cuda.h attention/sage_cuda.h attention/flash_cuda.h model/dit_gpu.h)
+                $(if $(NVCC),layers/layers_cuda.h attention/sage_cuda.h attention/flash_cuda.h model/dit_gpu.h) \
+                $(if $(NCCL_H),attention/sequence_parallel_cuda.h)
 PC_CFLAGS    := $(if $(NVCC),-DDIT_CUDA -I$(CUDA_HOME)/include)
 ,            := ,
 PC_LIBS      := $(if $(NVCC),-L$(CUDA_HOME)/lib64 -Wl$(,)-rpath$(,)$(CUDA_HOME)/lib64 -lcudart)
