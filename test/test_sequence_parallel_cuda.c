@@ -82,6 +82,15 @@ static void group_free(Group *g) {
     }
 }
 
+// Uploads, memsets and poison (cudaMemcpy/cudaMemset on the legacy stream) are not ordered
+// with the group's non-blocking streams: every device finishes them before a library call.
+static void sync_devices(void) {
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        CUDA_OK(cudaDeviceSynchronize());
+    }
+}
+
 static void *dmalloc_on(int dev, size_t n) {
     CUDA_OK(cudaSetDevice(dev));
     return dmalloc(n);
@@ -130,6 +139,7 @@ Test(sequence_parallel_cuda, all_to_all_is_the_cpu_layout_and_round_trips) {
     float *x_host[R], *x_dev[R], *heads_dev[R], *back_dev[R];
     random_rank_data(x_host, x_dev, count, 11);
     for (int i = 0; i < R; i++) { heads_dev[i] = dmalloc_on(i, count * 4); back_dev[i] = dmalloc_on(i, count * 4); }
+    sync_devices();
     cr_assert_eq(ulysses_all_to_all_cuda(&g.c, (void *const *)heads_dev, (const void *const *)x_dev, B, H, N, D, 4, err),
                  0, "%s", err);
     cr_assert_eq(ulysses_all_to_all_inverse_cuda(&g.c, (void *const *)back_dev, (const void *const *)heads_dev, B, H, N,
@@ -177,6 +187,7 @@ Test(sequence_parallel_cuda, all_to_all_inverse_is_the_adjoint) {
     random_rank_data(x_host, x_dev, count, 21);
     random_rank_data(y_host, y_dev, count, 22);
     for (int i = 0; i < R; i++) { ax_dev[i] = dmalloc_on(i, count * 4); aty_dev[i] = dmalloc_on(i, count * 4); }
+    sync_devices();
     cr_assert_eq(ulysses_all_to_all_cuda(&g.c, (void *const *)ax_dev, (const void *const *)x_dev, B, H, N, D, 4, err),
                  0, "%s", err);
     cr_assert_eq(ulysses_all_to_all_inverse_cuda(&g.c, (void *const *)aty_dev, (const void *const *)y_dev, B, H, N, D,
@@ -310,6 +321,7 @@ static void ring_backward_without_return_trip(Group *g, float *const *dq, float 
         CUDA_OK(cudaMemcpy(kv[0][2 * i], in->dev[1][i], shard * 2, cudaMemcpyDeviceToDevice));
         CUDA_OK(cudaMemcpy(kv[0][2 * i + 1], in->dev[2][i], shard * 2, cudaMemcpyDeviceToDevice));
     }
+    sync_devices();
     size_t kv_bytes[2] = {shard * 2, shard * 2};
     for (int s = 0; s < R; s++) {
         int cur = s % 2;
@@ -361,6 +373,7 @@ static Result sequence_parallel(Group *g, const Inputs *in, Mode mode, const Sag
             CUDA_OK(cudaMemset(grads[t][i], 0, shard * 4));   // the functions accumulate
         }
     }
+    sync_devices();
     const uint16_t *const *q = (const uint16_t *const *)in->dev[0], *const *k = (const uint16_t *const *)in->dev[1],
                    *const *v = (const uint16_t *const *)in->dev[2], *const *dout = (const uint16_t *const *)in->dev[3];
     const uint16_t *const *outc = (const uint16_t *const *)out;
