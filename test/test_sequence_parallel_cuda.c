@@ -22,10 +22,10 @@
 #include <string.h>
 #include "attention/attention.h"
 #include "layers/common.h"
-#include "test/attention_test.h"
 
 #ifdef DIT_NCCL
 #include <nccl.h>
+#include "test/attention_test.h"
 #include "attention/flash_cuda.h"
 #include "attention/sage_cuda.h"
 #include "attention/sequence_parallel.h"
