@@ -70,6 +70,22 @@ static __global__ void attention_delta_kernel(float *delta, float *dq, const __n
     if (lane == 0) delta[row] = s;
 }
 
+// The delta every backward needs: the caller's (dq is then zeroed here), or rowsum(dout∘out)
+// computed into `workspace` by attention_delta_kernel (which also zeroes dq). rows = B·H·N.
+static inline int attention_backward_delta(const float **delta, float *dq, void *workspace, const uint16_t *dout,
+                                           const uint16_t *out, size_t rows, int D, cudaStream_t stream, char *err) {
+    if (*delta) {
+        SAGE_CUDA_CHECK(cudaMemsetAsync(dq, 0, rows * D * sizeof(float), stream), err, "cudaMemsetAsync(dq)");
+        return 0;
+    }
+    float *d = (float *)workspace;
+    attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(d, dq, (const __nv_bfloat16 *)dout,
+                                                                         (const __nv_bfloat16 *)out, rows, D);
+    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_delta_kernel");
+    *delta = d;
+    return 0;
+}
+
 // Q, dO (and sage's Q̂) of the 64 queries from q0 into buffer buf, as one cp.async group;
 // rows >= N are zero-filled.
 template <int D, int WARPS, int SRC>

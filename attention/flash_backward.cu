@@ -17,11 +17,9 @@ extern "C" int flash_backward_cuda(float *dq, float *dk, float *dv, void *worksp
                            "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
-    size_t rows = (size_t)B * H * N;
-    float *delta = (float *)workspace;
-    attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(delta, dq, (const __nv_bfloat16 *)dout,
-                                                                         (const __nv_bfloat16 *)out, rows, D);
-    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_delta_kernel");
+    const float *delta = NULL;
+    if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
+        return -1;
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta, {}, N};
     if (D == 64) return launch_attention_backward<64, SCORES_BF16>(a, B * H, stream, err);

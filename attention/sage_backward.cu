@@ -26,16 +26,8 @@ extern "C" int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspa
         sage_backward_sm90_available())
         return sage_backward_sm90_cuda(dq, dk, dv, workspace, fwd_workspace, dout, q, k, v, out, lse, delta, B, H, N,
                                        D, pv, stream, err);
-    size_t rows = (size_t)B * H * N;
-    if (delta) {
-        SAGE_CUDA_CHECK(cudaMemsetAsync(dq, 0, rows * D * sizeof(float), stream), err, "cudaMemsetAsync(dq)");
-    } else {
-        float *d = (float *)workspace;
-        attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(d, dq, (const __nv_bfloat16 *)dout,
-                                                                             (const __nv_bfloat16 *)out, rows, D);
-        SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_delta_kernel");
-        delta = d;
-    }
+    if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
+        return -1;
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
                      sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N};

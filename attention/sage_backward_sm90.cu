@@ -20,7 +20,6 @@
 //        during the next block's Sᵀ/dPᵀ wgmma.
 // At the end dV and dK/sqrt(D) are stored (rows < N). The shared memory tiles use the 128-byte
 // swizzle (64-byte for the D = 64 int8 rows and the D = 64 k - k_mean boxes), see wgmma.cuh.
-#include <cudaTypedefs.h>
 #include "attention/sage_cuda.h"
 #include "attention/attention_backward.cuh"
 #include "attention/wgmma.cuh"
@@ -287,43 +286,6 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no -lcuda needed).
-static PFN_cuTensorMapEncodeTiled_v12000 bwd90_map_encoder(char *err) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-    if (!encode) {
-        void *fn = NULL;
-        cudaDriverEntryPointQueryResult found;
-        cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) {
-            dit_set_error(err, "sage_backward_sm90: cuTensorMapEncodeTiled not found in the driver (%s)",
-                          cudaGetErrorString(e));
-            return NULL;
-        }
-        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }
-    return encode;
-}
-
-// 2-D tensor map of bytes over `base` (inner × outer, row stride = inner), box box_inner ×
-// box_outer swizzled by its row length (128 or 64 bytes). Elements outside arrive as zeros.
-static int bwd90_map(CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
-                     uint32_t box_outer, const char *what, char *err) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = bwd90_map_encoder(err);
-    if (!encode) return -1;
-    cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner};
-    cuuint32_t box[2] = {box_inner, box_outer}, elem_strides[2] = {1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)base, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        dit_set_error(err, "sage_backward_sm90: cuTensorMapEncodeTiled(%s: %llu x %llu, box %u x %u) failed (%d)",
-                      what, (unsigned long long)inner, (unsigned long long)outer, box_inner, box_outer, (int)r);
-        return -1;
-    }
-    return 0;
-}
-
 extern "C" int sage_backward_sm90_available(void) {
     int dev, major, minor;
     cudaFuncAttributes attr;
@@ -346,11 +308,11 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
     int N = a.N;
     uint64_t rows = (uint64_t)BH * N;
     Bwd90Maps m;
-    if (bwd90_map(&m.k8, a.qv.k8, D, rows, D, BWD90_KEYS, "k8", err) ||
-        bwd90_map(&m.q8, a.qv.q8, D, rows, D, BWD90_QUERIES, "q8", err) ||
-        bwd90_map(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "v", err) ||
-        bwd90_map(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "q", err) ||
-        bwd90_map(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "dout", err))
+    if (tma_map_2d_bytes(&m.k8, a.qv.k8, D, rows, D, BWD90_KEYS, "sage_backward_sm90 k8", err) ||
+        tma_map_2d_bytes(&m.q8, a.qv.q8, D, rows, D, BWD90_QUERIES, "sage_backward_sm90 q8", err) ||
+        tma_map_2d_bytes(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "sage_backward_sm90 v", err) ||
+        tma_map_2d_bytes(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 q", err) ||
+        tma_map_2d_bytes(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 dout", err))
         return -1;
     int bytes = Bwd90Smem<D>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_backward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
@@ -381,16 +343,8 @@ extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *wo
         dit_set_error(err, "sage_backward_sm90_cuda: dout, q and v must be 16-byte aligned (TMA)");
         return -1;
     }
-    size_t rows = (size_t)B * H * N;
-    if (delta) {
-        SAGE_CUDA_CHECK(cudaMemsetAsync(dq, 0, rows * D * sizeof(float), stream), err, "cudaMemsetAsync(dq)");
-    } else {
-        float *d = (float *)workspace;
-        attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(d, dq, (const __nv_bfloat16 *)dout,
-                                                                             (const __nv_bfloat16 *)out, rows, D);
-        SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_delta_kernel");
-        delta = d;
-    }
+    if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
+        return -1;
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
                      sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N};

@@ -16,7 +16,6 @@
 //   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
 // then thread 0 refills the stage with key block kb + SM90_STAGES. Finally out = O·v_scale/l'
 // and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
-#include <cudaTypedefs.h>
 #include <limits.h>
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
@@ -204,43 +203,6 @@ __global__ void __launch_bounds__(SM90_THREADS, 2)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no -lcuda needed).
-static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder(char *err) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-    if (!encode) {
-        void *fn = NULL;
-        cudaDriverEntryPointQueryResult found;
-        cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) {
-            dit_set_error(err, "sage_forward_sm90: cuTensorMapEncodeTiled not found in the driver (%s)",
-                          cudaGetErrorString(e));
-            return NULL;
-        }
-        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
-    }
-    return encode;
-}
-
-// 2-D uint8 tensor map over `base` (inner × outer bytes, row stride = inner), box box_inner ×
-// box_outer, swizzled by the box's row length (128 or 64 bytes); zeros outside.
-static int make_tensor_map(CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer, uint32_t box_inner,
-                           uint32_t box_outer, const char *what, char *err) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder(err);
-    if (!encode) return -1;
-    cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner};
-    cuuint32_t box[2] = {box_inner, box_outer}, elem_strides[2] = {1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)base, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        dit_set_error(err, "sage_forward_sm90: cuTensorMapEncodeTiled(%s: %llu x %llu bytes, box %u x %u) failed (%d)",
-                      what, (unsigned long long)inner, (unsigned long long)outer, box_inner, box_outer, (int)r);
-        return -1;
-    }
-    return 0;
-}
-
 extern "C" int sage_forward_sm90_available(void) {
     int dev, major, minor;
     cudaFuncAttributes attr;
@@ -263,9 +225,9 @@ static int launch_sm90(uint16_t *out, float *lse, const SageCudaQuant *qv, int B
     int nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
     uint64_t npad = (uint64_t)nblk * SAGE_CUDA_BLOCK, rows = (uint64_t)BH * N;
     CUtensorMap map_q, map_k, map_v;
-    if (make_tensor_map(&map_q, qv->q8, D, rows, D, SAGE_CUDA_BLOCK, "q8", err) ||
-        make_tensor_map(&map_k, qv->k8, D, rows, D, SAGE_CUDA_BLOCK, "k8", err) ||
-        make_tensor_map(&map_v, qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "v_t", err))
+    if (tma_map_2d_bytes(&map_q, qv->q8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 q8", err) ||
+        tma_map_2d_bytes(&map_k, qv->k8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 k8", err) ||
+        tma_map_2d_bytes(&map_v, qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "sage_forward_sm90 v_t", err))
         return -1;
     int bytes = Sm90Smem<D>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,

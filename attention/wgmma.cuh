@@ -1,6 +1,6 @@
-// Hopper (sm_90a) building blocks of the wgmma sage forward, named after what they do:
-// shared-memory matrix descriptors, wgmma calls and fences, TMA tile loads and mbarriers.
-// Everything here is PTX for sm_90a; callers compile it only under SAGE_SM90_DEVICE.
+// Hopper (sm_90a) building blocks of the wgmma sage kernels, named after what they do:
+// shared-memory matrix descriptors, wgmma calls and fences, TMA tile loads and mbarriers (PTX for
+// sm_90a, compiled only under SAGE_SM90_DEVICE), and at the end the host side of TMA: tensor maps.
 //
 // Layouts (PTX ISA, "asynchronous warpgroup level matrix"), per warpgroup of 128 threads,
 // warp w = (thread % 128) / 32 owns rows 16w..16w+15; lane = 4·g + c:
@@ -234,3 +234,45 @@ __device__ __forceinline__ void wgmma_bf16_m64n128k16_rs(float d[64], const uint
 }
 
 #endif  // SAGE_SM90_DEVICE
+
+// ---- host side: TMA tensor maps ---------------------------------------------------------------
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include "layers/common.h"
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no -lcuda needed).
+static inline PFN_cuTensorMapEncodeTiled_v12000 tma_map_encoder(char *err) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+    if (!encode) {
+        void *fn = NULL;
+        cudaDriverEntryPointQueryResult found;
+        cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) {
+            dit_set_error(err, "cuTensorMapEncodeTiled not found in the driver (%s)", cudaGetErrorString(e));
+            return NULL;
+        }
+        encode = (PFN_cuTensorMapEncodeTiled_v12000)fn;
+    }
+    return encode;
+}
+
+// 2-D tensor map of bytes over `base` (inner × outer, row stride = inner), box box_inner ×
+// box_outer swizzled by its row length (128 or 64 bytes). Elements outside arrive as zeros.
+// `what` names the kernel and tensor in the error message.
+static inline int tma_map_2d_bytes(CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
+                                   uint32_t box_inner, uint32_t box_outer, const char *what, char *err) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
+    if (!encode) return -1;
+    cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner};
+    cuuint32_t box[2] = {box_inner, box_outer}, elem_strides[2] = {1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)base, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        dit_set_error(err, "cuTensorMapEncodeTiled(%s: %llu x %llu bytes, box %u x %u) failed (%d)", what,
+                      (unsigned long long)inner, (unsigned long long)outer, box_inner, box_outer, (int)r);
+        return -1;
+    }
+    return 0;
+}
