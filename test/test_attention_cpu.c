@@ -8,6 +8,7 @@
 #include <string.h>
 #include "attention/attention.h"
 #include "layers/common.h"
+#include "test/compare.h"
 
 // ---- helpers -------------------------------------------------------------------------------
 
@@ -30,16 +31,6 @@ static double *zero_doubles(size_t n) {
     return x;
 }
 
-// ‖x - ref‖ / ‖ref‖
-static double rel_l2(const float *x, const float *ref, size_t n) {
-    double err = 0, norm = 0;
-    for (size_t i = 0; i < n; i++) {
-        err += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
-        norm += (double)ref[i] * ref[i];
-    }
-    return sqrt(err / norm);
-}
-
 static double rel_l2_vs_double(const float *x, const double *ref, size_t n) {
     double err = 0, norm = 0;
     for (size_t i = 0; i < n; i++) {
@@ -47,16 +38,6 @@ static double rel_l2_vs_double(const float *x, const double *ref, size_t n) {
         norm += ref[i] * ref[i];
     }
     return sqrt(err / norm);
-}
-
-static double cosine(const float *x, const float *ref, size_t n) {
-    double xr = 0, xx = 0, rr = 0;
-    for (size_t i = 0; i < n; i++) {
-        xr += (double)x[i] * ref[i];
-        xx += (double)x[i] * x[i];
-        rr += (double)ref[i] * ref[i];
-    }
-    return xr / sqrt(xx * rr);
 }
 
 static int all_finite(const float *x, size_t n) {

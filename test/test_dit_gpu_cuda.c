@@ -29,6 +29,7 @@
 #include "model/dit.h"
 #include "model/dit_gpu.h"
 #include "model/sample.h"
+#include "test/compare.h"
 
 #define TOL_OUT 1.5e-2
 #define TOL_LOSS 2e-3
@@ -48,16 +49,6 @@ static const DitConfig small_config = {.image_size = 20, .channels = 3, .patch =
                                        .depth = 2, .heads = 2, .num_classes = 5};
 
 static float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
-
-static double rel_l2(const float *x, const float *ref, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)x[i] - ref[i];
-        num += d * d;
-        den += (double)ref[i] * ref[i];
-    }
-    return sqrt(num / (den > 0 ? den : 1e-300));
-}
 
 // Every tensor random: weights N(0, 1/fan_in), vectors N(0, 0.1²); rounded to bf16; EMA = weights.
 static void randomize_params(Dit *m, uint64_t seed) {

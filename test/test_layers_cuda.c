@@ -21,6 +21,7 @@
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "layers/layers_cuda.h"
+#include "test/compare.h"
 
 #define TOL_BF16 1e-2
 #define TOL_GEMM_F32 1e-3
@@ -121,17 +122,6 @@ static float *download_f32(const float *d, size_t n) {
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(x, d, n * sizeof(float), cudaMemcpyDeviceToHost));
     return x;
-}
-
-// ‖out - ref‖/‖ref‖ in double; NaN anywhere in out gives NaN, which fails every `<=`.
-static double rel_l2(const float *out, const float *ref, size_t n) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)out[i] - ref[i];
-        num += d * d;
-        den += (double)ref[i] * ref[i];
-    }
-    return sqrt(num) / sqrt(den);
 }
 
 // rel_l2 ≤ tol, the value logged (--verbose); each argument is evaluated once.

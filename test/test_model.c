@@ -11,6 +11,7 @@
 #include "model/checkpoint.h"
 #include "model/dit.h"
 #include "test/gradcheck.h"
+#include "test/compare.h"
 
 // Small enough for finite differences of every sampled element: T = 16 tokens, head dim 8.
 static const DitConfig micro = {.image_size = 8, .channels = 2, .patch = 2, .hidden = 16,
@@ -127,15 +128,6 @@ Test(model, backward_accumulates) {
         cr_assert_float_eq(m.grads_memory[i], 2.0f * once[i], 1e-5f * (1.0f + fabsf(once[i])), "param %zu", i);
     free(once);
     dit_free(&m);
-}
-
-// Head dims 64 and 128 (the GPU kernels' sizes) through the whole model: the quantized sage
-// attention gives nearly the output and gradients of exact attention (measured cosines ≥ 0.999998
-// for the output and for the gradients, small weights; bounds 0.999 and 0.99).
-static double cosine(const float *a, const float *b, size_t n) {
-    double ab = 0, aa = 0, bb = 0;
-    for (size_t i = 0; i < n; i++) { ab += (double)a[i] * b[i]; aa += (double)a[i] * a[i]; bb += (double)b[i] * b[i]; }
-    return ab / sqrt(aa * bb);
 }
 
 static void check_sage_close_to_exact(int head_dim) {

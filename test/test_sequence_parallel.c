@@ -11,6 +11,7 @@
 #include <string.h>
 #include "attention/sequence_parallel.h"
 #include "layers/common.h"
+#include "test/compare.h"
 
 // ---- helpers -------------------------------------------------------------------------------
 
@@ -62,22 +63,6 @@ static float *gather_sequence(float *const *s, int R, int BH, int N, int D) {
             memcpy(x + ((size_t)bh * N + (size_t)r * n) * D, s[r] + (size_t)bh * n * D,
                    (size_t)n * D * sizeof(float));
     return x;
-}
-
-// ‖x - ref‖ / ‖ref‖
-static double rel_l2(const float *x, const float *ref, size_t n) {
-    double err = 0, norm = 0;
-    for (size_t i = 0; i < n; i++) {
-        err += ((double)x[i] - ref[i]) * ((double)x[i] - ref[i]);
-        norm += (double)ref[i] * ref[i];
-    }
-    return sqrt(err / norm);
-}
-
-static double max_abs_diff(const float *x, const float *ref, size_t n) {
-    double m = 0;
-    for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)x[i] - ref[i]));
-    return m;
 }
 
 // Global inputs and single-process results of one attention problem.

@@ -422,22 +422,11 @@ static Result sequence_parallel(Group *g, const Inputs *in, Mode mode, const Sag
     return res;
 }
 
-static double rel_l2(const float *x, const float *ref, size_t n) {
-    double e, cosine;
-    compare(&e, &cosine, x, ref, n);
-    return e;
-}
-static double max_abs(const float *x, const float *ref, size_t n) {
-    double m = 0;
-    for (size_t i = 0; i < n; i++) m = fmax(m, fabs((double)x[i] - ref[i]));
-    return isnan(m) ? INFINITY : m;
-}
-
 // errors[0..4]: out, lse (max abs), dq, dk, dv of res against ref; printed with the case name.
 static void errors_of(double e[5], const Result *res, const Result *ref, const Inputs *in, const char *name) {
     size_t rows = in->total / in->D;
     e[0] = rel_l2(res->out, ref->out, in->total);
-    e[1] = max_abs(res->lse, ref->lse, rows);
+    e[1] = max_abs_diff(res->lse, ref->lse, rows);
     e[2] = rel_l2(res->dq, ref->dq, in->total);
     e[3] = rel_l2(res->dk, ref->dk, in->total);
     e[4] = rel_l2(res->dv, ref->dv, in->total);
