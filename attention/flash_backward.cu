@@ -3,6 +3,7 @@
 // bf16, dQ from K). delta = rowsum(dO∘O) from the bf16 O, computed here with dq = 0.
 #include "attention/flash_cuda.h"
 #include "attention/attention_backward.cuh"
+#include "layers/cuda_args.h"
 
 extern "C" size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D) {
     (void)D;
@@ -17,6 +18,9 @@ extern "C" int flash_backward_cuda(float *dq, float *dk, float *dv, void *worksp
                            "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
+    CHECK_DEVICE_ARGS("flash_backward_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
+                      DEVICE_ARG(workspace, 4), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
+                      DEVICE_ARG(v, 16), DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4));
     const float *delta = NULL;
     if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
         return -1;

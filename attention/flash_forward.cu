@@ -10,6 +10,7 @@
 #include "attention/flash_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
+#include "layers/cuda_args.h"
 
 #define FWD_WARPS 8
 #define FWD_THREADS (FWD_WARPS * 32)
@@ -165,6 +166,8 @@ extern "C" int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, 
                            "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
+    CHECK_DEVICE_ARGS("flash_forward_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(q, 16),
+                      DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
     if (D == 64) return launch_forward<64>(out, lse, q, k, v, B * H, N, stream, err);
     return launch_forward<128>(out, lse, q, k, v, B * H, N, stream, err);
 }

@@ -16,6 +16,7 @@
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "attention/sp_nccl.cuh"
+#include "attention/sp_comm_check.h"
 
 #define MAX_LOCAL 64
 
@@ -61,6 +62,7 @@ static unsigned grid_for(size_t n, unsigned threads) {
 // ---- shared machinery ---------------------------------------------------------------------------
 
 static int check_ring_shape(const SpCudaComm *c, int N, const SagePV *sage, const char *fn, char *err) {
+    if (!c) return sp_check_comm(c, fn, err);   // names the missing SpCudaComm
     if (c->ranks < 1 || c->n_local < 1 || c->n_local > c->ranks || c->n_local > MAX_LOCAL) {
         dit_set_error(err, "%s: %d ranks with %d local, expected 1 <= local <= ranks and local <= %d", fn,
                       c->ranks, c->n_local, MAX_LOCAL);
@@ -73,6 +75,11 @@ static int check_ring_shape(const SpCudaComm *c, int N, const SagePV *sage, cons
     if (sage && (N / c->ranks) % SAGE_CUDA_BLOCK != 0) {
         dit_set_error(err, "%s: shard length N/R=%d must be a multiple of %d (so that the sage quantization "
                       "blocks are the single-GPU ones)", fn, N / c->ranks, SAGE_CUDA_BLOCK);
+        return -1;
+    }
+    if (sp_check_comm(c, fn, err) != 0) return -1;
+    if (!c->comm_stream) {
+        dit_set_error(err, "%s: the ring needs a comm_stream array (got NULL)", fn);
         return -1;
     }
     return 0;

@@ -4,6 +4,7 @@
 // from the bf16 O (computed here, with dq = 0) unless the caller passes it.
 #include "attention/sage_cuda.h"
 #include "attention/attention_backward.cuh"
+#include "layers/cuda_args.h"
 
 extern "C" size_t sage_cuda_backward_workspace_size(int B, int H, int N, int D) {
     (void)D;
@@ -20,9 +21,13 @@ extern "C" int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspa
                            "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
+    CHECK_DEVICE_ARGS("sage_backward_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
+                      DEVICE_ARG(fwd_workspace, 16), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
+                      DEVICE_ARG(v, 16), DEVICE_ARG(lse, 4));
+    if (delta) CHECK_DEVICE_ARGS("sage_backward_cuda", err, DEVICE_ARG(delta, 4));
+    else CHECK_DEVICE_ARGS("sage_backward_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(workspace, 4), DEVICE_ARG(out, 16));
     // Hopper: the wgmma kernel (sage_backward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
-    bool tma_aligned = (((uintptr_t)dout | (uintptr_t)q | (uintptr_t)v) % 16) == 0;
-    if (!getenv("DIT_SAGE_MMA_SYNC") && tma_aligned && (long long)B * H * N < (1ll << 31) &&
+    if (!getenv("DIT_SAGE_MMA_SYNC") && (long long)B * H * N < (1ll << 31) &&
         sage_backward_sm90_available())
         return sage_backward_sm90_cuda(dq, dk, dv, workspace, fwd_workspace, dout, q, k, v, out, lse, delta, B, H, N,
                                        D, pv, stream, err);

@@ -24,6 +24,7 @@
 #include "attention/attention_backward.cuh"
 #include "attention/wgmma.cuh"
 #include "layers/common.h"
+#include "layers/cuda_args.h"
 
 #define BWD90_THREADS 256   // two warpgroups
 #define BWD90_KEYS 128      // keys per CTA, 64 per warpgroup
@@ -328,19 +329,20 @@ extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *wo
                                        const uint16_t *v, const uint16_t *out, const float *lse,
                                        const float *delta, int B, int H, int N, int D, SagePV pv,
                                        cudaStream_t stream, char *err) {
-    if (!sage_backward_sm90_available()) {
-        dit_set_error(err, "sage_backward_sm90_cuda: needs a compute capability 9.0 device and a build with "
-                           "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
-        return -1;
-    }
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         (long long)B * H * N >= (1ll << 31)) {
         dit_set_error(err, "sage_backward_sm90_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535, "
                            "B·H·N < 2^31 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
-    if (((uintptr_t)dout | (uintptr_t)q | (uintptr_t)v) % 16 != 0) {
-        dit_set_error(err, "sage_backward_sm90_cuda: dout, q and v must be 16-byte aligned (TMA)");
+    CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
+                      DEVICE_ARG(fwd_workspace, 16), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
+                      DEVICE_ARG(v, 16), DEVICE_ARG(lse, 4));
+    if (delta) CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(delta, 4));
+    else CHECK_DEVICE_ARGS("sage_backward_sm90_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(workspace, 4), DEVICE_ARG(out, 16));
+    if (!sage_backward_sm90_available()) {
+        dit_set_error(err, "sage_backward_sm90_cuda: needs a compute capability 9.0 device and a build with "
+                           "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
         return -1;
     }
     if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)

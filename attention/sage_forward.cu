@@ -12,6 +12,7 @@
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
+#include "layers/cuda_args.h"
 
 #define FWD_THREADS 128
 
@@ -203,6 +204,20 @@ static int check_fp8_capability(const char *fn, char *err) {
     return 0;
 }
 
+// The shape and P·V precision every sage forward needs (before any device query).
+static int check_forward_shape(const char *fn, int B, int H, int N, int D, SagePV pv, char *err) {
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
+        dit_set_error(err, "%s: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 (got B=%d H=%d N=%d D=%d)", fn,
+                      B, H, N, D);
+        return -1;
+    }
+    if (pv != SAGE_PV_FP8 && pv != SAGE_PV_FP16) {
+        dit_set_error(err, "%s: pv must be SAGE_PV_FP8 or SAGE_PV_FP16 (got pv=%d)", fn, (int)pv);
+        return -1;
+    }
+    return 0;
+}
+
 // The mma.sync forward over the quantized tensors of `workspace`.
 static int launch_forward_quantized(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
                                     int D, SagePV pv, cudaStream_t stream, char *err) {
@@ -217,6 +232,9 @@ static int launch_forward_quantized(uint16_t *out, float *lse, const void *works
 extern "C" int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
                                  const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                  int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
+    if (check_forward_shape("sage_forward_cuda", B, H, N, D, pv, err) != 0) return -1;
+    CHECK_DEVICE_ARGS("sage_forward_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(workspace, 16),
+                      DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
     // Hopper: the wgmma kernel (sage_forward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
     if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
         return sage_forward_sm90_cuda(out, lse, workspace, q, k, v, B, H, N, D, stream, err);
@@ -227,11 +245,9 @@ extern "C" int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
 
 extern "C" int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
                                            int D, SagePV pv, cudaStream_t stream, char *err) {
-    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 || !workspace) {
-        dit_set_error(err, "sage_forward_quantized_cuda: need a workspace, D in {64, 128}, B, H, N >= 1 and "
-                           "B·H <= 65535 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
-        return -1;
-    }
+    if (check_forward_shape("sage_forward_quantized_cuda", B, H, N, D, pv, err) != 0) return -1;
+    CHECK_DEVICE_ARGS("sage_forward_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
+                      DEVICE_ARG(workspace, 16));
     if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
         return sage_forward_sm90_quantized_cuda(out, lse, workspace, B, H, N, D, stream, err);
     if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_quantized_cuda", err) != 0) return -1;

@@ -21,6 +21,7 @@
 #include "attention/sage_mma.cuh"
 #include "attention/wgmma.cuh"
 #include "layers/common.h"
+#include "layers/cuda_args.h"
 
 #define SM90_THREADS 128   // one warpgroup: 64 query rows
 #define SM90_STAGES 3      // K̂/V̂ tiles in flight
@@ -243,6 +244,13 @@ static int launch_sm90(uint16_t *out, float *lse, const SageCudaQuant *qv, int B
 extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace, const uint16_t *q,
                                       const uint16_t *k, const uint16_t *v, int B, int H, int N, int D,
                                       cudaStream_t stream, char *err) {
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
+        dit_set_error(err, "sage_forward_sm90_cuda: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 "
+                           "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
+        return -1;
+    }
+    CHECK_DEVICE_ARGS("sage_forward_sm90_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
+                      DEVICE_ARG(workspace, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
     if (!sage_forward_sm90_available()) {
         dit_set_error(err, "sage_forward_sm90_cuda: needs a compute capability 9.0 device and a build with "
                            "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
@@ -256,14 +264,16 @@ extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace
 
 extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
                                                 int N, int D, cudaStream_t stream, char *err) {
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
+        dit_set_error(err, "sage_forward_sm90_quantized_cuda: need D in {64, 128}, B, H, N >= 1 and "
+                           "B·H <= 65535 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
+        return -1;
+    }
+    CHECK_DEVICE_ARGS("sage_forward_sm90_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
+                      DEVICE_ARG(workspace, 16));
     if (!sage_forward_sm90_available()) {
         dit_set_error(err, "sage_forward_sm90_quantized_cuda: needs a compute capability 9.0 device and a build "
                            "with sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
-        return -1;
-    }
-    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 || !workspace) {
-        dit_set_error(err, "sage_forward_sm90_quantized_cuda: need a workspace, D in {64, 128}, B, H, N >= 1 and "
-                           "B·H <= 65535 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
     SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, SAGE_PV_FP8);

@@ -8,6 +8,7 @@
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
+#include "layers/cuda_args.h"
 
 #define STATS_CHUNK 256
 #define QUANT_THREADS 256
@@ -224,10 +225,8 @@ extern "C" int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint
                                   const uint16_t *v, int B, int H, int N, int D, SagePV pv,
                                   cudaStream_t stream, char *err) {
     if (check_shape("sage_quantize_cuda", B, H, N, D, err) != 0) return -1;
-    if (!workspace || !q || !k || !v) {
-        dit_set_error(err, "sage_quantize_cuda: workspace, q, k and v must not be NULL");
-        return -1;
-    }
+    CHECK_DEVICE_ARGS("sage_quantize_cuda", err, DEVICE_ARG(workspace, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
+                      DEVICE_ARG(v, 16));
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
     if (launch_stats(qv.k_mean, qv.v_scale, workspace, k, v, B, H, N, D, pv, (float)N, stream, err) != 0) return -1;
     return launch_quantize(&qv, q, k, v, B, H, N, D, pv, stream, err);
@@ -237,10 +236,8 @@ extern "C" int sage_kv_stats_cuda(float *k_sum, float *v_scale, void *workspace,
                                   const uint16_t *v, int B, int H, int N, int D, SagePV pv,
                                   cudaStream_t stream, char *err) {
     if (check_shape("sage_kv_stats_cuda", B, H, N, D, err) != 0) return -1;
-    if (!workspace || !k || !v || !k_sum || !v_scale) {
-        dit_set_error(err, "sage_kv_stats_cuda: workspace, k, v, k_sum and v_scale must not be NULL");
-        return -1;
-    }
+    CHECK_DEVICE_ARGS("sage_kv_stats_cuda", err, DEVICE_ARG(k_sum, 4), DEVICE_ARG(v_scale, 4),
+                      DEVICE_ARG(workspace, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
     // divisor 1: the reduction's k_mean = Σ/1 is the sum, exactly
     return launch_stats(k_sum, v_scale, workspace, k, v, B, H, N, D, pv, 1.0f, stream, err);
 }
@@ -250,11 +247,9 @@ extern "C" int sage_quantize_given_cuda(void *workspace, const uint16_t *q, cons
                                         int B, int H, int N, int D, SagePV pv, cudaStream_t stream,
                                         char *err) {
     if (check_shape("sage_quantize_given_cuda", B, H, N, D, err) != 0) return -1;
-    if (!workspace || !q || !k || !v || !k_mean || (pv == SAGE_PV_FP8 && !v_scale)) {
-        dit_set_error(err, "sage_quantize_given_cuda: workspace, q, k, v, k_mean (and v_scale in FP8 mode) "
-                           "must not be NULL");
-        return -1;
-    }
+    CHECK_DEVICE_ARGS("sage_quantize_given_cuda", err, DEVICE_ARG(workspace, 16), DEVICE_ARG(q, 16),
+                      DEVICE_ARG(k, 16), DEVICE_ARG(v, 16), DEVICE_ARG(k_mean, 4));
+    if (pv == SAGE_PV_FP8) CHECK_DEVICE_ARGS("sage_quantize_given_cuda (FP8 P·V)", err, DEVICE_ARG(v_scale, 4));
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
     size_t bytes = (size_t)B * H * D * sizeof(float);
     if (qv.k_mean != k_mean)

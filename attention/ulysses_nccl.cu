@@ -7,8 +7,20 @@
 #include "attention/flash_cuda.h"
 #include "attention/sage_cuda.h"
 #include "attention/sp_nccl.cuh"
+#include "attention/sp_comm_check.h"
+
+// The saved tensors of a forward: present and for the same local ranks as c.
+static int check_saved(const SpCudaComm *c, const UlyssesCudaSaved *saved, const char *fn, char *err) {
+    if (!saved || !saved->q || saved->n_local != c->n_local) {
+        dit_set_error(err, "%s: saved must come from ulysses_cuda_saved_alloc for the %d local ranks (saved=%p, "
+                           "its n_local=%d)", fn, c->n_local, (const void *)saved, saved ? saved->n_local : 0);
+        return -1;
+    }
+    return 0;
+}
 
 static int check_shape(const SpCudaComm *c, int H, int N, const char *fn, char *err) {
+    if (!c) return sp_check_comm(c, fn, err);   // names the missing SpCudaComm
     int R = c->ranks;
     if (R < 1 || c->n_local < 1 || c->n_local > R) {
         dit_set_error(err, "%s: %d ranks with %d local, expected 1 <= local <= ranks", fn, R, c->n_local);
@@ -22,7 +34,7 @@ static int check_shape(const SpCudaComm *c, int H, int N, const char *fn, char *
         dit_set_error(err, "%s: sequence length N=%d not divisible by the %d ranks", fn, N, R);
         return -1;
     }
-    return 0;
+    return sp_check_comm(c, fn, err);
 }
 
 // A strided copy of `rows` runs of `width` bytes on `stream` (device to device).
@@ -62,6 +74,10 @@ static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *
                       size_t eb, int inverse, char *err) {
     const char *fn = inverse ? "ulysses_all_to_all_inverse_cuda" : "ulysses_all_to_all_cuda";
     if (check_shape(c, H, N, fn, err) != 0) return -1;
+    if (!dst || !src) {
+        dit_set_error(err, "%s: dst and src (one device pointer per local rank) must not be NULL", fn);
+        return -1;
+    }
     int R = c->ranks, hs = H / R, n = N / R;
     size_t run = (size_t)n * D * eb;                 // one head's tokens of one shard, bytes
     size_t chunk = (size_t)B * hs * run;
@@ -157,6 +173,9 @@ extern "C" int ulysses_attention_forward_cuda(const SpCudaComm *c, uint16_t *con
                                               const UlyssesCudaSaved *saved, const uint16_t *const *q,
                                               const uint16_t *const *k, const uint16_t *const *v,
                                               int B, int H, int N, int D, const SagePV *sage, char *err) {
+    if (check_shape(c, H, N, "ulysses_attention_forward_cuda", err) != 0 ||
+        check_saved(c, saved, "ulysses_attention_forward_cuda", err) != 0)
+        return -1;
     if (ulysses_all_to_all_cuda(c, (void *const *)saved->q, (const void *const *)q, B, H, N, D, 2, err) != 0 ||
         ulysses_all_to_all_cuda(c, (void *const *)saved->k, (const void *const *)k, B, H, N, D, 2, err) != 0 ||
         ulysses_all_to_all_cuda(c, (void *const *)saved->v, (const void *const *)v, B, H, N, D, 2, err) != 0)
@@ -186,7 +205,9 @@ extern "C" int ulysses_attention_backward_cuda(const SpCudaComm *c, float *const
                                                float *const *dv, const uint16_t *const *dout,
                                                const UlyssesCudaSaved *saved, int B, int H, int N, int D,
                                                const SagePV *sage, char *err) {
-    if (check_shape(c, H, N, "ulysses_attention_backward_cuda", err) != 0) return -1;
+    if (check_shape(c, H, N, "ulysses_attention_backward_cuda", err) != 0 ||
+        check_saved(c, saved, "ulysses_attention_backward_cuda", err) != 0)
+        return -1;
     if (c->n_local > 64) { dit_set_error(err, "ulysses_attention_backward_cuda: at most 64 local ranks"); return -1; }
     int R = c->ranks, hs = H / R;
     size_t count = (size_t)B * H * N * D / R;        // per rank, in either layout

@@ -2,6 +2,7 @@
 // The sines take arguments up to 1000 (τ = 1000·t), where the fast single-precision sine of
 // --use_fast_math loses digits, so sin and cos are taken in double (tiny tensors).
 #include "layers/cuda_common.cuh"
+#include "layers/cuda_args.h"
 
 // out (B, dim) = [cos(τ·f_k) | sin(τ·f_k)], τ = 1000·t_b, f_k = exp(-ln(10000)·k/half), k < half.
 __global__ void timestep_embedding_kernel(bf16 *out, const float *t, int B, int half) {
@@ -52,6 +53,7 @@ int timestep_embedding_forward_cuda(bf16 *out, const float *t, int B, int dim,
         dit_set_error(err, "timestep_embedding_forward_cuda: need B > 0 and an even dim > 0 (B=%d dim=%d)", B, dim);
         return -1;
     }
+    if (check_product("timestep_embedding_forward_cuda", "B·dim/2", B, dim / 2, INT_MAX, err)) return -1;
     timestep_embedding_kernel<<<blocks_for((size_t)B * dim / 2, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(out, t, B, dim / 2);
     LAUNCH_CHECK(err, "timestep_embedding_kernel", "B=%d dim=%d", B, dim);
     return 0;
@@ -63,6 +65,7 @@ int embedding_forward_cuda(bf16 *out, const bf16 *table, const int *labels, int 
         dit_set_error(err, "embedding_forward_cuda: sizes must be positive (B=%d C=%d)", B, C);
         return -1;
     }
+    if (check_grid_x("embedding_forward_cuda", (size_t)B * C, BLOCK_SIZE, err)) return -1;
     embedding_forward_kernel<<<blocks_for((size_t)B * C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(out, table, labels, B, C);
     LAUNCH_CHECK(err, "embedding_forward_kernel", "B=%d C=%d", B, C);
     return 0;
@@ -84,6 +87,7 @@ int pos_embed_2d_cuda(bf16 *out, int G, int C, cudaStream_t stream, char *err) {
         dit_set_error(err, "pos_embed_2d_cuda: need G > 0 and C a positive multiple of 4 (G=%d C=%d)", G, C);
         return -1;
     }
+    if (check_product("pos_embed_2d_cuda", "G·G·C/4", (long long)G * G, C / 4, INT_MAX, err)) return -1;
     pos_embed_2d_kernel<<<blocks_for((size_t)G * G * (C / 4), BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(out, G, C);
     LAUNCH_CHECK(err, "pos_embed_2d_kernel", "G=%d C=%d", G, C);
     return 0;

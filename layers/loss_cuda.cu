@@ -1,6 +1,7 @@
 // Flow-matching (rectified flow) inputs and the MSE loss on the predicted velocity; the loss is
 // summed in fp32 in two passes over a fixed grid (deterministic).
 #include "layers/cuda_common.cuh"
+#include "layers/cuda_args.h"
 
 // x_t = (1 - t_b)·x0 + t_b·ε (bf16); v_target = ε - x0 (fp32); sample b = i / n_per_sample.
 __global__ void flow_matching_inputs_kernel(bf16 *x_t, float *v_target, const float *x0, const float *noise,
@@ -40,6 +41,7 @@ int flow_matching_inputs_cuda(bf16 *x_t, float *v_target, const float *x0, const
         return -1;
     }
     size_t n = (size_t)B * n_per_sample;
+    if (check_grid_x("flow_matching_inputs_cuda", n, BLOCK_SIZE, err)) return -1;
     flow_matching_inputs_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(x_t, v_target, x0, noise, t,
                                                                                      n_per_sample, n);
     LAUNCH_CHECK(err, "flow_matching_inputs_kernel", "B=%d n_per_sample=%d", B, n_per_sample);

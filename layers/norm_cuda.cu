@@ -1,6 +1,7 @@
 // LayerNorm without affine parameters fused with DiT's adaLN modulation (bf16 in and out,
 // statistics and reductions in fp32).
 #include "layers/cuda_common.cuh"
+#include "layers/cuda_args.h"
 
 #define LAYERNORM_EPS 1e-6f
 #define ROWS_PER_BLOCK (BLOCK_SIZE / 32)   // one warp per (b, t) row
@@ -91,7 +92,7 @@ static int check_sizes(const char *fn, int B, int T, int C, int mod_stride, char
                       fn, B, T, C, mod_stride);
         return -1;
     }
-    return 0;
+    return check_product(fn, "rows B·T", B, T, INT_MAX, err);   // rows are int in the kernels
 }
 
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
@@ -111,7 +112,8 @@ int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
                                      const float *rstd, const bf16 *scale,
                                      int B, int T, int C, int mod_stride,
                                      cudaStream_t stream, char *err) {
-    if (check_sizes("layernorm_modulate_backward_cuda", B, T, C, mod_stride, err)) return -1;
+    if (check_sizes("layernorm_modulate_backward_cuda", B, T, C, mod_stride, err) ||
+        check_product("layernorm_modulate_backward_cuda", "grid.y B", B, 1, 65535, err)) return -1;
     int rows = B * T;
     dim3 grid(blocks_for(C, COL_TILE), B), block(COL_TILE, ROW_LANES);
     layernorm_modulate_dmod_kernel<<<grid, block, 0, stream>>>(dshift, dscale, dout, inp, mean, rstd,

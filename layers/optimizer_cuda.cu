@@ -2,6 +2,7 @@
 // the weights for compute), the deterministic global gradient norm, and the EMA of the weights.
 #include <math.h>
 #include "layers/cuda_common.cuh"
+#include "layers/cuda_args.h"
 
 #define CLIP_EPS 1e-6f   // as clip_grad_scale (layers/optimizer.c): torch's clip_grad_norm_
 
@@ -70,6 +71,7 @@ int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, floa
         dit_set_error(err, "adamw_update_cuda: need n > 0 and step >= 1 (n=%zu step=%d)", n, step);
         return -1;
     }
+    if (check_grid_x("adamw_update_cuda", n, BLOCK_SIZE, err)) return -1;
     float bias1 = 1.0f - powf(beta1, (float)step), bias2 = 1.0f - powf(beta2, (float)step);
     adamw_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, n, lr, beta1,
                                                                       beta2, eps, weight_decay, grad_norm, max_norm,
@@ -80,6 +82,7 @@ int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, floa
 
 int ema_update_cuda(float *ema, const float *params, size_t n, float decay, cudaStream_t stream, char *err) {
     if (n == 0) return 0;
+    if (check_grid_x("ema_update_cuda", n, BLOCK_SIZE, err)) return -1;
     ema_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(ema, params, n, decay);
     LAUNCH_CHECK(err, "ema_kernel", "n=%zu", n);
     return 0;

@@ -1,6 +1,7 @@
 // Pointwise layers (bf16 in and out, fp32 math): gated residual, GELU (tanh), SiLU, add, and
 // the casts between fp32 and bf16.
 #include "layers/cuda_common.cuh"
+#include "layers/cuda_args.h"
 
 #define GELU_SCALE 0.7978845608028654f   // sqrt(2/π)
 
@@ -101,7 +102,9 @@ static int check_btc(const char *fn, int B, int T, int C, int mod_stride, char *
                       fn, B, T, C, mod_stride);
         return -1;
     }
-    return 0;
+    // T·C is an int in the kernels; one thread per element of (B, T, C)
+    return check_product(fn, "T·C", T, C, INT_MAX, err) || check_grid_x(fn, (size_t)B * T * C, BLOCK_SIZE, err)
+               ? -1 : 0;
 }
 
 int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const bf16 *gate,
@@ -117,7 +120,8 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
                                  int B, int T, int C, int mod_stride, cudaStream_t stream, char *err) {
-    if (check_btc("gated_residual_backward_cuda", B, T, C, mod_stride, err)) return -1;
+    if (check_btc("gated_residual_backward_cuda", B, T, C, mod_stride, err) ||
+        check_product("gated_residual_backward_cuda", "grid.y B", B, 1, 65535, err)) return -1;
     size_t n = (size_t)B * T * C;
     dim3 grid(blocks_for(C, COL_TILE), B), block(COL_TILE, ROW_LANES);
     gated_residual_dgate_kernel<<<grid, block, 0, stream>>>(dgate, dout, h, T, C, mod_stride);
@@ -131,6 +135,7 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
 // The elementwise wrappers: n == 0 is a no-op (a zero-block launch would be an error).
 #define LAUNCH_ELEMENTWISE(kernel, n, ...) do {                                                \
         if ((n) == 0) return 0;                                                                \
+        if (check_grid_x(__func__, n, BLOCK_SIZE, err)) return -1;                             \
         kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(__VA_ARGS__, n);          \
         LAUNCH_CHECK(err, #kernel, "n=%zu", (size_t)(n));                                      \
         return 0;                                                                              \

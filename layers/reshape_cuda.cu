@@ -1,6 +1,7 @@
 // Reshapes between images, tokens and attention heads: one thread per element, each output
 // element written by exactly one thread (the backward passes too, so += needs no atomics).
 #include "layers/cuda_common.cuh"
+#include "layers/cuda_args.h"
 
 // patches (B, T, Cin·p·p), T = G², G = S/p, element (b, t, j), j = (c, py, px):
 // patches = img[b, c, gy·p + py, gx·p + px], t = gy·G + gx.
@@ -92,7 +93,10 @@ static int check_image(const char *fn, int B, int Cimg, int S, int p, char *err)
         dit_set_error(err, "%s: need positive sizes and S a multiple of p (B=%d C=%d S=%d p=%d)", fn, B, Cimg, S, p);
         return -1;
     }
-    return 0;
+    // the kernels index a patch (C·p·p) and the pixels of one channel (S·S) with int
+    return check_product(fn, "C·p·p", Cimg, (long long)p * p, INT_MAX, err) ||
+           check_product(fn, "S·S", S, S, INT_MAX, err) ||
+           check_grid_x(fn, (size_t)B * Cimg * S * S, BLOCK_SIZE, err) ? -1 : 0;
 }
 
 static int check_heads(const char *fn, int B, int T, int H, int D, char *err) {
@@ -100,7 +104,9 @@ static int check_heads(const char *fn, int B, int T, int H, int D, char *err) {
         dit_set_error(err, "%s: sizes must be positive (B=%d T=%d H=%d D=%d)", fn, B, T, H, D);
         return -1;
     }
-    return 0;
+    // a row of qkv (3·H·D) is indexed with int; one thread per element of (B, T, 3·H·D)
+    return check_product(fn, "3·H·D", 3LL * H, D, INT_MAX, err) ||
+           check_grid_x(fn, (size_t)B * T * 3 * H * D, BLOCK_SIZE, err) ? -1 : 0;
 }
 
 int patchify_forward_cuda(bf16 *patches, const bf16 *img, int B, int Cin, int S, int p,

@@ -15,6 +15,9 @@
 #include "attention/sage_cuda.h"
 #include "attention/flash_cuda.h"
 #endif
+#ifdef DIT_NCCL
+#include "attention/sequence_parallel_cuda.h"
+#endif
 
 // rc must be -1 and err must contain every one of the given fragments.
 #define EXPECT_ERROR(rc, err, ...) do {                                                          \
@@ -112,6 +115,77 @@ Test(cuda_api, sage_attention_rejects_head_dim_sizes_and_grid_overflow) {
                                     65536, 65536, 64, 64, SAGE_PV_FP8, 0, err), err, "B·H <= 65535");
 }
 
+// ---- attention kernels: NULL and misaligned device pointers, checked before any CUDA call ----
+// `dev` stands in for device buffers: 16-byte aligned and never dereferenced, since every call
+// below fails a check first; dev + 2 and dev + 8 are misaligned for 16-byte vector loads.
+
+static _Alignas(16) uint8_t dev_bytes[64];
+#define DEV ((void *)dev_bytes)
+
+Test(cuda_api, attention_rejects_null_device_pointers_by_name) {
+    char err[DIT_ERR_LEN];
+    uint16_t *b = DEV;
+    float *f = DEV;
+    EXPECT_ERROR(flash_forward_cuda(b, f, NULL, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_cuda",
+                 "q must be a device pointer, got NULL");
+    EXPECT_ERROR(flash_backward_cuda(f, f, f, DEV, NULL, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+                 "flash_backward_cuda", "dout must be", "NULL");
+    EXPECT_ERROR(sage_forward_cuda(b, NULL, DEV, b, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_forward_cuda", "lse must be", "NULL");
+    EXPECT_ERROR(sage_forward_quantized_cuda(NULL, f, DEV, 1, 2, 64, 64, SAGE_PV_FP16, 0, err), err,
+                 "sage_forward_quantized_cuda", "out must be", "NULL");
+    EXPECT_ERROR(sage_forward_sm90_cuda(b, f, DEV, b, NULL, b, 1, 2, 64, 128, 0, err), err,
+                 "sage_forward_sm90_cuda", "k must be", "NULL");
+    EXPECT_ERROR(sage_backward_cuda(NULL, f, f, DEV, DEV, b, b, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0, err),
+                 err, "sage_backward_cuda", "dq must be", "NULL");
+    EXPECT_ERROR(sage_backward_sm90_cuda(f, f, f, DEV, NULL, b, b, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0,
+                                         err), err, "sage_backward_sm90_cuda", "fwd_workspace must be", "NULL");
+    // delta = NULL: the backward computes it from out into workspace, so both are required
+    EXPECT_ERROR(sage_backward_cuda(f, f, f, DEV, DEV, b, b, b, b, NULL, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0, err),
+                 err, "sage_backward_cuda (delta = NULL", "out must be", "NULL");
+    EXPECT_ERROR(sage_quantize_cuda(DEV, b, NULL, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_quantize_cuda", "k must be", "NULL");
+    EXPECT_ERROR(sage_quantize_given_cuda(DEV, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_quantize_given_cuda (FP8", "v_scale must be", "NULL");
+    EXPECT_ERROR(sage_kv_stats_cuda(NULL, f, DEV, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_kv_stats_cuda", "k_sum must be", "NULL");
+    cr_assert_eq(flash_forward_cuda(NULL, f, b, b, b, 1, 2, 64, 64, 0, NULL), -1, "err may be NULL");
+}
+
+Test(cuda_api, attention_rejects_misaligned_vector_buffers) {
+    char err[DIT_ERR_LEN];
+    uint16_t *b = DEV, *b2 = (uint16_t *)(dev_bytes + 2);
+    float *f = DEV, *f8 = (float *)(dev_bytes + 8);
+    EXPECT_ERROR(flash_forward_cuda(b, f, b2, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_cuda", "q=",
+                 "must be 16-byte aligned");
+    EXPECT_ERROR(flash_backward_cuda(f8, f, f, DEV, b, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+                 "flash_backward_cuda", "dq=", "16-byte aligned");
+    EXPECT_ERROR(sage_forward_cuda(b2, f, DEV, b, b, b, 1, 2, 64, 64, SAGE_PV_FP16, 0, err), err,
+                 "sage_forward_cuda", "out=", "16-byte aligned");
+    // the mma.sync backward cp.asyncs 16 bytes of dout too: an error, not a fallback from the TMA kernel
+    EXPECT_ERROR(sage_backward_cuda(f, f, f, DEV, DEV, b2, b, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0, err),
+                 err, "sage_backward_cuda", "dout=", "16-byte aligned");
+    EXPECT_ERROR(sage_backward_sm90_cuda(f, f, f, DEV, DEV, b, b, b, b2, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0,
+                                         err), err, "sage_backward_sm90_cuda", "v=", "16-byte aligned");
+    EXPECT_ERROR(sage_quantize_cuda(dev_bytes + 8, b, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_quantize_cuda", "workspace=", "16-byte aligned");
+}
+
+Test(cuda_api, sage_forward_checks_shapes_before_querying_the_device) {
+    char err[DIT_ERR_LEN];
+    uint16_t *b = DEV;
+    float *f = DEV;
+    // FP8 dispatches on the device's compute capability: the head dim must be rejected first
+    EXPECT_ERROR(sage_forward_cuda(b, f, DEV, b, b, b, 1, 2, 64, 96, SAGE_PV_FP8, 0, err), err,
+                 "sage_forward_cuda", "D in {64, 128}", "D=96");
+    EXPECT_ERROR(sage_forward_cuda(b, f, DEV, b, b, b, 1, 2, 64, 64, (SagePV)7, 0, err), err,
+                 "sage_forward_cuda", "pv=7");
+    EXPECT_ERROR(sage_forward_sm90_cuda(b, f, DEV, b, b, b, 1, 2, 64, 96, 0, err), err,
+                 "sage_forward_sm90_cuda", "D=96");
+    EXPECT_ERROR(sage_backward_sm90_cuda(f, f, f, DEV, DEV, b, b, b, b, b, f, NULL, 2, 1, 1 << 30, 64,
+                                         SAGE_PV_FP8, 0, err), err, "sage_backward_sm90_cuda", "N=1073741824");
+}
+
 // ---- layers: sizes, alignment rules of the cuBLASLt epilogues, scratch ---------------------
 
 Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
@@ -141,5 +215,60 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
     EXPECT_ERROR(adamw_update_cuda(NULL, NULL, NULL, NULL, NULL, 16, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, NULL,
                                    1.0f, 0, 0, err), err, "step >= 1", "step=0");
     cr_assert_eq(pos_embed_2d_cuda(NULL, 4, 6, 0, NULL), -1, "err may be NULL");
+}
+
+Test(cuda_api, layers_reject_sizes_whose_int_indices_overflow) {
+    char err[DIT_ERR_LEN];
+    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 65536, 65536, 8, 8, 0, err),
+                 err, "layernorm_modulate_forward_cuda", "B·T = 65536·65536");
+    EXPECT_ERROR(layernorm_modulate_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, 0,
+                                                  err), err, "layernorm_modulate_backward_cuda", "grid.y B = 70000");
+    EXPECT_ERROR(gated_residual_forward_cuda(NULL, NULL, NULL, NULL, 1, 65536, 65536, 65536, 0, err), err,
+                 "gated_residual_forward_cuda", "T·C = 65536·65536");
+    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, 0, err), err,
+                 "gated_residual_backward_cuda", "grid.y B = 70000");
+    EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 65536, 1, 0, err), err, "patchify_forward_cuda",
+                 "S·S = 65536·65536");
+    EXPECT_ERROR(unpatchify_forward_cuda(NULL, NULL, 1, 1 << 20, 64, 64, 0, err), err, "C·p·p = 1048576·4096");
+    EXPECT_ERROR(split_heads_forward_cuda(NULL, NULL, NULL, NULL, 1, 4, 1 << 20, 1024, 0, err), err,
+                 "split_heads_forward_cuda", "3·H·D");
+    EXPECT_ERROR(timestep_embedding_forward_cuda(NULL, NULL, 1 << 20, 1 << 13, 0, err), err, "B·dim/2");
+    EXPECT_ERROR(pos_embed_2d_cuda(NULL, 50000, 4096, 0, err), err, "pos_embed_2d_cuda", "G·G·C/4");
+    EXPECT_ERROR(gelu_forward_cuda(NULL, NULL, (size_t)1 << 40, 0, err), err, "gelu_forward_cuda",
+                 "1099511627776 elements", "2^31 - 1 blocks");
+    EXPECT_ERROR(adamw_update_cuda(NULL, NULL, NULL, NULL, NULL, (size_t)1 << 40, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f,
+                                   NULL, 1.0f, 1, 0, err), err, "adamw_update_cuda", "2^31 - 1 blocks");
+}
+#endif
+
+#ifdef DIT_NCCL
+// ---- sequence parallelism: the SpCudaComm, checked before any CUDA or NCCL call ------------
+
+Test(cuda_api, sequence_parallel_rejects_a_missing_or_inconsistent_comm) {
+    char err[DIT_ERR_LEN];
+    float *x[1] = {NULL};
+    EXPECT_ERROR(sp_cuda_all_reduce_sum(NULL, x, 4, err), err, "sp_cuda_all_reduce_sum", "SpCudaComm",
+                 "must not be NULL");
+    int rank[1] = {5}, device[1] = {0};
+    ncclComm_t comm[1] = {(ncclComm_t)DEV};   // never used: every call below fails a check first
+    cudaStream_t stream[1] = {0};
+    SpCudaComm c = {2, 1, rank, device, comm, stream, NULL};
+    EXPECT_ERROR(sp_cuda_ring_pass(&c, (void *const *)x, (const void *const *)x, 4, err), err,
+                 "sp_cuda_ring_pass_on", "local entry 0 has rank 5", "expected 0..1");
+    rank[0] = 1;
+    comm[0] = NULL;
+    EXPECT_ERROR(ulysses_all_to_all_cuda(&c, (void *const *)x, (const void *const *)x, 1, 2, 4, 64, 2, err), err,
+                 "ulysses_all_to_all_cuda", "rank 1", "NULL communicator");
+    c.n_local = 3;
+    EXPECT_ERROR(sp_cuda_all_reduce_max(&c, x, 4, err), err, "sp_cuda_all_reduce_max", "2 ranks with 3 local");
+    c.n_local = 1;
+    EXPECT_ERROR(ring_attention_forward_cuda(&c, NULL, NULL, NULL, NULL, NULL, 1, 2, 4, 64, err), err,
+                 "ring_attention_forward_cuda", "rank 1", "NULL communicator");
+    c.comm = NULL;
+    EXPECT_ERROR(ring_sage_stats_cuda(&c, NULL, NULL, NULL, NULL, 1, 2, 4, 64, SAGE_PV_FP8, err), err,
+                 "ring_sage_stats_cuda", "SpCudaComm", "must not be NULL");
+    EXPECT_ERROR(ring_attention_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 1, 2, 4, 64,
+                                              err), err, "ring_attention_backward_cuda", "c=(nil)");
+    EXPECT_ERROR(sp_cuda_accumulate(NULL, NULL, 4, 0, err), err, "sp_cuda_accumulate", "n=4");
 }
 #endif
