@@ -5,6 +5,10 @@
 // The model runs on the CPU (model/dit.h, fp32) or the GPU (model/dit_gpu.h, bf16 compute with
 // fp32 master weights) behind the same step functions (step_gradients, step_update, ...); the
 // host does the rest (data, RNG, logging, checkpoints) the same way for both.
+// Data parallel on several GPUs (--gpus N, mpirun, srun; model/distributed.h): every rank runs
+// the same step on its own share of the batch; between backward and update the gradients and
+// the loss become their means over the ranks (one NCCL all-reduce), so every rank applies the
+// same update. Rank 0 logs and writes checkpoints and samples.
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -13,11 +17,13 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 #include "dataloader/dataloader.h"
 #include "dataloader/image_grid.h"
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "model/checkpoint.h"
+#include "model/distributed.h"
 #include "model/dit.h"
 #include "model/safetensors.h"
 #include "model/sample.h"
@@ -33,7 +39,8 @@ typedef struct {
     int depth, hidden, heads, patch, image_size, channels;   // 0: the preset's value
     int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
     int skip_bad_images, preview_data, random_flip, save_init;
-    float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale;
+    int gpus;                                                 // 0: not given
+    float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
 
@@ -73,7 +80,13 @@ static const char *usage_text =
     "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
     "  --samples-per-class N tiles per class in the grid (default 2)\n"
     "  --dump-parity FILE    write weights, batches, step-1 output and gradients and every loss,\n"
-    "                        for dev/parity.py\n";
+    "                        for dev/parity.py\n"
+    "several GPUs (data parallel over NCCL):\n"
+    "  --gpus N              start N processes, one per GPU of this machine (or launch one process per\n"
+    "                        GPU with mpirun -np N / srun -n N, without --gpus); --batch is the global\n"
+    "                        batch, split evenly; rank r reads its own data stream (seed mixed with r)\n"
+    "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
+    "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
 
 // ---- command line ------------------------------------------------------------------------
 
@@ -116,7 +129,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .attn = NULL, .t_sampling = "logit-normal", .steps = 2000, .batch = 32,
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
-                     .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42};
+                     .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
+                     .dist_timeout = 600.0f};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -147,6 +161,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         else if (!strcmp(f, "--channels")) rc = parse_int(f, v, 1, &a->channels, err);
         else if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, &a->steps, err);
         else if (!strcmp(f, "--batch")) rc = parse_int(f, v, 1, &a->batch, err);
+        else if (!strcmp(f, "--gpus")) rc = parse_int(f, v, 1, &a->gpus, err);
+        else if (!strcmp(f, "--dist-timeout")) rc = parse_float(f, v, 1.0f, 1e6f, &a->dist_timeout, err);
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, &a->warmup, err);
         else if (!strcmp(f, "--ckpt-every")) rc = parse_int(f, v, 0, &a->ckpt_every, err);
         else if (!strcmp(f, "--sample-every")) rc = parse_int(f, v, 0, &a->sample_every, err);
@@ -186,9 +202,56 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     return 0;
 }
 
+static char die_prefix[32] = "";   // "rank R: " when several ranks train
+
 static void die(const char *msg) {
-    fprintf(stderr, "train_dit: error: %s\n", msg);
+    fprintf(stderr, "train_dit: %serror: %s\n", die_prefix, msg);
     exit(1);
+}
+
+// Several ranks: --gpus against the launcher's environment, and what data parallel supports.
+// One rank (no launcher, no --gpus N > 1): nothing to check.
+static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *err) {
+    if (a->gpus > 1 && env->world_size > 1 && a->gpus != env->world_size) {
+        dit_set_error(err, "--gpus %d, but %s started %d ranks (under mpirun or srun, leave --gpus out)", a->gpus,
+                      env->launcher, env->world_size);
+        return -1;
+    }
+    int world = env->world_size > 1 ? env->world_size : a->gpus > 1 ? a->gpus : 1;
+    if (world == 1) return 0;
+#ifndef DIT_NCCL
+    dit_set_error(err, "%d ranks: this build has no NCCL (the Makefile found no nccl.h)", world);
+    return -1;
+#endif
+    if (strcmp(a->device, "gpu")) {
+        dit_set_error(err, "%d ranks need --device gpu (the CPU trains in one process)", world);
+        return -1;
+    }
+    if (a->batch % world) {
+        dit_set_error(err, "--batch %d: the global batch must split evenly over %d ranks", a->batch, world);
+        return -1;
+    }
+    if (a->dump_parity || a->preview_data) {
+        dit_set_error(err, "%s works in one process only (not with %d ranks)",
+                      a->dump_parity ? "--dump-parity" : "--preview-data", world);
+        return -1;
+    }
+    if (a->gpus > 1 && env->world_size == 1 && gpu_count() < a->gpus) {
+        dit_set_error(err, "--gpus %d: only %d GPUs found", a->gpus, gpu_count());
+        return -1;
+    }
+    return 0;
+}
+
+// --gpus N: this process starts the N ranks (this program again, with DIT_RANK, DIT_WORLD_SIZE,
+// DIT_LOCAL_RANK and a fresh DIT_RUN_ID set) and waits for them; the first rank that fails stops
+// the others (model/distributed.h).
+static void launch_local_ranks(const TrainArgs *a, char **argv) {
+    char err[DIT_ERR_LEN], run_id[64];
+    snprintf(run_id, sizeof(run_id), "gpus-%d-%lld", (int)getpid(), (long long)time(NULL));
+    printf("train_dit: starting %d ranks, one per GPU (run %s)\n", a->gpus, run_id);
+    fflush(stdout);
+    if (dist_launch_local(a->gpus, "/proc/self/exe", argv, run_id, 10.0, err) != 0) die(err);
 }
 
 // mkdir -p: creates the directory and its missing parents.
@@ -214,28 +277,34 @@ static double now_seconds(void) {
 
 // On the CPU, `cpu` is the model. On the GPU, `cpu` (created for batch 1) is the host copy of the
 // weights, EMA and AdamW moments: initialization and checkpoints happen there and are uploaded.
+// Data parallel (world > 1, GPU only): `dist` is the communicator of the ranks, `rank` this one.
 typedef struct {
     int on_gpu;
+    int rank, world;
     Dit cpu;
     float *x_t, *v_target, *dout;   // CPU: the batch's model input, target, dLoss/dout
 #ifdef DIT_CUDA
     DitGpu gpu;
+    DistComm *dist;                 // NULL for one process
 #endif
 } Trainer;
 
-static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a, char *err) {
+// `batch`: images per step of this rank (the global batch / world). Initial weights come from
+// a->seed on every rank, so all ranks start equal.
+static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a, int batch, char *err) {
     memset(tr, 0, sizeof(*tr));
     tr->on_gpu = !strcmp(a->device, "gpu");
+    tr->world = 1;
     // exact attention: fp32 on the CPU, bf16 flash attention on the GPU (--attn bf16)
     DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
-    if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : a->batch, attention, a->seed, err) != 0) die(err);
+    if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : batch, attention, a->seed, err) != 0) die(err);
 #ifdef DIT_CUDA
     if (tr->on_gpu) {
-        if (dit_gpu_create(&tr->gpu, cfg, a->batch, attention, err) != 0) die(err);
+        if (dit_gpu_create(&tr->gpu, cfg, batch, attention, err) != 0) die(err);
         return;
     }
 #endif
-    size_t n = (size_t)a->batch * cfg->channels * cfg->image_size * cfg->image_size;
+    size_t n = (size_t)batch * cfg->channels * cfg->image_size * cfg->image_size;
     tr->x_t = malloc(n * sizeof(float));
     tr->v_target = malloc(n * sizeof(float));
     tr->dout = malloc(n * sizeof(float));
@@ -245,6 +314,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
 static void trainer_free(Trainer *tr) {
 #ifdef DIT_CUDA
     if (tr->on_gpu) dit_gpu_free(&tr->gpu);
+    dist_comm_destroy(tr->dist);
 #endif
     dit_free(&tr->cpu);
     free(tr->x_t); free(tr->v_target); free(tr->dout);
@@ -270,7 +340,20 @@ static void trainer_to_host(Trainer *tr) {
 #endif
 }
 
-// x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward. Returns the loss.
+#ifdef DIT_CUDA
+// Data parallel: the parameter gradients and the loss become their means over the ranks (one
+// NCCL group of two in-place all-reduces; each rank's loss is the mean over its equal share of
+// the batch, so the mean of the means is the global batch's loss). Waits for it. One process: nothing.
+static int average_over_ranks(Trainer *tr, char *err) {
+    if (!tr->dist) return 0;
+    float *buffers[2] = {tr->gpu.grads_memory, tr->gpu.acts.loss};
+    size_t counts[2] = {tr->gpu.num_params, 1};
+    return dist_all_reduce_mean(tr->dist, buffers, counts, 2, tr->gpu.stream, err);
+}
+#endif
+
+// x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward; with
+// several ranks, the mean over the ranks of the gradients and loss. Returns the loss.
 static float step_gradients(Trainer *tr, const float *x0, const float *noise, const float *t,
                             const int *labels, int B) {
     const DitConfig *c = &tr->cpu.cfg;
@@ -282,7 +365,7 @@ static float step_gradients(Trainer *tr, const float *x0, const float *noise, co
         DitGpu *g = &tr->gpu;
         if (dit_gpu_set_flow_batch(g, x0, noise, t, labels, B, err) || dit_gpu_forward(g, &g->weights, B, err) ||
             dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) || dit_gpu_backward(g, B, err) ||
-            dit_gpu_read_scalars(g, &loss, NULL, err))
+            average_over_ranks(tr, err) || dit_gpu_read_scalars(g, &loss, NULL, err))
             die(err);
         return loss;
     }
@@ -416,7 +499,7 @@ static void format_device_stats(Trainer *tr, int B, double ms, char *text, size_
 #ifdef DIT_CUDA
     static double peak_mib = 0;
     if (!tr->on_gpu) return;
-    double used = gpu_memory_used_mib(), peak = gpu_peak_flops();
+    double used = gpu_memory_used_mib(), peak = gpu_peak_flops() * tr->world;   // B is the global batch
     peak_mib = used > peak_mib ? used : peak_mib;
     double tokens = (double)B * dit_tokens(&tr->cpu.cfg), flops = dit_train_flops(&tr->cpu.cfg, B);
     char mfu[32] = "n/a";
@@ -460,18 +543,86 @@ static void write_samples(Trainer *tr, const TrainArgs *a, DataLoader *dl, int s
     free(x); free(labels); free(captions);
 }
 
+// Several ranks: every rank's data position and training RNG (label drop, t, noise), gathered
+// to rank 0 (a collective: every rank calls it) and written beside the checkpoint, which itself
+// holds rank 0's, as the text file CKPT.ranks:
+//   world_size W
+//   <rank> <data_epoch> <data_index> <data_rng_state> <rng_state>      (one line per rank)
+static void save_rank_positions(Trainer *tr, const char *ckpt_path, DataPosition pos, const Rng *rng) {
+#ifdef DIT_CUDA
+    char err[DIT_ERR_LEN], path[1100];
+    uint64_t mine[4] = {pos.epoch, pos.index, pos.rng_state, rng->state};
+    uint64_t *all = malloc(4 * (size_t)tr->world * sizeof(uint64_t));
+    if (!all) die("out of memory for the ranks' data positions");
+    if (dist_all_gather_u64(tr->dist, mine, 4, all, err) != 0) die(err);
+    if (tr->rank == 0) {
+        snprintf(path, sizeof(path), "%s.ranks", ckpt_path);
+        FILE *f = fopen(path, "w");
+        if (!f) {
+            dit_set_error(err, "%s: cannot open for writing: %s", path, strerror(errno));
+            die(err);
+        }
+        fprintf(f, "world_size %d\n", tr->world);
+        for (int r = 0; r < tr->world; r++)
+            fprintf(f, "%d %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 "\n", r, all[4 * r], all[4 * r + 1],
+                    all[4 * r + 2], all[4 * r + 3]);
+        if (fclose(f) != 0) {
+            dit_set_error(err, "%s: write failed: %s", path, strerror(errno));
+            die(err);
+        }
+    }
+    free(all);
+#else
+    (void)tr; (void)ckpt_path; (void)pos; (void)rng;
+#endif
+}
+
+// --resume with several ranks: this rank's data position and RNG state from CKPT.ranks.
+static int read_rank_positions(const char *ckpt_path, int rank, int world, DataPosition *pos, uint64_t *rng_state,
+                               char *err) {
+    char path[1100];
+    snprintf(path, sizeof(path), "%s.ranks", ckpt_path);
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        dit_set_error(err, "--resume with %d ranks needs %s (every rank's data position, written by a run with "
+                           "%d ranks): %s", world, path, world, strerror(errno));
+        return -1;
+    }
+    int saved_world = 0, found = 0, r;
+    uint64_t v[4];
+    if (fscanf(f, "world_size %d", &saved_world) != 1 || saved_world != world) {
+        dit_set_error(err, "%s: expected 'world_size %d' on the first line (resume with as many ranks as saved)",
+                      path, world);
+        fclose(f);
+        return -1;
+    }
+    while (!found && fscanf(f, "%d %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64, &r, &v[0], &v[1], &v[2], &v[3]) == 5)
+        found = r == rank;
+    fclose(f);
+    if (!found) {
+        dit_set_error(err, "%s: no line for rank %d", path, rank);
+        return -1;
+    }
+    *pos = (DataPosition){v[0], v[1], v[2]};
+    *rng_state = v[3];
+    return 0;
+}
+
+// Every rank calls it (the ranks' positions are gathered); rank 0 writes.
 static void save_checkpoint(Trainer *tr, const TrainArgs *a, DataLoader *dl, const Rng *rng, int step) {
+    char path[1024], err[DIT_ERR_LEN], names[4096] = "";
+    snprintf(path, sizeof(path), "%s/ckpt_%06d.safetensors", a->out, step);
+    DataPosition pos = dataloader_position(dl);
+    if (tr->world > 1) save_rank_positions(tr, path, pos, rng);
+    if (tr->rank != 0) return;
     trainer_to_host(tr);
     const Dit *m = &tr->cpu;
-    char path[1024], err[DIT_ERR_LEN], names[4096] = "";
     for (int c = 0; c < m->cfg.num_classes; c++) {
         size_t len = strlen(names);
         snprintf(names + len, sizeof(names) - len, "%s%s", c ? "," : "", dataloader_class_name(dl, c));
     }
-    DataPosition pos = dataloader_position(dl);
     TrainState state = {.step = step, .rng_state = rng->state, .data_epoch = pos.epoch,
                         .data_index = pos.index, .data_rng_state = pos.rng_state};
-    snprintf(path, sizeof(path), "%s/ckpt_%06d.safetensors", a->out, step);
     if (checkpoint_save(path, m, &state, names, err) != 0) die(err);
     printf("wrote %s\n", path);
 }
@@ -537,10 +688,19 @@ int main(int argc, char **argv) {
     TrainArgs args;
     if (parse_args(argc, argv, &args, err) != 0) die(err);
     const TrainArgs *a = &args;
+    DistEnv dist;
+    if (dist_env_from_environ(&dist, err) != 0 || check_distributed_args(a, &dist, err) != 0) die(err);
     if (make_dirs(a->out) != 0) {
         dit_set_error(err, "--out %s: cannot create the directory: %s", a->out, strerror(errno));
         die(err);
     }
+    if (a->gpus > 1 && dist.world_size == 1) {
+        launch_local_ranks(a, argv);
+        return 0;
+    }
+    // this process is rank `rank` of `world`, with B images of the global batch per step
+    int rank = dist.rank, world = dist.world_size, B = a->batch / world;
+    if (world > 1) snprintf(die_prefix, sizeof(die_prefix), "rank %d: ", rank);
 
     // model configuration: a checkpoint's, or the preset with the overrides
     DitConfig cfg;
@@ -563,7 +723,7 @@ int main(int argc, char **argv) {
             "dataset-fashion-mnist package: sudo apt-get install dataset-fashion-mnist), or pass "
             "--data DIR for your own image folder, or --data synthetic");
     DataLoaderConfig dcfg = {.root = a->data, .image_size = cfg.image_size, .channels = cfg.channels,
-                             .batch_size = a->batch, .seed = a->seed, .random_flip = a->random_flip,
+                             .batch_size = B, .seed = dist_rank_seed(a->seed, rank), .random_flip = a->random_flip,
                              .skip_bad_images = a->skip_bad_images, .prefetch = 2};
     DataLoader *dl;
     if (dataloader_open(&dl, &dcfg, err) != 0) die(err);
@@ -582,33 +742,49 @@ int main(int argc, char **argv) {
     }
     cfg.num_classes = dataloader_num_classes(dl);
 
-    // model, optimizer state, and the training RNG (label drop, t, noise)
+    // model, optimizer state, and the training RNG (label drop, t, noise); with several ranks
+    // first the communicator, which selects this rank's GPU
+#ifdef DIT_CUDA
+    DistComm *comm = NULL;
+    if (world > 1 && dist_comm_create(&comm, &dist, a->out, a->dist_timeout, err) != 0) die(err);
+#endif
     Trainer tr;
-    trainer_create(&tr, &cfg, a, err);
+    trainer_create(&tr, &cfg, a, B, err);
+    tr.rank = rank;
+    tr.world = world;
+#ifdef DIT_CUDA
+    tr.dist = comm;
+#endif
     const Dit *model = &tr.cpu;
     Rng rng;
-    rng_seed(&rng, a->seed + 1);
+    rng_seed(&rng, dist_rank_seed(a->seed, rank) + 1);
     int first_step = 1;
     if (a->resume) {
         TrainState state;
         if (checkpoint_load(a->resume, &tr.cpu, &state, err) != 0) die(err);
         rng.state = state.rng_state;
         DataPosition pos = {state.data_epoch, state.data_index, state.data_rng_state};
+        if (world > 1 && read_rank_positions(a->resume, rank, world, &pos, &rng.state, err) != 0) die(err);
         if (dataloader_seek(dl, pos, err) != 0) die(err);
         first_step = (int)state.step + 1;
     }
     trainer_to_device(&tr);
-    printf("dit.c | device %s | attention %s | depth %d hidden %d heads %d (head dim %d) patch %d | "
-           "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
-           a->device, a->attn, cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
-           cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
-           model->num_params / 1e6);
-    print_memory_plan(&tr);
+    if (rank == 0) {
+        printf("dit.c | device %s | attention %s | depth %d hidden %d heads %d (head dim %d) patch %d | "
+               "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
+               a->device, a->attn, cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
+               cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
+               model->num_params / 1e6);
+        if (world > 1)
+            printf("data parallel: %d ranks (%s), %d images per rank and step, rank r's data stream from "
+                   "seed %" PRIu64 " mixed with r\n", world, dist.launcher, B, a->seed);
+        print_memory_plan(&tr);
+    }
 
-    size_t img = (size_t)cfg.channels * cfg.image_size * cfg.image_size, n_batch = a->batch * img;
+    size_t img = (size_t)cfg.channels * cfg.image_size * cfg.image_size, n_batch = B * img;
     float *x0 = batch_alloc(&tr, n_batch * sizeof(float)), *noise = batch_alloc(&tr, n_batch * sizeof(float));
-    float *t = batch_alloc(&tr, a->batch * sizeof(float));
-    int *labels = batch_alloc(&tr, a->batch * sizeof(int));
+    float *t = batch_alloc(&tr, B * sizeof(float));
+    int *labels = batch_alloc(&tr, B * sizeof(int));
 
     ParityDump parity = {0};
     if (a->dump_parity) {
@@ -634,12 +810,12 @@ int main(int argc, char **argv) {
 
     char log_path[1024];
     snprintf(log_path, sizeof(log_path), "%s/train_log.csv", a->out);
-    FILE *log = fopen(log_path, a->resume ? "a" : "w");
-    if (!log) {
+    FILE *log = rank == 0 ? fopen(log_path, a->resume ? "a" : "w") : NULL;
+    if (rank == 0 && !log) {
         dit_set_error(err, "%s: cannot open for writing: %s", log_path, strerror(errno));
         die(err);
     }
-    if (!a->resume) fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
+    if (log && !a->resume) fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
     if (a->save_init && !a->resume) save_checkpoint(&tr, a, dl, &rng, 0);
 
     for (int step = first_step; step <= a->steps; step++) {
@@ -650,14 +826,14 @@ int main(int argc, char **argv) {
 
         // 2. drop labels to the null class for guidance; flow-matching time t and noise ε (the
         //    model makes x_t = (1 - t)·x0 + t·ε, v = ε - x0)
-        flow_matching_sample(&rng, labels, t, noise, a->batch, img, a->label_dropout, cfg.num_classes,
+        flow_matching_sample(&rng, labels, t, noise, B, img, a->label_dropout, cfg.num_classes,
                              !strcmp(a->t_sampling, "uniform"));
 
-        // 3. forward, loss, backward
-        float loss = step_gradients(&tr, x0, noise, t, labels, a->batch);
+        // 3. forward, loss, backward (several ranks: then the mean gradients and loss over the ranks)
+        float loss = step_gradients(&tr, x0, noise, t, labels, B);
         if (a->dump_parity && (step == 1 || step == a->steps)) {
             int k = step == 1 ? 0 : 1;
-            trainer_read_output_grads(&tr, parity.out[k], parity.grads[k], a->batch);
+            trainer_read_output_grads(&tr, parity.out[k], parity.grads[k], B);
             parity.loss[k] = loss;
         }
 
@@ -679,24 +855,26 @@ int main(int argc, char **argv) {
             parity.lrs[s] = lr;
         }
 
-        // 5. log, checkpoint, samples
+        // 5. log, checkpoint, samples (rank 0; the checkpoint gathers every rank's data position)
         double ms = 1e3 * (now_seconds() - t0);
-        char device_stats[256];
-        format_device_stats(&tr, a->batch, ms, device_stats, sizeof(device_stats));
-        printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s%s\n",
-               step, a->steps, loss, grad_norm, lr, ms, a->batch / (ms / 1e3), device_stats);
-        fprintf(log, "%d,%.7g,%.7g,%.7g,%.3f,%.2f\n", step, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
-        fflush(log);
+        if (rank == 0) {
+            char device_stats[256];
+            format_device_stats(&tr, a->batch, ms, device_stats, sizeof(device_stats));
+            printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s%s\n",
+                   step, a->steps, loss, grad_norm, lr, ms, a->batch / (ms / 1e3), device_stats);
+            fprintf(log, "%d,%.7g,%.7g,%.7g,%.3f,%.2f\n", step, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
+            fflush(log);
+        }
         int last = step == a->steps;
         if (a->ckpt_every && (step % a->ckpt_every == 0 || last)) save_checkpoint(&tr, a, dl, &rng, step);
-        if (a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&tr, a, dl, step);
+        if (rank == 0 && a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&tr, a, dl, step);
     }
     if (a->dump_parity) {
         trainer_to_host(&tr);
         parity_save(&parity, model, a);
     }
 
-    fclose(log);
+    if (log) fclose(log);
     dataloader_close(dl);
     batch_free(&tr, x0); batch_free(&tr, noise); batch_free(&tr, t); batch_free(&tr, labels);
     trainer_free(&tr);

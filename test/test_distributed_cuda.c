@@ -1,0 +1,330 @@
+// Tests of data-parallel training over NCCL (model/distributed.h with model/dit_gpu.h) on 2 GPUs,
+// each rank a forked process that makes its communicator as train_dit does (unique id through a
+// file, ncclCommInitRank). The test process itself touches CUDA only after its children have
+// exited (CUDA does not survive fork). Skipped with fewer than 2 GPUs or without NCCL.
+//
+// 1. One data-parallel step on two half-batches equals one single-GPU step on the full batch:
+//    mean loss, averaged gradients, parameters after AdamW, and both ranks' parameters are
+//    bitwise equal. AdamW runs with eps = 1 so that its update is ≈ lr·g (with eps 1e-8 the first
+//    update is lr·sign(g), which hides the gradient's scale and flips on near-zero elements).
+//    Tolerances (estimates, not yet measured on a GPU): every per-image computation is the same
+//    on both sides (attention, LayerNorm and the loss are per image; dL/dout differs by the exact
+//    factor 2), so differences come from fp32 sums in another order (cuBLASLt's choice for M = B·T
+//    rows vs B·T/2, the weight-gradient sums over the rows, the loss mean) and the bf16 roundings
+//    they flip: TOL_LOSS 1e-4, TOL_GRAD 2e-3 (relative L2 over all gradients), TOL_UPDATE 5e-3
+//    on the update p_after - p_before, TOL_PARAMS 1e-5 on the parameters.
+//    Negative control: rank 0's own gradient (its half-batch, before the all-reduce) must differ
+//    from the full batch's by more than 0.1, so the comparison can tell (a missing all-reduce or a
+//    sum without the 1/world also fail: the gradients would be off by ~0.7 and 1.0).
+// 2. A rank that exits after joining makes the other's all-reduce fail within the timeout, with
+//    an error naming the rank; a rank that never starts makes the other's communicator creation fail.
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <cuda_runtime_api.h>
+#include "layers/common.h"
+#include "layers/layers.h"
+#include "model/distributed.h"
+#include "model/dit.h"
+#include "model/dit_gpu.h"
+#include "test/compare.h"
+
+#ifndef DIT_NCCL
+Test(data_parallel, needs_nccl) { cr_skip_test("this build has no NCCL (nccl.h not found)"); }
+#else
+
+#define TOL_LOSS 1e-4
+#define TOL_GRAD 2e-3
+#define TOL_UPDATE 5e-3
+#define TOL_PARAMS 1e-5
+#define NEGATIVE_CONTROL 0.1
+
+// 20×20 images, patch 2: 100 tokens, head dim 64 (as test_dit_gpu_cuda).
+static const DitConfig config = {.image_size = 20, .channels = 3, .patch = 2, .hidden = 128,
+                                 .depth = 2, .heads = 2, .num_classes = 5};
+enum { FULL_BATCH = 8, WORLD = 2 };
+static const float LR = 1e-2f, EPS = 1.0f, WEIGHT_DECAY = 0.1f;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// GPUs, counted in a child so that this process does not initialize CUDA before its forks.
+static int gpu_count_in_child(void) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        int n = 0;
+        _exit(cudaGetDeviceCount(&n) == cudaSuccess ? (n > 100 ? 100 : n) : 0);
+    }
+    int status;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+}
+
+#define REQUIRE_2_GPUS() do {                                                                  \
+        if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");                   \
+    } while (0)
+
+static float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
+
+// Every tensor random (weights N(0, 1/fan_in), vectors N(0, 0.1²)), rounded to bf16: every
+// gradient is nonzero (DiT's zero init would make most of them exactly zero).
+static void randomize_params(Dit *m, uint64_t seed) {
+    int n = dit_num_tensors(&m->cfg);
+    DitTensorInfo *info = malloc(n * sizeof(DitTensorInfo));
+    dit_tensor_infos(&m->cfg, info);
+    Rng rng;
+    rng_seed(&rng, seed);
+    for (int i = 0; i < n; i++) {
+        float *p = m->params_memory + info[i].offset;
+        float std = info[i].ndim >= 2 ? 1.0f / sqrtf((float)(info[i].numel / info[i].shape[0])) : 0.1f;
+        rng_fill_normal(&rng, p, info[i].numel, std);
+        for (size_t j = 0; j < info[i].numel; j++) p[j] = bf16_round(p[j]);
+    }
+    memcpy(m->ema_memory, m->params_memory, m->num_params * sizeof(float));
+    free(info);
+}
+
+// The full batch (x0, noise, t, labels) from a fixed seed; rank r takes images r·B/2 .. .
+typedef struct { float x0[FULL_BATCH * 1200], noise[FULL_BATCH * 1200], t[FULL_BATCH]; int labels[FULL_BATCH]; } FullBatch;
+static const size_t IMG = 3 * 20 * 20;
+
+static void full_batch(FullBatch *b) {
+    Rng rng;
+    rng_seed(&rng, 1234);
+    rng_fill_normal(&rng, b->x0, FULL_BATCH * IMG, 1.0f);
+    rng_fill_normal(&rng, b->noise, FULL_BATCH * IMG, 1.0f);
+    for (int i = 0; i < FULL_BATCH; i++) {
+        b->t[i] = 0.05f + 0.9f * rng_uniform(&rng);
+        b->labels[i] = (int)(rng_u32(&rng) % (uint32_t)(config.num_classes + 1));
+    }
+}
+
+// What one step gives: the loss, the gradients before and after the all-reduce, the parameters.
+typedef struct { float loss; float *grads_local, *grads, *params_before, *params; size_t n; } StepResult;
+
+static int write_floats(const char *path, const float *x, size_t n) {
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(x, sizeof(float), n, f) == n;
+    if (f) ok = (fclose(f) == 0) && ok;
+    return ok ? 0 : -1;
+}
+
+static float *read_floats(const char *path, size_t n) {
+    float *x = malloc(n * sizeof(float));
+    FILE *f = fopen(path, "rb");
+    cr_assert(x && f, "%s: cannot read", path);
+    cr_assert_eq(fread(x, sizeof(float), n, f), n, "%s: short", path);
+    fclose(f);
+    return x;
+}
+
+// One step on the current device: images [first, first + B) of the full batch; with comm, the
+// gradients and loss are averaged over the ranks before the update (as train_dit). Fills r.
+static int one_step(DistComm *comm, int first, int B, StepResult *r, char *err) {
+    static FullBatch b;
+    full_batch(&b);
+    Dit cpu;
+    DitGpu gpu;
+    if (dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err) != 0) return -1;
+    randomize_params(&cpu, 7);
+    r->n = cpu.num_params;
+    r->grads_local = malloc(r->n * sizeof(float));
+    r->grads = malloc(r->n * sizeof(float));
+    r->params_before = malloc(r->n * sizeof(float));
+    r->params = malloc(r->n * sizeof(float));
+    memcpy(r->params_before, cpu.params_memory, r->n * sizeof(float));
+    int rc = dit_gpu_create(&gpu, &config, B, DIT_ATTN_SAGE, err) || dit_gpu_upload(&gpu, &cpu, err) ||
+             dit_gpu_set_flow_batch(&gpu, b.x0 + first * IMG, b.noise + first * IMG, b.t + first, b.labels + first,
+                                    B, err) ||
+             dit_gpu_forward(&gpu, &gpu.weights, B, err) || dit_gpu_loss(&gpu, B, err) ||
+             dit_gpu_zero_grad(&gpu, err) || dit_gpu_backward(&gpu, B, err) ||
+             dit_gpu_download_grads(&gpu, r->grads_local, err);
+    if (rc == 0 && comm) {
+        float *buffers[2] = {gpu.grads_memory, gpu.acts.loss};
+        size_t counts[2] = {gpu.num_params, 1};
+        rc = dist_all_reduce_mean(comm, buffers, counts, 2, gpu.stream, err);
+    }
+    rc = rc || dit_gpu_read_scalars(&gpu, &r->loss, NULL, err) || dit_gpu_download_grads(&gpu, r->grads, err) ||
+         dit_gpu_update(&gpu, LR, 0.9f, 0.999f, EPS, WEIGHT_DECAY, 0.0f, 0.99f, 1, err) ||
+         dit_gpu_download(&gpu, &cpu, err);
+    if (rc == 0) memcpy(r->params, cpu.params_memory, r->n * sizeof(float));
+    dit_gpu_free(&gpu);
+    dit_free(&cpu);
+    return rc ? -1 : 0;
+}
+
+static DistEnv rank_env(int rank, const char *run_id) {
+    DistEnv env = {.rank = rank, .world_size = WORLD, .local_rank = rank, .local_world_size = WORLD,
+                   .master_port = DIST_DEFAULT_PORT};
+    snprintf(env.launcher, sizeof(env.launcher), "test");
+    snprintf(env.run_id, sizeof(env.run_id), "%s", run_id);
+    return env;
+}
+
+// Waits for the children until the deadline (then kills them); statuses[r] = the exit status,
+// or -1 when killed or crashed. Returns the seconds waited.
+static double wait_children(const pid_t *pids, int n, double timeout_s, int *statuses) {
+    double start = now_s();
+    int left = n;
+    for (int r = 0; r < n; r++) statuses[r] = -2;
+    while (left > 0) {
+        for (int r = 0; r < n; r++) {
+            int st;
+            if (statuses[r] != -2 || waitpid(pids[r], &st, WNOHANG) != pids[r]) continue;
+            statuses[r] = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+            left--;
+        }
+        if (left > 0 && now_s() - start > timeout_s) {
+            for (int r = 0; r < n; r++) if (statuses[r] == -2) kill(pids[r], SIGKILL);
+            timeout_s = INFINITY;   // reap them on the next rounds
+        }
+        usleep(20000);
+    }
+    return now_s() - start;
+}
+
+// ---- 1. data parallel = single GPU ---------------------------------------------------------
+
+static void dp_rank(int rank, const char *dir) {
+    char err[DIT_ERR_LEN], path[512], run_id[64];
+    snprintf(run_id, sizeof(run_id), "dp-%d", (int)getppid());
+    DistEnv env = rank_env(rank, run_id);
+    DistComm *comm;
+    StepResult r;
+    if (dist_comm_create(&comm, &env, dir, 60.0, err) != 0 ||
+        one_step(comm, rank * FULL_BATCH / WORLD, FULL_BATCH / WORLD, &r, err) != 0) {
+        fprintf(stderr, "rank %d: %s\n", rank, err);
+        _exit(1);
+    }
+    const struct { const char *name; const float *x; size_t n; } out[] = {
+        {"loss", &r.loss, 1}, {"grads_local", r.grads_local, r.n}, {"grads", r.grads, r.n}, {"params", r.params, r.n}};
+    for (int i = 0; i < 4; i++) {
+        snprintf(path, sizeof(path), "%s/rank%d_%s", dir, rank, out[i].name);
+        if (write_floats(path, out[i].x, out[i].n) != 0) _exit(1);
+    }
+    dist_comm_destroy(comm);
+    _exit(0);
+}
+
+Test(data_parallel, two_half_batches_equal_one_full_batch, .timeout = 300) {
+    REQUIRE_2_GPUS();
+    char dir[] = "/tmp/test_distributed_cuda_XXXXXX", path[512], err[DIT_ERR_LEN];
+    cr_assert(mkdtemp(dir));
+    fflush(NULL);
+    pid_t pids[WORLD];
+    for (int r = 0; r < WORLD; r++)
+        if ((pids[r] = fork()) == 0) dp_rank(r, dir);
+    int statuses[WORLD];
+    double took = wait_children(pids, WORLD, 200.0, statuses);
+    for (int r = 0; r < WORLD; r++)
+        cr_assert_eq(statuses[r], 0, "rank %d exited with %d after %.1f s (see its stderr)", r, statuses[r], took);
+
+    // the reference, now that the children are gone: one GPU, the full batch
+    StepResult ref;
+    cr_assert_eq(cudaSetDevice(0), cudaSuccess);
+    cr_assert_eq(one_step(NULL, 0, FULL_BATCH, &ref, err), 0, "%s", err);
+    size_t n = ref.n;
+    float *dp[WORLD][4];
+    const char *names[4] = {"loss", "grads_local", "grads", "params"};
+    for (int r = 0; r < WORLD; r++)
+        for (int i = 0; i < 4; i++) {
+            snprintf(path, sizeof(path), "%s/rank%d_%s", dir, r, names[i]);
+            dp[r][i] = read_floats(path, i == 0 ? 1 : n);
+        }
+    float *update_dp = malloc(n * sizeof(float)), *update_ref = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        update_dp[i] = dp[0][3][i] - ref.params_before[i];
+        update_ref[i] = ref.params[i] - ref.params_before[i];
+    }
+    double e_loss = fabs((double)dp[0][0][0] - ref.loss) / fabs(ref.loss);
+    double e_grad = rel_l2(dp[0][2], ref.grads, n), e_local = rel_l2(dp[0][1], ref.grads, n);
+    double e_update = rel_l2(update_dp, update_ref, n), e_params = rel_l2(dp[0][3], ref.params, n);
+    fprintf(stderr, "data parallel (2 ranks x %d) vs one GPU (%d images): loss %.3g (%.6f vs %.6f), grads %.3g, "
+            "update %.3g, params %.3g; rank 0's own gradient %.3g (negative control)\n", FULL_BATCH / WORLD,
+            FULL_BATCH, e_loss, dp[0][0][0], ref.loss, e_grad, e_update, e_params, e_local);
+    cr_assert_eq(memcmp(dp[0][3], dp[1][3], n * sizeof(float)), 0, "the ranks' parameters differ after the update");
+    cr_assert_eq(memcmp(dp[0][0], dp[1][0], sizeof(float)), 0, "the ranks' losses differ");
+    cr_expect(e_loss < TOL_LOSS, "loss %.3g >= %g", e_loss, TOL_LOSS);
+    cr_expect(e_grad < TOL_GRAD, "gradients %.3g >= %g", e_grad, TOL_GRAD);
+    cr_expect(e_update < TOL_UPDATE, "update %.3g >= %g", e_update, TOL_UPDATE);
+    cr_expect(e_params < TOL_PARAMS, "parameters %.3g >= %g", e_params, TOL_PARAMS);
+    cr_expect(e_local > NEGATIVE_CONTROL, "rank 0's half-batch gradient is within %.3g of the full batch's: "
+              "the comparison cannot tell", e_local);
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    system(cmd);
+}
+
+// ---- 2. no hang when a rank goes away ------------------------------------------------------
+
+// Exit codes of the surviving rank: 2 = failed as expected with an error naming it, 3 = failed
+// with another message, 4 = succeeded (it should not have), 1 = setup failed.
+static void survivor(int rank, const char *dir, const char *run_id, double timeout_s, int do_all_reduce) {
+    char err[DIT_ERR_LEN] = "";
+    DistEnv env = rank_env(rank, run_id);
+    DistComm *comm;
+    int rc = dist_comm_create(&comm, &env, dir, timeout_s, err);
+    if (rc == 0 && do_all_reduce) {
+        float *x;
+        cudaStream_t s;
+        if (cudaMalloc((void **)&x, (1 << 20) * sizeof(float)) != cudaSuccess ||
+            cudaStreamCreate(&s) != cudaSuccess || cudaMemset(x, 0, (1 << 20) * sizeof(float)) != cudaSuccess)
+            _exit(1);
+        size_t count = 1 << 20;
+        rc = dist_all_reduce_mean(comm, &x, &count, 1, s, err);
+    }
+    fprintf(stderr, "surviving rank %d: %s\n", rank, rc ? err : "(no error)");
+    char expect[32];
+    snprintf(expect, sizeof(expect), "rank %d of 2", rank);
+    _exit(rc == 0 ? 4 : strstr(err, expect) ? 2 : 3);
+}
+
+Test(faults, a_rank_that_exits_after_joining_fails_the_other_within_the_timeout, .timeout = 200) {
+    REQUIRE_2_GPUS();
+    char dir[] = "/tmp/test_distributed_cuda_XXXXXX", run_id[64];
+    cr_assert(mkdtemp(dir));
+    snprintf(run_id, sizeof(run_id), "exit-%d", (int)getpid());
+    fflush(NULL);
+    pid_t pids[WORLD];
+    if ((pids[0] = fork()) == 0) survivor(0, dir, run_id, 20.0, 1);
+    if ((pids[1] = fork()) == 0) {
+        char err[DIT_ERR_LEN];
+        DistEnv env = rank_env(1, run_id);
+        DistComm *comm;
+        _exit(dist_comm_create(&comm, &env, dir, 60.0, err) == 0 ? 0 : 1);   // joins, then leaves
+    }
+    int statuses[WORLD];
+    double took = wait_children(pids, WORLD, 150.0, statuses);
+    fprintf(stderr, "rank 0 ended %.1f s after the start (timeout 20 s)\n", took);
+    cr_assert_eq(statuses[1], 0, "rank 1 did not join (status %d)", statuses[1]);
+    cr_assert_eq(statuses[0], 2, "rank 0: status %d (2: failed naming the rank; 3: other message; 4: no error; "
+                 "-1: killed after 150 s, a hang)", statuses[0]);
+    cr_assert(took < 100.0, "took %.1f s", took);
+}
+
+Test(faults, a_rank_that_never_starts_fails_the_other_within_the_timeout, .timeout = 200) {
+    REQUIRE_2_GPUS();
+    char dir[] = "/tmp/test_distributed_cuda_XXXXXX", run_id[64];
+    cr_assert(mkdtemp(dir));
+    snprintf(run_id, sizeof(run_id), "absent-%d", (int)getpid());
+    fflush(NULL);
+    pid_t pid;
+    if ((pid = fork()) == 0) survivor(0, dir, run_id, 10.0, 0);
+    int status;
+    double took = wait_children(&pid, 1, 150.0, &status);
+    fprintf(stderr, "rank 0 alone ended after %.1f s (timeout 10 s)\n", took);
+    cr_assert_eq(status, 2, "rank 0: status %d (2: failed naming the rank; 3: other message; 4: no error; "
+                 "-1: killed after 150 s, a hang)", status);
+    cr_assert(took < 60.0, "took %.1f s", took);
+}
+
+#endif
