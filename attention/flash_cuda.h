@@ -7,6 +7,8 @@
 // Layout: q, k, v, out, dout are (B, H, N, D) contiguous bf16 on the device (passed as the raw
 // 16-bit patterns); lse is (B, H, N) fp32 in BASE 2: lse_i = log2 Σ_j 2^{s_ij} with
 // s_ij = q_i·k_j·log2(e)/sqrt(D). D is 64 or 128; any N >= 1 and any B·H. Non-causal.
+// q, k, v, out, dout, dq, dk, dv and the workspace must be 16-byte aligned; a NULL or misaligned
+// pointer returns -1.
 // Every function returns 0, or -1 with a message in err (DIT_ERR_LEN bytes, may be NULL).
 // Kernels run on `stream`; nothing synchronizes the host. The forward needs no workspace.
 #pragma once

@@ -7,7 +7,8 @@
 // Layout: q, k, v, out, dout are (B, H, N, D) contiguous bf16 on the device (passed as the raw
 // 16-bit patterns); lse is (B, H, N) fp32 in base 2, in the smoothed space (as the definition).
 // D is 64 or 128; any N >= 1 and any B·H. Non-causal. FP8 P·V needs compute capability 8.9+;
-// FP16 P·V runs on 8.0+.
+// FP16 P·V runs on 8.0+. q, k, v, out, dout, dq, dk, dv and the workspaces must be 16-byte
+// aligned; a NULL or misaligned pointer returns -1.
 // Every function returns 0, or -1 with a message in err (DIT_ERR_LEN bytes, may be NULL).
 // Kernels run on `stream`; nothing synchronizes the host.
 #pragma once
@@ -100,10 +101,10 @@ int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const v
                        cudaStream_t stream, char *err);
 
 // The Hopper backward (attention/sage_backward_sm90.cu): the same math as sage_backward_cuda with
-// wgmma tensor-core products fed by TMA (same arguments; dout, q and v 16-byte aligned, B·H·N <
-// 2^31). Available (1) on a compute capability 9.0 device when the build has sm_90a machine code;
-// sage_backward_sm90_cuda returns -1 otherwise. sage_backward_cuda dispatches to it where it is
-// available and the arguments fit; DIT_SAGE_MMA_SYNC=1 keeps the mma.sync kernel.
+// wgmma tensor-core products fed by TMA (same arguments; B·H·N < 2^31). Available (1) on a
+// compute capability 9.0 device when the build has sm_90a machine code; sage_backward_sm90_cuda
+// returns -1 otherwise. sage_backward_cuda dispatches to it where it is
+// available and B·H·N fits; DIT_SAGE_MMA_SYNC=1 keeps the mma.sync kernel.
 int sage_backward_sm90_available(void);
 int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
                             const uint16_t *dout, const uint16_t *q, const uint16_t *k,
