@@ -288,19 +288,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
 }
 
 extern "C" int sage_backward_sm90_available(void) {
-    int dev, major, minor;
-    cudaFuncAttributes attr;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    if (major != 9 || minor != 0) return 0;
-    if (cudaFuncGetAttributes(&attr, sage_backward_sm90_kernel<128>) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;   // sm_90a machine code, not JIT from older PTX
+    return sm90_kernel_available((const void *)sage_backward_sm90_kernel<128>);
 }
 
 template <int D>

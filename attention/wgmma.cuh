@@ -276,3 +276,21 @@ static inline int tma_map_2d_bytes(CUtensorMap *map, const void *base, uint64_t 
     }
     return 0;
 }
+
+// 1 when the current device is compute capability 9.0 and `kernel` (any instantiation of an sm90
+// kernel) was built as sm_90a machine code, not JIT-compiled from older PTX.
+static inline int sm90_kernel_available(const void *kernel) {
+    int dev, major, minor;
+    cudaFuncAttributes attr;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    if (major != 9 || minor != 0) return 0;
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+}
