@@ -11,12 +11,14 @@
 #   python3 dev/bench_attention.py [build/libsage_bench.so [D:N,...]]
 import ctypes
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import I, P, check, err, median_ms  # noqa: E402
 
 # "sage_fp8"/"sage_fp16" time the mma.sync kernel (sage_forward.cu), "sm90" the wgmma kernel
 # (sage_forward_sm90.cu, FP8 P·V), which sage_forward_cuda otherwise picks on an sm_90 device.
@@ -24,8 +26,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # the wgmma backward (sage_backward_sm90.cu), both on the same forward's out, lse and workspace.
 os.environ["DIT_SAGE_MMA_SYNC"] = "1"
 lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "build/libsage_bench.so")
-P = ctypes.c_void_p
-I = ctypes.c_int
 lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
 lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
 lib.sage_cuda_backward_workspace_size.restype = ctypes.c_size_t
@@ -38,26 +38,6 @@ lib.sage_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, 
 lib.sage_backward_sm90_available.restype = ctypes.c_int
 lib.sage_backward_sm90_cuda.argtypes = lib.sage_backward_cuda.argtypes
 FP8, FP16 = 0, 1
-err = ctypes.create_string_buffer(512)
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: {err.value.decode()}")
-
-
-def median_ms(fn, iters, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main():

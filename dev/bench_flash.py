@@ -12,16 +12,14 @@
 #   python3 dev/bench_flash.py build/libflash_bench.so [build/libflash_other.so ...]
 import ctypes
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-P = ctypes.c_void_p
-I = ctypes.c_int
-err = ctypes.create_string_buffer(512)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import I, P, check, err, median_ms  # noqa: E402
 
 
 def load(path):
@@ -31,25 +29,6 @@ def load(path):
     lib.flash_cuda_backward_workspace_size.argtypes = [I, I, I, I]
     lib.flash_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
     return lib
-
-
-def check(rc, what):
-    if rc != 0:
-        raise RuntimeError(f"{what}: {err.value.decode()}")
-
-
-def median_ms(fn, iters, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def cos(x, y):
