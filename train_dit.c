@@ -379,21 +379,13 @@ static float step_gradients(Trainer *tr, const float *x0, const float *noise, co
     return loss;
 }
 
-// EMA decay with warmup, min(decay, (1 + step)/(10 + step)): early in training the average
-// forgets the initial weights quickly (with a fixed 0.999, 22% of DiT's zero-initialized output
-// layers would still be in the EMA after 1500 steps, and its samples are noise).
-static float ema_decay_at(const TrainArgs *a, int step) {
-    float warm = (1.0f + step) / (10.0f + step);
-    return warm < a->ema_decay ? warm : a->ema_decay;
-}
-
 // Clip by the global gradient norm, AdamW, EMA. Returns the norm (before clipping).
 static float step_update(Trainer *tr, const TrainArgs *a, float lr, int step) {
 #ifdef DIT_CUDA
     if (tr->on_gpu) {
         char err[DIT_ERR_LEN];
         float grad_norm;
-        if (dit_gpu_update(&tr->gpu, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay_at(a, step), step, err) ||
+        if (dit_gpu_update(&tr->gpu, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay_warmup(a->ema_decay, step), step, err) ||
             dit_gpu_read_scalars(&tr->gpu, NULL, &grad_norm, err))
             die(err);
         return grad_norm;
@@ -402,7 +394,7 @@ static float step_update(Trainer *tr, const TrainArgs *a, float lr, int step) {
     Dit *m = &tr->cpu;
     float grad_norm = global_norm(m->grads_memory, m->num_params);
     dit_adamw_step(m, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, clip_grad_scale(grad_norm, a->grad_clip), step);
-    ema_update(m->ema_memory, m->params_memory, m->num_params, ema_decay_at(a, step));
+    ema_update(m->ema_memory, m->params_memory, m->num_params, ema_decay_warmup(a->ema_decay, step));
     return grad_norm;
 }
 

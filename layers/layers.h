@@ -127,6 +127,10 @@ void adamw_update(float *params, const float *grads, float *m, float *v, size_t 
                   float lr, float beta1, float beta2, float eps, float weight_decay,
                   float grad_scale, int step);
 // EMA of weights: ema = decay·ema + (1 - decay)·params.
+// The decay of step `step` (from 1) with warmup: min(decay, (1 + step)/(10 + step)), so that early
+// in training the average forgets the initial weights quickly (with a fixed 0.999, 22% of DiT's
+// zero-initialized output layers would still be in the EMA after 1500 steps: noise samples).
+float ema_decay_warmup(float decay, int step);
 void ema_update(float *ema, const float *params, size_t n, float decay);
 
 #ifdef __cplusplus

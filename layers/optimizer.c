@@ -28,6 +28,11 @@ void adamw_update(float *params, const float *grads, float *m, float *v, size_t 
     }
 }
 
+float ema_decay_warmup(float decay, int step) {
+    float warm = (1.0f + step) / (10.0f + step);
+    return warm < decay ? warm : decay;
+}
+
 void ema_update(float *ema, const float *params, size_t n, float decay) {
     for (size_t i = 0; i < n; i++) ema[i] = decay * ema[i] + (1.0f - decay) * params[i];
 }

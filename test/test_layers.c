@@ -879,6 +879,24 @@ Test(optim, ema_update) {
     free(ema); free(params); free(ref);
 }
 
+// EMA warmup: (1 + step)/(10 + step) early, then the configured decay (values by hand); after
+// 1500 steps of warmup-0.999 the initial weights keep a weight of Π decay_s that is tiny, while a
+// fixed 0.999 keeps 0.999^1500 = 0.22 of them.
+Test(optim, ema_decay_warmup) {
+    cr_expect_float_eq(ema_decay_warmup(0.999f, 1), 2.0f / 11.0f, 1e-7f);
+    cr_expect_float_eq(ema_decay_warmup(0.999f, 90), 91.0f / 100.0f, 1e-7f);
+    cr_expect_float_eq(ema_decay_warmup(0.999f, 8991), 0.999f, 1e-7f);   // 8992/9001 > 0.999
+    cr_expect_float_eq(ema_decay_warmup(0.5f, 1), 2.0f / 11.0f, 1e-7f);  // warmup below the decay
+    cr_expect_float_eq(ema_decay_warmup(0.5f, 100), 0.5f, 1e-7f);
+    double keep_warm = 1.0, keep_fixed = 1.0;
+    for (int step = 1; step <= 1500; step++) {
+        keep_warm *= ema_decay_warmup(0.999f, step);
+        keep_fixed *= 0.999;
+    }
+    cr_expect(keep_warm < 1e-3 && keep_fixed > 0.2, "initial weights kept: warmup %.3g, fixed %.3g",
+              keep_warm, keep_fixed);
+}
+
 Test(optim, global_norm) {
     Rng rng; rng_seed(&rng, 23);
     size_t n = 1000;
