@@ -11,6 +11,7 @@
 // The checked entry points (0 / -1 and a message, layers/common.h) are the CUDA versions
 // (sage_cuda.h, flash_cuda.h), the data loader, the safetensors reader and the checkpoints.
 #pragma once
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -55,8 +56,12 @@ typedef struct {
     int q_block;   // tokens per Q scale (default 64)
     int k_block;   // tokens per K scale, and the key-block size of the online softmax (default 64)
     SagePV pv;     // precision of P·V
+    int rotate;    // 1: q and k are first multiplied by the normalized Walsh-Hadamard matrix H
+                   // (hadamard_rotate; S = (qH)(kH)ᵀ is unchanged in exact arithmetic, and outlier
+                   // channels are spread over all channels before INT8 quantization); the backward
+                   // rotates dq and dk back. D a power of two. CPU definition only so far (default 0).
 } SageConfig;
-#define SAGE_CONFIG_DEFAULT ((SageConfig){64, 64, SAGE_PV_FP8})
+#define SAGE_CONFIG_DEFAULT ((SageConfig){64, 64, SAGE_PV_FP8, 0})
 
 // Quantized Q and K of one call, as the forward and backward see them.
 // q8, k8: (B, H, N, D) int8; q_scale: (B, H, ceil(N/q_block)); k_scale: (B, H, ceil(N/k_block));
@@ -115,6 +120,10 @@ void sage_backward_quantized(float *dq, float *dk, float *dv,
                              const int8_t *q8, const float *q_scale,
                              const int8_t *k8, const float *k_scale, const float *k_mean,
                              int B, int H, int nq, int nk, int D, SageConfig cfg);
+
+// x (rows, D) in place: each row times the normalized Walsh-Hadamard matrix H (symmetric,
+// orthogonal, so applying it twice gives x back). D a power of two.
+void hadamard_rotate(float *x, size_t rows, int D);
 
 // Rounding helpers of the definition (also used by tests).
 float round_to_e4m3(float x);   // nearest-even, saturating at ±448

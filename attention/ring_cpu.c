@@ -193,6 +193,10 @@ done:
 
 static int check_sage_shape(const SpComm *comm, int N, SageConfig cfg, const char *fn, char *err) {
     if (check_ring_shape(comm, N, fn, err) != 0) return -1;
+    if (cfg.rotate) {
+        dit_set_error(err, "%s: SageConfig.rotate is not supported by the ring yet", fn);
+        return -1;
+    }
     int n = N / comm->ranks;
     if (cfg.q_block < 1 || cfg.k_block < 1 || n % cfg.q_block != 0 || n % cfg.k_block != 0) {
         dit_set_error(err, "%s: shard length N/R=%d must be a multiple of q_block=%d and k_block=%d "

@@ -40,6 +40,21 @@ float round_to_fp16(float x) {
     return copysignf(r, x);
 }
 
+void hadamard_rotate(float *x, size_t rows, int D) {
+    float norm = 1.0f / sqrtf((float)D);
+    for (size_t r = 0; r < rows; r++) {
+        float *v = x + r * D;
+        for (int h = 1; h < D; h *= 2)   // fast Walsh-Hadamard transform: log2(D) butterfly stages
+            for (int i = 0; i < D; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    float a = v[j], b = v[j + h];
+                    v[j] = a + b;
+                    v[j + h] = a - b;
+                }
+        for (int j = 0; j < D; j++) v[j] *= norm;
+    }
+}
+
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // The API has no error return: when scratch cannot be allocated, say so on stderr and make
@@ -252,11 +267,13 @@ typedef struct {
     SageQK qk;
     float *v_q;       // (B, H, N, D): e4m3(v/v_scale) for FP8, fp16(v) for FP16
     float *v_scale;   // (B, H, D): max_n|v|/448 (FP8 only)
+    float *q_rot, *k_rot, *dq_rot, *dk_rot;   // cfg.rotate: qH, kH and their gradients, (B, H, N, D)
 } SageScratch;
 
 static void scratch_free(SageScratch *s) {
     free(s->qk.q8); free(s->qk.k8); free(s->qk.q_scale); free(s->qk.k_scale); free(s->qk.k_mean);
     free(s->v_q); free(s->v_scale);
+    free(s->q_rot); free(s->k_rot); free(s->dq_rot); free(s->dk_rot);
 }
 
 // Returns 0, or -1 when malloc fails (then nothing stays allocated).
@@ -274,9 +291,29 @@ static int scratch_alloc(SageScratch *s, int B, int H, int N, int D, SageConfig 
         s->v_scale = malloc((size_t)B * H * D * sizeof(float));
         ok = ok && s->v_q && s->v_scale;
     }
+    if (cfg.rotate) {
+        s->q_rot = malloc(n_qkv * sizeof(float));
+        s->k_rot = malloc(n_qkv * sizeof(float));
+        ok = ok && s->q_rot && s->k_rot;
+        if (!forward) {
+            s->dq_rot = calloc(n_qkv, sizeof(float));
+            s->dk_rot = calloc(n_qkv, sizeof(float));
+            ok = ok && s->dq_rot && s->dk_rot;
+        }
+    }
     if (ok) return 0;
     scratch_free(s);
     return -1;
+}
+
+// cfg.rotate: points *q, *k at rotated copies qH, kH in the scratch.
+static void rotate_qk(SageScratch *s, const float **q, const float **k, size_t rows, int D) {
+    memcpy(s->q_rot, *q, rows * D * sizeof(float));
+    memcpy(s->k_rot, *k, rows * D * sizeof(float));
+    hadamard_rotate(s->q_rot, rows, D);
+    hadamard_rotate(s->k_rot, rows, D);
+    *q = s->q_rot;
+    *k = s->k_rot;
 }
 
 // q, k, v, out: (B, H, N, D); lse: (B, H, N). Steps 1-2 (sage_quantize_qk; v_scale and V
@@ -290,6 +327,7 @@ void sage_forward(float *out, float *lse,
                       NULL, 0, B, H, N, D);
         return;
     }
+    if (cfg.rotate) rotate_qk(&s, &q, &k, (size_t)B * H * N, D);
     sage_quantize_qk(&s.qk, q, k, B, H, N, D, cfg);
     if (cfg.pv == SAGE_PV_FP8) sage_v_scale(s.v_scale, v, B, H, N, D);
     sage_quantize_v(s.v_q, v, s.v_scale, B, H, N, D, cfg.pv);
@@ -310,9 +348,19 @@ void sage_backward(float *dq, float *dk, float *dv,
         fail_with_nan("sage_backward", dq, n, dk, n, dv, n, B, H, N, D);
         return;
     }
+    size_t rows = (size_t)B * H * N;
+    if (cfg.rotate) rotate_qk(&s, &q, &k, rows, D);
     sage_quantize_qk(&s.qk, q, k, B, H, N, D, cfg);
-    sage_backward_quantized(dq, dk, dv, dout, q, k, v, out, lse,
+    sage_backward_quantized(cfg.rotate ? s.dq_rot : dq, cfg.rotate ? s.dk_rot : dk, dv, dout, q, k, v, out, lse,
                             s.qk.q8, s.qk.q_scale, s.qk.k8, s.qk.k_scale, s.qk.k_mean,
                             B, H, N, N, D, cfg);
+    if (cfg.rotate) {   // the gradients of q = q'Hᵀ, k = k'Hᵀ: dq = dq'H, dk = dk'H (H = Hᵀ)
+        hadamard_rotate(s.dq_rot, rows, D);
+        hadamard_rotate(s.dk_rot, rows, D);
+        for (size_t i = 0; i < rows * D; i++) {
+            dq[i] += s.dq_rot[i];
+            dk[i] += s.dk_rot[i];
+        }
+    }
     scratch_free(&s);
 }
