@@ -628,6 +628,53 @@ typedef struct {
     float *out[2], *grads[2], loss[2];   // [0]: step 1, [1]: the last step
 } ParityDump;
 
+static void parity_begin(ParityDump *p, const Dit *m, int steps, int batch, size_t n_batch) {
+    size_t S = steps, P = m->num_params;
+    p->init_params = malloc(P * sizeof(float));
+    for (int k = 0; k < 2; k++) {
+        p->grads[k] = malloc(P * sizeof(float));
+        p->out[k] = malloc(n_batch * sizeof(float));
+        if (!p->grads[k] || !p->out[k]) die("--dump-parity: out of memory");
+    }
+    p->x0 = malloc(S * n_batch * sizeof(float));
+    p->noise = malloc(S * n_batch * sizeof(float));
+    p->t = malloc(S * batch * sizeof(float));
+    p->labels = malloc(S * batch * sizeof(int));
+    p->losses = malloc(S * sizeof(float));
+    p->grad_norms = malloc(S * sizeof(float));
+    p->lrs = malloc(S * sizeof(float));
+    if (!p->init_params || !p->x0 || !p->noise || !p->t || !p->labels || !p->losses || !p->grad_norms || !p->lrs)
+        die("--dump-parity: out of memory (use fewer steps)");
+    memcpy(p->init_params, m->params_memory, P * sizeof(float));
+}
+
+// After the step's update: its inputs, loss, gradient norm and learning rate; at the first and
+// the last step also the model output and the gradients (the update leaves both in place).
+static void parity_record(ParityDump *p, Trainer *tr, const TrainArgs *a, int step, const float *x0,
+                          const float *noise, const float *t, const int *labels, float loss, float grad_norm,
+                          float lr) {
+    const DitConfig *c = &tr->cpu.cfg;
+    size_t s = step - 1, n_batch = (size_t)a->batch * c->channels * c->image_size * c->image_size;
+    memcpy(p->x0 + s * n_batch, x0, n_batch * sizeof(float));
+    memcpy(p->noise + s * n_batch, noise, n_batch * sizeof(float));
+    memcpy(p->t + s * a->batch, t, a->batch * sizeof(float));
+    memcpy(p->labels + s * a->batch, labels, a->batch * sizeof(int));
+    p->losses[s] = loss;
+    p->grad_norms[s] = grad_norm;
+    p->lrs[s] = lr;
+    if (step == 1 || step == a->steps) {
+        int k = step == 1 ? 0 : 1;
+        trainer_read_output_grads(tr, p->out[k], p->grads[k], a->batch);
+        p->loss[k] = loss;
+    }
+}
+
+static void parity_free(ParityDump *p) {
+    free(p->init_params); free(p->x0); free(p->noise); free(p->t); free(p->labels);
+    free(p->out[0]); free(p->out[1]); free(p->grads[0]); free(p->grads[1]);
+    free(p->losses); free(p->grad_norms); free(p->lrs);
+}
+
 static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
     const DitConfig *c = &m->cfg;
     int n = dit_num_tensors(c);
@@ -779,26 +826,7 @@ int main(int argc, char **argv) {
     int *labels = batch_alloc(&tr, B * sizeof(int));
 
     ParityDump parity = {0};
-    if (a->dump_parity) {
-        size_t S = a->steps, P = model->num_params;
-        parity.init_params = malloc(P * sizeof(float));
-        for (int k = 0; k < 2; k++) {
-            parity.grads[k] = malloc(P * sizeof(float));
-            parity.out[k] = malloc(n_batch * sizeof(float));
-            if (!parity.grads[k] || !parity.out[k]) die("--dump-parity: out of memory");
-        }
-        parity.x0 = malloc(S * n_batch * sizeof(float));
-        parity.noise = malloc(S * n_batch * sizeof(float));
-        parity.t = malloc(S * a->batch * sizeof(float));
-        parity.labels = malloc(S * a->batch * sizeof(int));
-        parity.losses = malloc(S * sizeof(float));
-        parity.grad_norms = malloc(S * sizeof(float));
-        parity.lrs = malloc(S * sizeof(float));
-        if (!parity.init_params || !parity.x0 || !parity.noise || !parity.t || !parity.labels ||
-            !parity.losses || !parity.grad_norms || !parity.lrs)
-            die("--dump-parity: out of memory (use fewer steps)");
-        memcpy(parity.init_params, model->params_memory, P * sizeof(float));
-    }
+    if (a->dump_parity) parity_begin(&parity, model, a->steps, a->batch, n_batch);
 
     char log_path[1024];
     snprintf(log_path, sizeof(log_path), "%s/train_log.csv", a->out);
@@ -823,11 +851,6 @@ int main(int argc, char **argv) {
 
         // 3. forward, loss, backward (several ranks: then the mean gradients and loss over the ranks)
         float loss = step_gradients(&tr, x0, noise, t, labels, B);
-        if (a->dump_parity && (step == 1 || step == a->steps)) {
-            int k = step == 1 ? 0 : 1;
-            trainer_read_output_grads(&tr, parity.out[k], parity.grads[k], B);
-            parity.loss[k] = loss;
-        }
 
         // 4. clip by the global gradient norm, AdamW, EMA
         float lr = learning_rate(a, step);
@@ -836,16 +859,7 @@ int main(int argc, char **argv) {
             dit_set_error(err, "step %d: loss %g, grad norm %g: training diverged", step, loss, grad_norm);
             die(err);
         }
-        if (a->dump_parity) {
-            size_t s = step - 1;
-            memcpy(parity.x0 + s * n_batch, x0, n_batch * sizeof(float));
-            memcpy(parity.noise + s * n_batch, noise, n_batch * sizeof(float));
-            memcpy(parity.t + s * a->batch, t, a->batch * sizeof(float));
-            memcpy(parity.labels + s * a->batch, labels, a->batch * sizeof(int));
-            parity.losses[s] = loss;
-            parity.grad_norms[s] = grad_norm;
-            parity.lrs[s] = lr;
-        }
+        if (a->dump_parity) parity_record(&parity, &tr, a, step, x0, noise, t, labels, loss, grad_norm, lr);
 
         // 5. log, checkpoint, samples (rank 0; the checkpoint gathers every rank's data position)
         double ms = 1e3 * (now_seconds() - t0);
@@ -870,9 +884,6 @@ int main(int argc, char **argv) {
     dataloader_close(dl);
     batch_free(&tr, x0); batch_free(&tr, noise); batch_free(&tr, t); batch_free(&tr, labels);
     trainer_free(&tr);
-    free(parity.init_params); free(parity.x0); free(parity.noise); free(parity.t); free(parity.labels);
-    free(parity.out[0]); free(parity.out[1]); free(parity.grads[0]); free(parity.grads[1]);
-    free(parity.losses); free(parity.grad_norms);
-    free(parity.lrs);
+    parity_free(&parity);
     return 0;
 }
