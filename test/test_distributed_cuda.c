@@ -34,6 +34,7 @@
 #include "model/dit.h"
 #include "model/dit_gpu.h"
 #include "test/compare.h"
+#include "test/model_test.h"
 
 #ifndef DIT_NCCL
 Test(data_parallel, needs_nccl) { cr_skip_test("this build has no NCCL (nccl.h not found)"); }
@@ -72,26 +73,6 @@ static int gpu_count_in_child(void) {
 #define REQUIRE_2_GPUS() do {                                                                  \
         if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");                   \
     } while (0)
-
-static float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
-
-// Every tensor random (weights N(0, 1/fan_in), vectors N(0, 0.1²)), rounded to bf16: every
-// gradient is nonzero (DiT's zero init would make most of them exactly zero).
-static void randomize_params(Dit *m, uint64_t seed) {
-    int n = dit_num_tensors(&m->cfg);
-    DitTensorInfo *info = malloc(n * sizeof(DitTensorInfo));
-    dit_tensor_infos(&m->cfg, info);
-    Rng rng;
-    rng_seed(&rng, seed);
-    for (int i = 0; i < n; i++) {
-        float *p = m->params_memory + info[i].offset;
-        float std = info[i].ndim >= 2 ? 1.0f / sqrtf((float)(info[i].numel / info[i].shape[0])) : 0.1f;
-        rng_fill_normal(&rng, p, info[i].numel, std);
-        for (size_t j = 0; j < info[i].numel; j++) p[j] = bf16_round(p[j]);
-    }
-    memcpy(m->ema_memory, m->params_memory, m->num_params * sizeof(float));
-    free(info);
-}
 
 // The full batch (x0, noise, t, labels) from a fixed seed; rank r takes images r·B/2 .. .
 typedef struct { float x0[FULL_BATCH * 1200], noise[FULL_BATCH * 1200], t[FULL_BATCH]; int labels[FULL_BATCH]; } FullBatch;

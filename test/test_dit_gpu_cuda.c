@@ -30,6 +30,7 @@
 #include "model/dit_gpu.h"
 #include "model/sample.h"
 #include "test/compare.h"
+#include "test/model_test.h"
 
 #define TOL_OUT 1.5e-2
 #define TOL_LOSS 2e-3
@@ -47,26 +48,6 @@
 // 20×20 images, patch 2: 100 tokens (a partial 64-token attention block), head dim 64.
 static const DitConfig small_config = {.image_size = 20, .channels = 3, .patch = 2, .hidden = 128,
                                        .depth = 2, .heads = 2, .num_classes = 5};
-
-static float bf16_round(float x) { return float_from_bf16_bits(bf16_bits_from_float(x)); }
-
-// Every tensor random: weights N(0, 1/fan_in), vectors N(0, 0.1²); rounded to bf16; EMA = weights.
-static void randomize_params(Dit *m, uint64_t seed) {
-    int n = dit_num_tensors(&m->cfg);
-    DitTensorInfo *info = malloc(n * sizeof(DitTensorInfo));
-    cr_assert(info);
-    dit_tensor_infos(&m->cfg, info);
-    Rng rng;
-    rng_seed(&rng, seed);
-    for (int i = 0; i < n; i++) {
-        float *p = m->params_memory + info[i].offset;
-        float std = info[i].ndim >= 2 ? 1.0f / sqrtf((float)(info[i].numel / info[i].shape[0])) : 0.1f;
-        rng_fill_normal(&rng, p, info[i].numel, std);
-        for (size_t j = 0; j < info[i].numel; j++) p[j] = bf16_round(p[j]);
-    }
-    memcpy(m->ema_memory, m->params_memory, m->num_params * sizeof(float));
-    free(info);
-}
 
 // A training batch that depends only on (seed, step): x0, noise (B, C, S, S), t, labels.
 typedef struct { float *x0, *noise, *t, *x_t, *v, *dout; int *labels; size_t n; int B; } Batch;
