@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Prepares .devrun/ (binaries) and .devlibs/ (Criterion's runtime libraries) for the GPU machine,
+# which has CUDA and NCCL but no Criterion. Both folders are git-ignored and travel with the `carry`
+# option of the device tool; build/ itself is too big to carry. Then, on the GPU machine:
+#   BIN=.devrun LOGS=$OUT bash dev/gpu_suite.sh [tests|bench|all]
+set -euo pipefail
+make -j2 train_dit build/libditc.so $(ls test/test_*_cuda.c | sed 's#test/\(.*\)\.c#build/\1#')
+NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
+FLAGS="-O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a"
+gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
+[ -z "$(find attention layers -newer build/libsage_bench.so 2>/dev/null)" ] || $NVCC $FLAGS -shared -o build/libsage_bench.so \
+    attention/sage_quant.cu attention/sage_forward.cu attention/sage_forward_sm90.cu \
+    attention/sage_backward.cu attention/sage_backward_sm90.cu build/common_pic.o
+[ -z "$(find attention layers -newer build/libflash_bench.so 2>/dev/null)" ] || $NVCC $FLAGS -shared -o build/libflash_bench.so \
+    attention/flash_forward.cu attention/flash_backward.cu build/common_pic.o
+gcc -O2 -Wall -shared -fPIC -I/usr/local/cuda/include dev/kernel_times.c -o build/libkernel_times.so \
+    -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcupti -lstdc++
+rm -rf .devrun && mkdir -p .devrun .devlibs
+cp train_dit build/test_*_cuda build/libsage_bench.so build/libflash_bench.so build/libkernel_times.so .devrun/
+cp build/libditc.so .devrun/libditc.so
+for b in build/test_*_cuda; do
+    cp -n $(ldd "$b" | awk '/criterion|git2|nanomsg|ffi|http_parser|mbed|ssh|pcre|gomp|krb5|k5crypto|com_err|keyutils|gssapi|crypto|libz/{print $3}') .devlibs/ 2>/dev/null || true
+done
+du -sh .devrun .devlibs

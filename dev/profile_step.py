@@ -1,0 +1,116 @@
+"""Where the time of one training step goes, for train_dit and for the PyTorch reference, on the
+same GPU: GPU kernel time per step split into attention, GEMMs (cuBLAS/cuBLASLt/nvjet/cutlass)
+and the rest (elementwise, norms, reductions, optimizer, copies).
+
+    python3 dev/profile_step.py [--configs c] [--steps 10]
+
+train_dit runs with dev/kernel_times.c preloaded (CUPTI activity records: every kernel's GPU
+time by name; build/libkernel_times.so, built by dev/devrun_prepare.sh); PyTorch runs under
+torch.profiler for `steps` steps after warm-up. Both: sum of kernel durations / steps (kernels
+only: gaps between kernels are the step time minus this sum).
+"""
+import argparse
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_step import CONFIGS, REPO  # noqa: E402
+from dit_ref import DiTConfig, make_model, flow_matching_loss  # noqa: E402
+
+
+def category(name):
+    n = name.lower()
+    if any(s in n for s in ("sage", "flash", "attention", "fmha", "sdpa", "cudnn", "ring_merge")):
+        return "attention"
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
+        return "gemm"
+    return "rest"
+
+
+def summarize(kernels, steps, label):
+    """kernels: {name: total_ns}. Prints the split and the top kernels, per step."""
+    by_cat = defaultdict(float)
+    for name, ns in kernels.items():
+        by_cat[category(name)] += ns
+    total = sum(by_cat.values())
+    print(f"\n## {label}: GPU kernel time per step {total / steps / 1e6:.1f} ms")
+    for c in ("attention", "gemm", "rest"):
+        print(f"  {c:9s} {by_cat[c] / steps / 1e6:8.2f} ms  ({100 * by_cat[c] / max(total, 1):.0f}%)")
+    print("  top kernels (ms/step, category, name):")
+    for name, ns in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"    {ns / steps / 1e6:8.3f}  {category(name):9s} {name[:110]}")
+
+
+def profile_train_dit(name, attn, steps, lib):
+    size, patch, hidden, depth, heads, batch = CONFIGS[name]
+    cmd = [os.path.join(REPO, "train_dit"), "--device", "gpu", "--data", "synthetic", "--attn", attn,
+           "--image-size", str(size), "--patch", str(patch), "--hidden", str(hidden), "--depth", str(depth),
+           "--heads", str(heads), "--batch", str(batch), "--steps", str(steps + 1), "--ckpt-every", "0",
+           "--sample-every", "0", "--out", "/tmp/profile_step_out"]
+    report = f"/tmp/profile_step_{name}_{attn}.txt"
+    env = dict(os.environ, LD_PRELOAD=lib, KERNEL_TIMES_OUT=report)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode != 0:
+        print(run.stdout[-2000:], run.stderr[-2000:])
+        return
+    kernels = {}
+    for line in open(report):
+        total_ns, _count, kernel = line.rstrip("\n").split(" ", 2)
+        kernels[kernel] = float(total_ns)
+    # steps + 1 steps ran; the first does the same kernels (plus one-time host work), so the mean
+    # over steps + 1 is the per-step kernel time. Sampling is off, so nothing else runs.
+    summarize(kernels, steps + 1, f"train_dit --attn {attn}, config {name}")
+
+
+def profile_pytorch(name, steps, warmup=5):
+    size, patch, hidden, depth, heads, batch = CONFIGS[name]
+    cfg = DiTConfig(image_size=size, channels=1, patch=patch, hidden=hidden, depth=depth, heads=heads,
+                    num_classes=10)
+    torch.manual_seed(0)
+    model = make_model(cfg, device="cuda", dtype=torch.float32, use_sdpa=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    x0 = torch.randn(batch, 1, size, size, device="cuda")
+    noise, t = torch.randn_like(x0), torch.rand(batch, device="cuda")
+    y = torch.randint(0, 10, (batch,), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = flow_matching_loss(model, x0, t, y, noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name] += ev.time_range.elapsed_us() * 1e3  # us -> ns
+    summarize(kernels, steps, f"PyTorch eager (bf16 autocast, SDPA), config {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="c")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lib", default=os.path.join(REPO, "build", "libkernel_times.so"))
+    args = ap.parse_args()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name in args.configs.split(","):
+        for attn in ("sage", "bf16"):
+            profile_train_dit(name, attn, args.steps, os.path.abspath(args.lib))
+        profile_pytorch(name, args.steps)
+
+
+if __name__ == "__main__":
+    main()
