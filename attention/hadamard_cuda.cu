@@ -1,0 +1,106 @@
+// The Hadamard rotation of rows of D values (attention/hadamard_cuda.h): a fast Walsh-Hadamard
+// transform in registers, one warp per row. Lane l holds the E = D/32 contiguous values
+// l·E .. l·E + E - 1. Butterfly stage h pairs positions j and j + h (bit h of j clear):
+//   v[j] = a + b,  v[j + h] = a - b   (a = v[j], b = v[j + h])
+// For h < E both are in the same lane; for h >= E they are in lanes l and l ^ (h/E), and the
+// lane with that bit set holds v[j + h]. Then every value is multiplied by 1/sqrt(D).
+#include <cuda_bf16.h>
+#include "attention/hadamard_cuda.h"
+#include "layers/common.h"
+#include "layers/cuda_args.h"
+#include "layers/cuda_check.h"
+
+#define ROWS_PER_BLOCK 8   // one warp per row
+
+template <int E>
+__device__ __forceinline__ void walsh_hadamard(float (&v)[E], float norm) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int h = 1; h < E; h *= 2)
+#pragma unroll
+        for (int j = 0; j < E; j++)
+            if (!(j & h)) {
+                float a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+#pragma unroll
+    for (int h = E; h < 32 * E; h *= 2) {
+        const int partner_bit = h / E;
+        const bool high = lane & partner_bit;   // this lane holds the v[j + h] of the pairs
+#pragma unroll
+        for (int j = 0; j < E; j++) {
+            float other = __shfl_xor_sync(0xffffffffu, v[j], partner_bit);
+            v[j] = high ? other - v[j] : v[j] + other;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < E; j++) v[j] *= norm;
+}
+
+template <int E>
+__global__ void hadamard_bf16_kernel(__nv_bfloat16 *x, size_t rows, float norm) {
+    size_t row = (size_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
+    if (row >= rows) return;
+    __nv_bfloat16 *p = x + row * (32 * E) + (threadIdx.x % 32) * E;
+    float v[E];
+#pragma unroll
+    for (int j = 0; j < E; j++) v[j] = __bfloat162float(p[j]);
+    walsh_hadamard<E>(v, norm);
+#pragma unroll
+    for (int j = 0; j < E; j++) p[j] = __float2bfloat16_rn(v[j]);
+}
+
+template <int E>
+__global__ void hadamard_f32_kernel(float *x, size_t rows, float norm) {
+    size_t row = (size_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
+    if (row >= rows) return;
+    float *p = x + row * (32 * E) + (threadIdx.x % 32) * E;
+    float v[E];
+#pragma unroll
+    for (int j = 0; j < E; j++) v[j] = p[j];
+    walsh_hadamard<E>(v, norm);
+#pragma unroll
+    for (int j = 0; j < E; j++) p[j] = v[j];
+}
+
+// Checks shared by both entry points; blocks = number of thread blocks.
+static int check_rotate_args(const char *fn, const void *x, size_t rows, int D, unsigned *blocks, char *err) {
+    if (D != 32 && D != 64 && D != 128) {
+        dit_set_error(err, "%s: D=%d: head dim must be 32, 64 or 128", fn, D);
+        return -1;
+    }
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(x, 16));
+    size_t n_blocks = (rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+    if (n_blocks > 2147483647u) {
+        dit_set_error(err, "%s: rows=%zu: more than 2^31 - 1 blocks of %d rows", fn, rows, ROWS_PER_BLOCK);
+        return -1;
+    }
+    *blocks = (unsigned)n_blocks;
+    return 0;
+}
+
+extern "C" int hadamard_rotate_bf16_cuda(uint16_t *x, size_t rows, int D, cudaStream_t stream, char *err) {
+    unsigned blocks;
+    if (check_rotate_args("hadamard_rotate_bf16_cuda", x, rows, D, &blocks, err)) return -1;
+    if (rows == 0) return 0;
+    float norm = 1.0f / sqrtf((float)D);   // as the CPU's hadamard_rotate
+    __nv_bfloat16 *xb = (__nv_bfloat16 *)x;
+    if (D == 128) hadamard_bf16_kernel<4><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(xb, rows, norm);
+    else if (D == 64) hadamard_bf16_kernel<2><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(xb, rows, norm);
+    else hadamard_bf16_kernel<1><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(xb, rows, norm);
+    LAUNCH_CHECK(err, "hadamard_bf16_kernel", "rows=%zu D=%d", rows, D);
+    return 0;
+}
+
+extern "C" int hadamard_rotate_f32_cuda(float *x, size_t rows, int D, cudaStream_t stream, char *err) {
+    unsigned blocks;
+    if (check_rotate_args("hadamard_rotate_f32_cuda", x, rows, D, &blocks, err)) return -1;
+    if (rows == 0) return 0;
+    float norm = 1.0f / sqrtf((float)D);
+    if (D == 128) hadamard_f32_kernel<4><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(x, rows, norm);
+    else if (D == 64) hadamard_f32_kernel<2><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(x, rows, norm);
+    else hadamard_f32_kernel<1><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(x, rows, norm);
+    LAUNCH_CHECK(err, "hadamard_f32_kernel", "rows=%zu D=%d", rows, D);
+    return 0;
+}
