@@ -20,9 +20,17 @@
 extern "C" {
 #endif
 
-// out = softmax(q·kᵀ/sqrt(D))·v (bf16), lse (fp32, base 2).
+// out = softmax(q·kᵀ/sqrt(D))·v (bf16), lse (fp32, base 2). On Hopper it runs the wgmma kernel
+// below (DIT_FLASH_MMA_SYNC=1 in the environment keeps the mma.sync kernel, flash_forward.cu).
 int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
                        const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err);
+
+// The Hopper forward (attention/flash_forward_sm90.cu): the same math with wgmma fed by TMA
+// (B·H·N < 2^31). Available (1) on a compute capability 9.0 device when the build has sm_90a
+// machine code; flash_forward_sm90_cuda returns -1 otherwise.
+int flash_forward_sm90_available(void);
+int flash_forward_sm90_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                            const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err);
 
 // Bytes of the backward workspace (delta = rowsum(dout∘out), (B,H,N) fp32).
 size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D);

@@ -7,6 +7,8 @@
 //   O = O·alpha + bf16(P)·V   the S accumulators are the A fragments of the P·V mma
 // Keys >= N (the last block's tail, zero-filled) get S = -inf. Finally out = O/l and
 // lse = m + log2(l).
+#include <limits.h>
+#include <stdlib.h>
 #include "attention/flash_cuda.h"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
@@ -168,6 +170,9 @@ extern "C" int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, 
     }
     CHECK_DEVICE_ARGS("flash_forward_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(q, 16),
                       DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
+    // Hopper: the wgmma kernel (flash_forward_sm90.cu); DIT_FLASH_MMA_SYNC=1 keeps this one.
+    if (!getenv("DIT_FLASH_MMA_SYNC") && (long long)B * H * N <= INT_MAX && flash_forward_sm90_available())
+        return flash_forward_sm90_cuda(out, lse, q, k, v, B, H, N, D, stream, err);
     if (D == 64) return launch_forward<64>(out, lse, q, k, v, B * H, N, stream, err);
     return launch_forward<128>(out, lse, q, k, v, B * H, N, stream, err);
 }

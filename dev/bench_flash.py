@@ -8,7 +8,8 @@
 #   gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
 #   nvcc -O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 \
 #        -gencode=arch=compute_90a,code=sm_90a -shared -o build/libflash_bench.so \
-#        attention/flash_forward.cu attention/flash_backward.cu build/common_pic.o
+#        attention/flash_forward.cu attention/flash_forward_sm90.cu attention/flash_backward.cu \
+#        build/common_pic.o
 #   python3 dev/bench_flash.py build/libflash_bench.so [build/libflash_other.so ...]
 import ctypes
 import os

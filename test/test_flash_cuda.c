@@ -92,7 +92,8 @@ static void check_case(int B, int H, int N, int D, float q_gain, uint64_t seed) 
         double d = fabs((double)lse[i] - ref_lse[i]);
         lse_err = isnan(d) ? INFINITY : fmax(lse_err, d);
     }
-    printf("flash B%d H%d N%d D%d q_gain %g: out rel L2 %.3e cos %.7f, lse max diff %.2e", B, H, N, D, q_gain,
+    printf("flash (%s forward) B%d H%d N%d D%d q_gain %g: out rel L2 %.3e cos %.7f, lse max diff %.2e",
+           !getenv("DIT_FLASH_MMA_SYNC") && flash_forward_sm90_available() ? "sm90" : "mma.sync", B, H, N, D, q_gain,
            rel, cosv, lse_err);
     cr_expect(rel < OUT_REL_TOL, "out rel L2 %g >= %g", rel, OUT_REL_TOL);
     cr_expect(cosv >= OUT_MIN_COS, "out cosine %f < %g", cosv, OUT_MIN_COS);
@@ -141,6 +142,16 @@ Test(flash_cuda, long_sequence, .timeout = 300) {
     SKIP_WITHOUT_GPU();
     check_case(1, 1, 2048, 128, 1.0f, 10);
     check_case(1, 1, 2100, 64, 1.0f, 11);
+}
+
+// On Hopper flash_forward_cuda runs the wgmma kernel (flash_forward_sm90.cu); the mma.sync
+// kernel, which other GPUs run, must pass the same checks there too.
+Test(flash_cuda, mma_sync_forward_too, .timeout = 120) {
+    SKIP_WITHOUT_GPU();
+    setenv("DIT_FLASH_MMA_SYNC", "1", 1);
+    check_case(2, 1, 333, 128, 1.0f, 3);
+    check_case(1, 3, 77, 64, 1.0f, 4);
+    check_case(1, 2, 520, 64, 4.0f, 8);
 }
 
 // Argument checks come before any CUDA call: this test runs without a GPU too.
