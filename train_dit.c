@@ -9,6 +9,9 @@
 // the same step on its own share of the batch; between backward and update the gradients and
 // the loss become their means over the ranks (one NCCL all-reduce), so every rank applies the
 // same update. Rank 0 logs and writes checkpoints and samples.
+// Sequence parallelism (--sp-ulysses U --sp-ring R): groups of U·R ranks share each image, every
+// rank of a group holding T/(U·R) of its tokens (model/dit_gpu.h); the group reads one data
+// stream (its data-parallel rank's) and data parallel runs over the world / (U·R) groups.
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -40,6 +43,7 @@ typedef struct {
     int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
     int skip_bad_images, preview_data, random_flip, save_init;
     int gpus;                                                 // 0: not given
+    int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -85,6 +89,10 @@ static const char *usage_text =
     "  --gpus N              start N processes, one per GPU of this machine (or launch one process per\n"
     "                        GPU with mpirun -np N / srun -n N, without --gpus); --batch is the global\n"
     "                        batch, split evenly; rank r reads its own data stream (seed mixed with r)\n"
+    "  --sp-ulysses U        sequence parallelism: U consecutive GPUs share each image, attention by\n"
+    "                        all-to-all over heads (heads %% U == 0); default 1\n"
+    "  --sp-ring R           ... and R groups of them ring attention (tokens %% (U·R) == 0; sage: T/R a\n"
+    "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
     "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
 
@@ -130,7 +138,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
-                     .dist_timeout = 600.0f};
+                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -162,6 +170,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         else if (!strcmp(f, "--steps")) rc = parse_int(f, v, 1, &a->steps, err);
         else if (!strcmp(f, "--batch")) rc = parse_int(f, v, 1, &a->batch, err);
         else if (!strcmp(f, "--gpus")) rc = parse_int(f, v, 1, &a->gpus, err);
+        else if (!strcmp(f, "--sp-ulysses")) rc = parse_int(f, v, 1, &a->sp_ulysses, err);
+        else if (!strcmp(f, "--sp-ring")) rc = parse_int(f, v, 1, &a->sp_ring, err);
         else if (!strcmp(f, "--dist-timeout")) rc = parse_float(f, v, 1.0f, 1e6f, &a->dist_timeout, err);
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, &a->warmup, err);
         else if (!strcmp(f, "--ckpt-every")) rc = parse_int(f, v, 0, &a->ckpt_every, err);
@@ -209,8 +219,8 @@ static void die(const char *msg) {
     exit(1);
 }
 
-// Several ranks: --gpus against the launcher's environment, and what data parallel supports.
-// One rank (no launcher, no --gpus N > 1): nothing to check.
+// Several ranks: --gpus against the launcher's environment, the sequence-parallel mesh, and what
+// data parallel supports. One rank without sequence parallelism: nothing to check.
 static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *err) {
     if (a->gpus > 1 && env->world_size > 1 && a->gpus != env->world_size) {
         dit_set_error(err, "--gpus %d, but %s started %d ranks (under mpirun or srun, leave --gpus out)", a->gpus,
@@ -218,6 +228,8 @@ static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *
         return -1;
     }
     int world = env->world_size > 1 ? env->world_size : a->gpus > 1 ? a->gpus : 1;
+    DistMesh mesh;
+    if (dist_mesh_make(&mesh, world, 0, a->sp_ulysses, a->sp_ring, err) != 0) return -1;
     if (world == 1) return 0;
 #ifndef DIT_NCCL
     dit_set_error(err, "%d ranks: this build has no NCCL (the Makefile found no nccl.h)", world);
@@ -227,8 +239,9 @@ static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *
         dit_set_error(err, "%d ranks need --device gpu (the CPU trains in one process)", world);
         return -1;
     }
-    if (a->batch % world) {
-        dit_set_error(err, "--batch %d: the global batch must split evenly over %d ranks", a->batch, world);
+    if (a->batch % mesh.dp) {
+        dit_set_error(err, "--batch %d: the global batch must split evenly over %d data-parallel groups (%d ranks / "
+                           "U·R = %d)", a->batch, mesh.dp, world, mesh.sp);
         return -1;
     }
     if (a->dump_parity || a->preview_data) {
@@ -281,6 +294,7 @@ static double now_seconds(void) {
 typedef struct {
     int on_gpu;
     int rank, world;
+    DistMesh mesh;                  // data parallel × sequence parallel (all 1 for one process)
     Dit cpu;
     float *x_t, *v_target, *dout;   // CPU: the batch's model input, target, dLoss/dout
 #ifdef DIT_CUDA
@@ -289,20 +303,31 @@ typedef struct {
 #endif
 } Trainer;
 
-// `batch`: images per step of this rank (the global batch / world). Initial weights come from
-// a->seed on every rank, so all ranks start equal.
-static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a, int batch, char *err) {
+// `batch`: images per step of this rank (the global batch / data-parallel groups). Initial
+// weights come from a->seed on every rank, so all ranks start equal. With sequence parallelism
+// the communicator is split into the mesh's groups here.
+static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a, int batch, const DistMesh *mesh,
+                           void *dist, char *err) {
     memset(tr, 0, sizeof(*tr));
     tr->on_gpu = !strcmp(a->device, "gpu");
-    tr->world = 1;
+    tr->rank = mesh->rank;
+    tr->world = mesh->world;
+    tr->mesh = *mesh;
     // exact attention: fp32 on the CPU, bf16 flash attention on the GPU (--attn bf16)
     DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
     if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : batch, attention, a->seed, err) != 0) die(err);
 #ifdef DIT_CUDA
+    tr->dist = dist;
     if (tr->on_gpu) {
-        if (dit_gpu_create(&tr->gpu, cfg, batch, attention, err) != 0) die(err);
+        DitGpuSeqParallel sp = {.ulysses = mesh->ulysses, .ring = mesh->ring, .ulysses_rank = mesh->ulysses_rank,
+                                .ring_rank = mesh->ring_rank};
+        if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
+            die(err);
+        if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, &sp, err) != 0) die(err);
         return;
     }
+#else
+    (void)dist;
 #endif
     size_t n = (size_t)batch * cfg->channels * cfg->image_size * cfg->image_size;
     tr->x_t = malloc(n * sizeof(float));
@@ -341,14 +366,18 @@ static void trainer_to_host(Trainer *tr) {
 }
 
 #ifdef DIT_CUDA
-// Data parallel: the parameter gradients and the loss become their means over the ranks (one
-// NCCL group of two in-place all-reduces; each rank's loss is the mean over its equal share of
-// the batch, so the mean of the means is the global batch's loss). Waits for it. One process: nothing.
-static int average_over_ranks(Trainer *tr, char *err) {
+// Several ranks: one NCCL group of two in-place all-reduces. The loss becomes the mean over the
+// ranks (each rank's is the mean over its images, the same on every rank of a sequence-parallel
+// group, so this is the global batch's). The gradients are summed over the ranks and scaled by
+// 1/dp: the sum over a sequence-parallel group completes each image's gradient (every rank
+// back-propagated its tokens' share of the global loss), the 1/dp averages the data-parallel
+// groups' images (dp = world without sequence parallelism: the mean). Waits for it.
+static int reduce_over_ranks(Trainer *tr, char *err) {
     if (!tr->dist) return 0;
     float *buffers[2] = {tr->gpu.grads_memory, tr->gpu.acts.loss};
     size_t counts[2] = {tr->gpu.num_params, 1};
-    return dist_all_reduce_mean(tr->dist, buffers, counts, 2, tr->gpu.stream, err);
+    float scales[2] = {1.0f / tr->mesh.dp, 1.0f / tr->mesh.world};
+    return dist_all_reduce_scaled(tr->dist, buffers, counts, scales, 2, tr->gpu.stream, err);
 }
 #endif
 
@@ -365,7 +394,7 @@ static float step_gradients(Trainer *tr, const float *x0, const float *noise, co
         DitGpu *g = &tr->gpu;
         if (dit_gpu_set_flow_batch(g, x0, noise, t, labels, B, err) || dit_gpu_forward(g, &g->weights, B, err) ||
             dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) || dit_gpu_backward(g, B, err) ||
-            average_over_ranks(tr, err) || dit_gpu_read_scalars(g, &loss, NULL, err))
+            reduce_over_ranks(tr, err) || dit_gpu_read_scalars(g, &loss, NULL, err))
             die(err);
         return loss;
     }
@@ -530,8 +559,9 @@ static void write_samples(Trainer *tr, const TrainArgs *a, DataLoader *dl, int s
     char err[DIT_ERR_LEN], path[1024];
     trainer_sample(tr, x, labels, n, a);
     snprintf(path, sizeof(path), "%s/samples_%06d.png", a->out, step);
-    if (write_image_grid_png(path, x, n, m->cfg.channels, m->cfg.image_size, nc, captions, err) != 0) die(err);
-    printf("wrote %s\n", path);
+    if (tr->rank == 0 && write_image_grid_png(path, x, n, m->cfg.channels, m->cfg.image_size, nc, captions, err) != 0)
+        die(err);
+    if (tr->rank == 0) printf("wrote %s\n", path);
     free(x); free(labels); free(captions);
 }
 
@@ -737,8 +767,13 @@ int main(int argc, char **argv) {
         launch_local_ranks(a, argv);
         return 0;
     }
-    // this process is rank `rank` of `world`, with B images of the global batch per step
-    int rank = dist.rank, world = dist.world_size, B = a->batch / world;
+    // this process is rank `rank` of `world`, in data-parallel group mesh.dp_rank (whose data
+    // stream it reads: the same on every rank of a sequence-parallel group), with B images of the
+    // global batch per step
+    int rank = dist.rank, world = dist.world_size;
+    DistMesh mesh;
+    if (dist_mesh_make(&mesh, world, rank, a->sp_ulysses, a->sp_ring, err) != 0) die(err);
+    int B = a->batch / mesh.dp;
     if (world > 1) snprintf(die_prefix, sizeof(die_prefix), "rank %d: ", rank);
 
     // model configuration: a checkpoint's, or the preset with the overrides
@@ -762,7 +797,7 @@ int main(int argc, char **argv) {
             "dataset-fashion-mnist package: sudo apt-get install dataset-fashion-mnist), or pass "
             "--data DIR for your own image folder, or --data synthetic");
     DataLoaderConfig dcfg = {.root = a->data, .image_size = cfg.image_size, .channels = cfg.channels,
-                             .batch_size = B, .seed = dist_rank_seed(a->seed, rank), .random_flip = a->random_flip,
+                             .batch_size = B, .seed = dist_rank_seed(a->seed, mesh.dp_rank), .random_flip = a->random_flip,
                              .skip_bad_images = a->skip_bad_images, .prefetch = 2};
     DataLoader *dl;
     if (dataloader_open(&dl, &dcfg, err) != 0) die(err);
@@ -788,15 +823,14 @@ int main(int argc, char **argv) {
     if (world > 1 && dist_comm_create(&comm, &dist, a->out, a->dist_timeout, err) != 0) die(err);
 #endif
     Trainer tr;
-    trainer_create(&tr, &cfg, a, B, err);
-    tr.rank = rank;
-    tr.world = world;
 #ifdef DIT_CUDA
-    tr.dist = comm;
+    trainer_create(&tr, &cfg, a, B, &mesh, comm, err);
+#else
+    trainer_create(&tr, &cfg, a, B, &mesh, NULL, err);
 #endif
     const Dit *model = &tr.cpu;
     Rng rng;
-    rng_seed(&rng, dist_rank_seed(a->seed, rank) + 1);
+    rng_seed(&rng, dist_rank_seed(a->seed, mesh.dp_rank) + 1);
     int first_step = 1;
     if (a->resume) {
         TrainState state;
@@ -815,8 +849,11 @@ int main(int argc, char **argv) {
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);
         if (world > 1)
-            printf("data parallel: %d ranks (%s), %d images per rank and step, rank r's data stream from "
-                   "seed %" PRIu64 " mixed with r\n", world, dist.launcher, B, a->seed);
+            printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
+                   "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);
+        if (mesh.sp > 1)
+            printf("sequence parallel: Ulysses %d x ring %d, %d of the %d tokens of every image per rank\n",
+                   mesh.ulysses, mesh.ring, dit_tokens(&cfg) / mesh.sp, dit_tokens(&cfg));
         print_memory_plan(&tr);
     }
 
@@ -873,7 +910,8 @@ int main(int argc, char **argv) {
         }
         int last = step == a->steps;
         if (a->ckpt_every && (step % a->ckpt_every == 0 || last)) save_checkpoint(&tr, a, dl, &rng, step);
-        if (rank == 0 && a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&tr, a, dl, step);
+        // (sequence parallel: the ranks of rank 0's group run the sampling's forwards together)
+        if (rank < mesh.sp && a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&tr, a, dl, step);
     }
     if (a->dump_parity) {
         trainer_to_host(&tr);

@@ -134,6 +134,25 @@ uint64_t dist_rank_seed(uint64_t seed, int rank) {
     return seed ^ (z ^ (z >> 31));
 }
 
+int dist_mesh_make(DistMesh *mesh, int world, int rank, int ulysses, int ring, char *err) {
+    if (ulysses < 1 || ring < 1 || world < 1 || rank < 0 || rank >= world) {
+        dit_set_error(err, "dist_mesh_make: need --sp-ulysses and --sp-ring >= 1 and 0 <= rank < world "
+                           "(got U=%d R=%d, rank %d of %d)", ulysses, ring, rank, world);
+        return -1;
+    }
+    int sp = ulysses * ring;
+    if (world % sp) {
+        dit_set_error(err, "%d GPUs do not split into sequence-parallel groups of --sp-ulysses %d x --sp-ring %d "
+                           "= %d GPUs (the world size must be a multiple of U·R)", world, ulysses, ring, sp);
+        return -1;
+    }
+    int sp_rank = rank % sp;
+    *mesh = (DistMesh){.world = world, .ulysses = ulysses, .ring = ring, .sp = sp, .dp = world / sp, .rank = rank,
+                       .dp_rank = rank / sp, .sp_rank = sp_rank, .ulysses_rank = sp_rank % ulysses,
+                       .ring_rank = sp_rank / ulysses};
+    return 0;
+}
+
 // ---- unique id through a file --------------------------------------------------------------
 
 int dist_id_file_path(char *path, size_t cap, const char *dir, const char *run_id, char *err) {
@@ -382,6 +401,8 @@ struct DistComm {
     int rank, world_size, device;
     double timeout_s;
     cudaStream_t stream;   // for dist_all_gather_u64
+    ncclComm_t children[3];// dist_comm_split_mesh's communicators (aborted and destroyed with comm)
+    int n_children;
 };
 
 // Aborts the communicator (every later collective of this rank fails at once) and writes err.
@@ -392,6 +413,8 @@ static int fail(DistComm *c, char *err, const char *fmt, const char *what, const
                   text);
     if (c->comm) ncclCommAbort(c->comm);
     c->comm = NULL;
+    for (int i = 0; i < c->n_children; i++) ncclCommAbort(c->children[i]);
+    c->n_children = 0;
     return -1;
 }
 
@@ -523,6 +546,86 @@ int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *count
     return wait_stream(c, stream, what, err);
 }
 
+int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                           int n_buffers, cudaStream_t stream, char *err) {
+    enum { MAX_BUFFERS = 8 };
+    char what[128];
+    size_t total = 0;
+    for (int i = 0; i < n_buffers; i++) total += counts[i];
+    snprintf(what, sizeof(what), "ncclAllReduce (scaled sum) of %d buffers, %zu floats", n_buffers, total);
+    if (n_buffers > MAX_BUFFERS) {
+        dit_set_error(err, "dist_all_reduce_scaled: %d buffers, at most %d", n_buffers, MAX_BUFFERS);
+        return -1;
+    }
+    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
+    ncclRedOp_t ops[MAX_BUFFERS];
+    int made = 0;
+    ncclResult_t r = ncclSuccess;
+    for (; made < n_buffers && r == ncclSuccess; made++) {
+        float scale = scales[made];
+        r = ncclRedOpCreatePreMulSum(&ops[made], &scale, ncclFloat32, ncclScalarHostImmediate, c->comm);
+        if (r != ncclSuccess) break;
+    }
+    if (r == ncclSuccess) {
+        r = ncclGroupStart();
+        for (int i = 0; i < n_buffers && r == ncclSuccess; i++)
+            r = ncclAllReduce(buffers[i], buffers[i], counts[i], ncclFloat32, ops[i], c->comm, stream);
+        ncclResult_t end = ncclGroupEnd();
+        if (r == ncclSuccess) r = end;
+    }
+    if (settle(c, r, what, err) != 0) return -1;
+    for (int i = 0; i < made; i++) ncclRedOpDestroy(ops[i], c->comm);
+    return wait_stream(c, stream, what, err);
+}
+
+// One ncclCommSplit into a blocking communicator; NULL (and no split) for a group of one rank,
+// which every rank then skips alike (the sizes are the same on every rank).
+static int split_group(DistComm *c, int size, int color, int key, const char *name, ncclComm_t *child, char *err) {
+    *child = NULL;
+    if (size == 1) return 0;
+    char what[128];
+    snprintf(what, sizeof(what), "ncclCommSplit (%s group %d of %d ranks)", name, color, size);
+    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 1;
+    ncclResult_t r = ncclCommSplit(c->comm, color, key, child, &config);
+    double start = now_seconds();
+    while (r == ncclInProgress && *child) {
+        if (now_seconds() - start > c->timeout_s) return fail(c, err, "%s: %s", what, "still in progress");
+        sleep_seconds(1e-4);
+        ncclResult_t q = ncclCommGetAsyncError(*child, &r);
+        if (q != ncclSuccess) r = q;
+    }
+    if (settle(c, r, what, err) != 0) return -1;
+    int n = 0;
+    if ((r = ncclCommCount(*child, &n)) != ncclSuccess || n != size) {
+        char cause[96];
+        snprintf(cause, sizeof(cause), "the new communicator has %d ranks, expected %d", n, size);
+        return fail(c, err, "%s: %s", what, cause);
+    }
+    c->children[c->n_children++] = *child;
+    return 0;
+}
+
+int dist_comm_split_mesh(DistComm *c, const DistMesh *m, struct ncclComm **sp, struct ncclComm **ulysses,
+                         struct ncclComm **ring, char *err) {
+    *sp = *ulysses = *ring = NULL;
+    if (m->world != c->world_size || m->rank != c->rank) {
+        dit_set_error(err, "dist_comm_split_mesh: the mesh is for rank %d of %d, the communicator rank %d of %d",
+                      m->rank, m->world, c->rank, c->world_size);
+        return -1;
+    }
+    if (c->n_children) {
+        dit_set_error(err, "dist_comm_split_mesh: this communicator was split already");
+        return -1;
+    }
+    if (split_group(c, m->sp, m->dp_rank, m->sp_rank, "sequence-parallel", sp, err) != 0 ||
+        split_group(c, m->ulysses, m->dp_rank * m->ring + m->ring_rank, m->ulysses_rank, "Ulysses", ulysses, err) != 0 ||
+        split_group(c, m->ring, m->dp_rank * m->ulysses + m->ulysses_rank, m->ring_rank, "ring", ring, err) != 0)
+        return -1;
+    return 0;
+}
+
 int dist_all_gather_u64(DistComm *c, const uint64_t *mine, size_t n, uint64_t *all, char *err) {
     char what[96];
     snprintf(what, sizeof(what), "ncclAllGather of %zu uint64 per rank", n);
@@ -551,6 +654,10 @@ void dist_comm_destroy(DistComm *c) {
         if (settle(c, ncclCommFinalize(c->comm), "ncclCommFinalize", err) != 0) fprintf(stderr, "%s\n", err);
         if (c->comm) ncclCommDestroy(c->comm);
     }
+    for (int i = 0; i < c->n_children; i++) {
+        ncclCommFinalize(c->children[i]);
+        ncclCommDestroy(c->children[i]);
+    }
     cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -571,6 +678,21 @@ int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *count
                          cudaStream_t stream, char *err) {
     (void)c; (void)buffers; (void)counts; (void)n_buffers; (void)stream;
     dit_set_error(err, "dist_all_reduce_mean: this build has no NCCL");
+    return -1;
+}
+
+int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                           int n_buffers, cudaStream_t stream, char *err) {
+    (void)c; (void)buffers; (void)counts; (void)scales; (void)n_buffers; (void)stream;
+    dit_set_error(err, "dist_all_reduce_scaled: this build has no NCCL");
+    return -1;
+}
+
+int dist_comm_split_mesh(DistComm *c, const DistMesh *mesh, struct ncclComm **sp, struct ncclComm **ulysses,
+                         struct ncclComm **ring, char *err) {
+    (void)c; (void)mesh;
+    *sp = *ulysses = *ring = NULL;
+    dit_set_error(err, "dist_comm_split_mesh: this build has no NCCL");
     return -1;
 }
 

@@ -47,6 +47,18 @@ int dist_env_from_environ(DistEnv *env, char *err);
 // rank 0 (so one process trains exactly as before), seed ^ splitmix64(r) for r > 0.
 uint64_t dist_rank_seed(uint64_t seed, int rank);
 
+// The data-parallel × Ulysses × ring mesh of `world` ranks (dev/notes_sequence_parallel.md):
+// a sequence-parallel (SP) group is sp = U·R consecutive ranks, data parallel runs over the
+// dp = world / sp groups; inside a group, sp_rank = ring_rank·U + ulysses_rank: a Ulysses group
+// is U contiguous ranks (the fastest links), a ring group R ranks U apart. The SP rank also
+// orders the sequence: it holds tokens sp_rank·T/sp .. of every image.
+typedef struct {
+    int world, ulysses, ring, sp, dp;
+    int rank, dp_rank, sp_rank, ulysses_rank, ring_rank;
+} DistMesh;
+// Fills mesh for `rank` of `world`; error (naming the sizes) when world % (U·R) != 0 or U, R < 1.
+int dist_mesh_make(DistMesh *mesh, int world, int rank, int ulysses, int ring, char *err);
+
 // ---- unique-id exchange --------------------------------------------------------------------
 // DIR/.nccl_id.<run_id> (characters outside [A-Za-z0-9._-] replaced by '_'). Error when run_id is "".
 int dist_id_file_path(char *path, size_t cap, const char *dir, const char *run_id, char *err);
@@ -80,8 +92,23 @@ int dist_comm_create(DistComm **comm, const DistEnv *env, const char *id_dir, do
 // err names the rank, the operation and the cause.
 int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *counts, int n_buffers,
                          cudaStream_t stream, char *err);
+// In place on stream: buffers[i][0..counts[i]) = scales[i] · Σ over the ranks (ncclSum with a
+// pre-multiplied scale, ncclRedOpCreatePreMulSum), all buffers in one group, waited for as
+// dist_all_reduce_mean. Sequence parallelism sums the gradients over the SP group and averages
+// them over data parallel: scale 1/dp.
+int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                           int n_buffers, cudaStream_t stream, char *err);
 // all[r·n .. r·n + n) = rank r's mine[0..n) on every rank (host arrays), with the same waiting.
 int dist_all_gather_u64(DistComm *c, const uint64_t *mine, size_t n, uint64_t *all, char *err);
+// NCCL's communicator type (ncclComm_t is `struct ncclComm *`), opaque outside the NCCL files.
+struct ncclComm;
+// The sub-communicators of this rank's groups in the mesh, by ncclCommSplit of c (every rank of
+// c must call it with the same mesh sizes): the SP group (ranks of one dp_rank, key sp_rank), its
+// Ulysses group and its ring group. A group of size 1 gets NULL (no split). They are blocking
+// communicators (the sequence-parallel collectives enqueue and return); c keeps them, aborts them
+// with itself when one of its collectives fails, and destroys them with itself.
+int dist_comm_split_mesh(DistComm *c, const DistMesh *mesh, struct ncclComm **sp, struct ncclComm **ulysses,
+                         struct ncclComm **ring, char *err);
 // Finalizes (waits for outstanding work, with the timeout; aborts when it fails) and frees.
 void dist_comm_destroy(DistComm *c);
 #endif

@@ -9,6 +9,9 @@
 #include "layers/cuda_common.cuh"
 #include "layers/layers.h"
 #include "model/dit_gpu.h"
+#ifdef DIT_NCCL
+#include "attention/sequence_parallel_cuda.h"
+#endif
 
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
 
@@ -27,14 +30,22 @@ static void *arena_take(Arena *a, size_t bytes) {
 }
 #define TAKE(arena, ptr, count) ((ptr) = (decltype(ptr))arena_take((arena), (size_t)(count) * sizeof(*(ptr))))
 
+// Sequence parallelism: U·R ranks share an image; Ulysses' heads per rank and the ring's shard.
+static int sp_size(const DitGpu *m) { return m->sp.ulysses * m->sp.ring; }
+static int heads_here(const DitGpu *m) { return m->cfg.heads / m->sp.ulysses; }
+static int ring_shard_tokens(const DitGpu *m) { return m->tokens * m->sp.ulysses; }   // T / R
+
 // The attention workspace of one block's forward (read by its backward; flash needs none) and
-// of the backward.
+// of the backward, for the attention this rank runs: H/U heads over all T tokens. The ring
+// (R > 1) allocates its own, stream-ordered.
 static size_t attention_forward_workspace_bytes(const DitGpu *m, int B) {
-    int H = m->cfg.heads, D = m->cfg.hidden / H, T = dit_tokens(&m->cfg);
-    return m->attention == DIT_ATTN_SAGE ? sage_cuda_forward_workspace_size(B, H, T, D, m->sage.pv) : 0;
+    int D = m->cfg.hidden / m->cfg.heads, T = dit_tokens(&m->cfg);
+    if (m->sp.ring > 1 || m->attention != DIT_ATTN_SAGE) return 0;
+    return sage_cuda_forward_workspace_size(B, heads_here(m), T, D, m->sage.pv);
 }
 static size_t attention_backward_workspace_bytes(const DitGpu *m, int B) {
-    int H = m->cfg.heads, D = m->cfg.hidden / H, T = dit_tokens(&m->cfg);
+    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = dit_tokens(&m->cfg);
+    if (m->sp.ring > 1) return 0;
     return m->attention == DIT_ATTN_SAGE ? sage_cuda_backward_workspace_size(B, H, T, D)
                                          : flash_cuda_backward_workspace_size(B, H, T, D);
 }
@@ -43,7 +54,7 @@ static size_t attention_backward_workspace_bytes(const DitGpu *m, int B) {
 // activation_views, plus what the GPU adds); returns the bytes.
 static size_t activation_layout(DitGpu *m, char *base) {
     const DitConfig *c = &m->cfg;
-    size_t B = m->batch, h = c->hidden, L = c->depth, T = dit_tokens(c), BT = B * T;
+    size_t B = m->batch, h = c->hidden, L = c->depth, T = m->tokens, BT = B * T;
     size_t P = dit_patch_dim(c), img = B * c->channels * c->image_size * c->image_size;
     Arena arena = {base, 0}, *ar = &arena;
     DitGpuActivations *a = &m->acts;
@@ -67,7 +78,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
     TAKE(ar, a->loss, 1); TAKE(ar, a->grad_norm, 1);
-    TAKE(ar, m->pos_embed, T * h);
+    TAKE(ar, m->pos_embed, (size_t)dit_tokens(c) * h);
     // gradients: the non-block ones, then one block's (accumulated ones contiguous)
     TAKE(ar, g->out, img); TAKE(ar, g->residual, BT * h); TAKE(ar, g->out_tokens, BT * P);
     TAKE(ar, g->lnf, BT * h); TAKE(ar, g->c_silu, B * h); TAKE(ar, g->c, B * h);
@@ -79,6 +90,20 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
     g->att_workspace = arena_take(ar, attention_backward_workspace_bytes(m, m->batch));
+    // sequence parallelism
+    DitGpuSeqBuffers *sb = &m->sp_bufs;
+    if (sp_size(m) > 1) {
+        TAKE(ar, sb->tokens_full, B * dit_tokens(c) * P); TAKE(ar, sb->tokens_gather, BT * P * sp_size(m));
+    }
+    if (m->sp.ulysses > 1) {
+        TAKE(ar, sb->q_local, BT * h); TAKE(ar, sb->k_local, BT * h); TAKE(ar, sb->v_local, BT * h);
+        TAKE(ar, sb->att_local, BT * h); TAKE(ar, sb->dout_heads, BT * h);
+        TAKE(ar, sb->dq_heads, BT * h); TAKE(ar, sb->dk_heads, BT * h); TAKE(ar, sb->dv_heads, BT * h);
+    }
+    if (m->sp.ring > 1 && m->attention == DIT_ATTN_SAGE) {
+        size_t stats = L * B * heads_here(m) * (h / c->heads);
+        TAKE(ar, sb->k_mean, stats); TAKE(ar, sb->v_scale, stats);
+    }
     return arena.used;
 }
 
@@ -98,8 +123,8 @@ static void bf16_views(const DitParams *f, const float *fbase, bf16 *base, DitGp
 }
 
 // The largest scratch any linear backward's bias gradient needs (M = B·T or B rows).
-static size_t linear_scratch_floats(const DitConfig *c, int B) {
-    size_t BT = (size_t)B * dit_tokens(c), h = c->hidden, most = 0;
+static size_t linear_scratch_floats(const DitConfig *c, int B, int T) {
+    size_t BT = (size_t)B * T, h = c->hidden, most = 0;
     size_t need[] = {
         linear_backward_scratch_floats((int)BT, 4 * h), linear_backward_scratch_floats((int)BT, 3 * h),
         linear_backward_scratch_floats((int)BT, dit_patch_dim(c)),
@@ -109,9 +134,57 @@ static size_t linear_scratch_floats(const DitConfig *c, int B) {
     return most;
 }
 
+// The sequence-parallel configuration against the model: sizes that divide, communicators present.
+static int check_sequence_parallel(const DitConfig *cfg, DitAttention attention, const DitGpuSeqParallel *sp,
+                                   char *err) {
+    int U = sp->ulysses, R = sp->ring, T = dit_tokens(cfg);
+#ifndef DIT_NCCL
+    if (U * R > 1) {
+        dit_set_error(err, "dit_gpu_create_sp: sequence parallelism (U=%d, R=%d) needs NCCL, and this build has "
+                           "none (the Makefile found no nccl.h)", U, R);
+        return -1;
+    }
+#endif
+    if (U < 1 || R < 1 || sp->ulysses_rank < 0 || sp->ulysses_rank >= U || sp->ring_rank < 0 || sp->ring_rank >= R) {
+        dit_set_error(err, "dit_gpu_create_sp: need U, R >= 1 and ranks inside them (U=%d rank %d, R=%d rank %d)",
+                      U, sp->ulysses_rank, R, sp->ring_rank);
+        return -1;
+    }
+    if (cfg->heads % U) {
+        dit_set_error(err, "dit_gpu_create_sp: %d heads do not split over --sp-ulysses %d ranks (heads %% U != 0)",
+                      cfg->heads, U);
+        return -1;
+    }
+    if (T % (U * R)) {
+        dit_set_error(err, "dit_gpu_create_sp: %d tokens ((image %d / patch %d)^2) do not split over U·R = %d ranks",
+                      T, cfg->image_size, cfg->patch, U * R);
+        return -1;
+    }
+    if (R > 1 && attention == DIT_ATTN_SAGE && (T / R) % SAGE_CUDA_BLOCK) {
+        dit_set_error(err, "dit_gpu_create_sp: sage under ring needs shards of T/R tokens that are a multiple of "
+                           "%d (T = %d, R = %d: %d)", SAGE_CUDA_BLOCK, T, R, T / R);
+        return -1;
+    }
+    if ((U * R > 1 && !sp->sp_comm) || (U > 1 && !sp->ulysses_comm) || (R > 1 && !sp->ring_comm)) {
+        dit_set_error(err, "dit_gpu_create_sp: a communicator is missing (U=%d R=%d: sequence-parallel %s, Ulysses "
+                           "%s, ring %s)", U, R, sp->sp_comm ? "set" : "NULL", sp->ulysses_comm ? "set" : "NULL",
+                      sp->ring_comm ? "set" : "NULL");
+        return -1;
+    }
+    return 0;
+}
+
 int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err) {
+    return dit_gpu_create_sp(m, cfg, batch, attention, NULL, err);
+}
+
+int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention,
+                      const DitGpuSeqParallel *sp, char *err) {
     memset(m, 0, sizeof(*m));
     TRY(dit_config_validate(cfg, err));
+    DitGpuSeqParallel one = {.ulysses = 1, .ring = 1};
+    if (!sp) sp = &one;
+    TRY(check_sequence_parallel(cfg, attention, sp, err));
     int D = cfg->hidden / cfg->heads;
     if (attention != DIT_ATTN_SAGE && attention != DIT_ATTN_EXACT) {
         dit_set_error(err, "dit_gpu_create: unknown attention %d (expected DIT_ATTN_SAGE or DIT_ATTN_EXACT)", (int)attention);
@@ -128,6 +201,9 @@ int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention atte
         return -1;
     }
     m->cfg = *cfg;
+    m->sp = *sp;
+    m->tokens = dit_tokens(cfg) / sp_size(m);
+    m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
     m->attention = attention;
     m->sage = SAGE_CONFIG_DEFAULT;
@@ -141,7 +217,13 @@ int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention atte
     m->params_bytes = 5 * fbytes + 2 * hbytes;
     m->acts_bytes = activation_layout(m, NULL);
     CUDA_CHECK(err, cudaStreamCreate(&m->stream), "the model's stream");
-    if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch), err) != 0) { dit_gpu_free(m); return -1; }
+    if (sp->ring > 1 && cudaStreamCreateWithFlags(&m->comm_stream, cudaStreamNonBlocking) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create_sp: the ring's communication stream: %s",
+                      cudaGetErrorString(cudaGetLastError()));
+        dit_gpu_free(m);
+        return -1;
+    }
+    if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch, m->tokens), err) != 0) { dit_gpu_free(m); return -1; }
     if (cudaMalloc(&m->params_alloc, m->params_bytes) != cudaSuccess ||
         cudaMalloc(&m->acts_alloc, m->acts_bytes) != cudaSuccess) {
         dit_set_error(err, "dit_gpu_create: cudaMalloc failed: %s (parameters %.1f MiB, activations %.1f MiB "
@@ -176,6 +258,7 @@ void dit_gpu_free(DitGpu *m) {
     cudaFree(m->acts_alloc);
     layers_cuda_destroy(&m->ctx);
     if (m->stream) cudaStreamDestroy(m->stream);
+    if (m->comm_stream) cudaStreamDestroy(m->comm_stream);
     memset(m, 0, sizeof(*m));
 }
 
@@ -261,43 +344,151 @@ int dit_gpu_set_flow_batch(DitGpu *m, const float *x0, const float *noise, const
                                      B, (int)(n / B), m->stream, err);
 }
 
-// ---- attention: the one place that knows the kernel ----------------------------------------
-// Block l's attention: att, lse (B, H, T, D) from q, k, v; the forward may leave state for the
-// backward in the block's workspace. Both kernels have the same shape (bf16 q, k, v, out; fp32
-// base-2 lse; fp32 dq, dk, dv written): sage (quantized) for DIT_ATTN_SAGE, and for
-// DIT_ATTN_EXACT the bf16 FlashAttention-2 kernel (exact attention computed in bf16).
+// ---- sequence-parallel communication ------------------------------------------------------
+// One-rank views of this rank's groups for attention/sequence_parallel_cuda.h, and the moves of
+// the model between its token shard and the attention's layout. Without NCCL nothing here is
+// reached (dit_gpu_create_sp refuses U·R > 1); the functions then only report that.
 
-static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
-    const DitConfig *c = &m->cfg;
-    int H = c->heads, D = c->hidden / H, T = dit_tokens(c);
-    size_t blk = (size_t)B * T * c->hidden;
-    DitGpuActivations *a = &m->acts;
-    void *ws = (char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
-    if (m->attention == DIT_ATTN_EXACT)
-        return flash_forward_cuda((uint16_t *)(a->att + l * blk), a->att_lse + (size_t)l * B * H * T,
-                                  (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
-                                  (const uint16_t *)(a->v + l * blk), B, H, T, D, m->stream, err);
-    return sage_forward_cuda((uint16_t *)(a->att + l * blk), a->att_lse + (size_t)l * B * H * T, ws,
-                             (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
-                             (const uint16_t *)(a->v + l * blk), B, H, T, D, m->sage.pv, m->stream, err);
+#ifdef DIT_NCCL
+typedef struct { int rank, device; ncclComm_t comm; SpCudaComm c; } SpView;
+
+// ring = 0: the Ulysses group (U ranks), 1: the ring group (R ranks).
+static void sp_view(const DitGpu *m, int ring, SpView *v) {
+    v->rank = ring ? m->sp.ring_rank : m->sp.ulysses_rank;
+    v->comm = ring ? m->sp.ring_comm : m->sp.ulysses_comm;
+    if (cudaGetDevice(&v->device) != cudaSuccess) v->device = 0;
+    v->c = (SpCudaComm){.ranks = ring ? m->sp.ring : m->sp.ulysses, .n_local = 1, .rank = &v->rank,
+                        .device = &v->device, .comm = &v->comm, .stream = &m->stream,
+                        .comm_stream = &m->comm_stream};
 }
 
-static int attention_backward_gpu(DitGpu *m, int l, int B, char *err) {
-    const DitConfig *c = &m->cfg;
-    int H = c->heads, D = c->hidden / H, T = dit_tokens(c);
-    size_t blk = (size_t)B * T * c->hidden;
+// Ulysses: dst (B, H/U, T/R, D) head-sharded from this rank's src (B, H, T/(U·R), D), or back.
+static int ulysses_move(const DitGpu *m, void *dst, const void *src, size_t elem_bytes, int to_heads, int B,
+                        char *err) {
+    SpView v;
+    sp_view(m, 0, &v);
+    int H = m->cfg.heads, D = m->cfg.hidden / H, N = ring_shard_tokens(m);
+    return to_heads ? ulysses_all_to_all_cuda(&v.c, &dst, &src, B, H, N, D, elem_bytes, err)
+                    : ulysses_all_to_all_inverse_cuda(&v.c, &dst, &src, B, H, N, D, elem_bytes, err);
+}
+
+// Ring attention over the ring group on H/U heads: forward (and for sage the global k_mean and
+// v_scale of the layer's keys/values, kept for the backward) or backward.
+static int ring_forward(DitGpu *m, uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                        const uint16_t *v, float *k_mean, float *v_scale, int B, char *err) {
+    SpView view;
+    sp_view(m, 1, &view);
+    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, N = dit_tokens(&m->cfg);
+    if (m->attention == DIT_ATTN_EXACT)
+        return ring_attention_forward_cuda(&view.c, &out, &lse, &q, &k, &v, B, H, N, D, err);
+    TRY(ring_sage_stats_cuda(&view.c, &k_mean, &v_scale, &k, &v, B, H, N, D, m->sage.pv, err));
+    const float *km = k_mean, *vs = v_scale;
+    return ring_sage_forward_cuda(&view.c, &out, &lse, &q, &k, &v, &km, &vs, B, H, N, D, m->sage.pv, err);
+}
+
+static int ring_backward(DitGpu *m, float *dq, float *dk, float *dv, const uint16_t *dout, const uint16_t *q,
+                         const uint16_t *k, const uint16_t *v, const uint16_t *out, const float *lse,
+                         const float *k_mean, const float *v_scale, int B, char *err) {
+    SpView view;
+    sp_view(m, 1, &view);
+    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, N = dit_tokens(&m->cfg);
+    if (m->attention == DIT_ATTN_EXACT)
+        return ring_attention_backward_cuda(&view.c, &dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, B, H, N, D, err);
+    return ring_sage_backward_cuda(&view.c, &dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, &k_mean, &v_scale,
+                                   B, H, N, D, m->sage.pv, err);
+}
+
+// tokens_full (B, T, P) = every rank's out_tokens (B, T/(U·R), P), all-gathered over the group.
+static int gather_output_tokens(DitGpu *m, int B, char *err) {
+    int S = sp_size(m), n = m->tokens, P = dit_patch_dim(&m->cfg);
+    size_t chunk = (size_t)B * n * P, row = (size_t)n * P * sizeof(bf16);
+    ncclResult_t r = ncclAllGather(m->acts.out_tokens, m->sp_bufs.tokens_gather, chunk * sizeof(bf16), ncclUint8,
+                                   m->sp.sp_comm, m->stream);
+    if (r != ncclSuccess) {
+        dit_set_error(err, "gather_output_tokens: ncclAllGather of %zu bf16 per rank over %d ranks: %s", chunk, S,
+                      ncclGetErrorString(r));
+        return -1;
+    }
+    for (int p = 0; p < S; p++)
+        CUDA_CHECK(err, cudaMemcpy2DAsync(m->sp_bufs.tokens_full + (size_t)p * n * P, (size_t)dit_tokens(&m->cfg) * P *
+                                          sizeof(bf16), m->sp_bufs.tokens_gather + p * chunk, row, row, B,
+                                          cudaMemcpyDeviceToDevice, m->stream),
+                   "placing rank %d's output tokens", p);
+    return 0;
+}
+#else
+static int no_nccl(char *err) {
+    dit_set_error(err, "sequence parallelism: this build has no NCCL");
+    return -1;
+}
+static int ulysses_move(const DitGpu *, void *, const void *, size_t, int, int, char *err) { return no_nccl(err); }
+static int ring_forward(DitGpu *, uint16_t *, float *, const uint16_t *, const uint16_t *, const uint16_t *, float *,
+                        float *, int, char *err) { return no_nccl(err); }
+static int ring_backward(DitGpu *, float *, float *, float *, const uint16_t *, const uint16_t *, const uint16_t *,
+                         const uint16_t *, const uint16_t *, const float *, const float *, const float *, int,
+                         char *err) { return no_nccl(err); }
+static int gather_output_tokens(DitGpu *, int, char *err) { return no_nccl(err); }
+#endif
+
+// dst (B, n, P) = rows token_offset .. token_offset + n of each image's src (B, T, P): this
+// rank's shard of a whole image's tokens.
+static int take_token_shard(const DitGpu *m, bf16 *dst, const bf16 *src, int B, char *err) {
+    int P = dit_patch_dim(&m->cfg);
+    size_t row = (size_t)m->tokens * P * sizeof(bf16), pitch = (size_t)dit_tokens(&m->cfg) * P * sizeof(bf16);
+    CUDA_CHECK(err, cudaMemcpy2DAsync(dst, row, src + (size_t)m->token_offset * P, pitch, row, B,
+                                      cudaMemcpyDeviceToDevice, m->stream),
+               "the token shard %d..%d of %d images", m->token_offset, m->token_offset + m->tokens, B);
+    return 0;
+}
+
+// ---- attention: the one place that knows the kernel ----------------------------------------
+// Block l's attention: att, lse from q, k, v; the forward may leave state for the backward in
+// the block's workspace. Both kernels have the same shape (bf16 q, k, v, out; fp32 base-2 lse;
+// fp32 dq, dk, dv written): sage (quantized) for DIT_ATTN_SAGE, and for DIT_ATTN_EXACT the bf16
+// FlashAttention-2 kernel (exact attention computed in bf16). Shapes are this rank's part:
+// (B, H/U, T/R, D) (Ulysses has already moved the heads); without ring the kernel sees all T
+// tokens, with ring (R > 1) the ring functions run it over the R shards.
+
+static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
+    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
+    size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D;
+    DitGpuActivations *a = &m->acts;
+    void *ws = (char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
+    uint16_t *out = (uint16_t *)(a->att + l * blk);
+    float *lse = a->att_lse + (size_t)l * B * H * T;
+    const uint16_t *q = (const uint16_t *)(a->q + l * blk), *k = (const uint16_t *)(a->k + l * blk);
+    const uint16_t *v = (const uint16_t *)(a->v + l * blk);
+    if (m->sp.ring > 1)
+        return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
+                            m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
+    if (m->attention == DIT_ATTN_EXACT) return flash_forward_cuda(out, lse, q, k, v, B, H, T, D, m->stream, err);
+    return sage_forward_cuda(out, lse, ws, q, k, v, B, H, T, D, m->sage.pv, m->stream, err);
+}
+
+// dq, dk, dv from dout (the same layout as the forward's).
+static int attention_backward_gpu(DitGpu *m, int l, int B, float *dq, float *dk, float *dv, const bf16 *dout,
+                                  char *err) {
+    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
+    size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D;
     DitGpuActivations *a = &m->acts;
     DitGpuGradActs *g = &m->grad_acts;
     const void *fwd_ws = (const char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
+    const uint16_t *q = (const uint16_t *)(a->q + l * blk), *k = (const uint16_t *)(a->k + l * blk);
+    const uint16_t *v = (const uint16_t *)(a->v + l * blk), *out = (const uint16_t *)(a->att + l * blk);
+    const float *lse = a->att_lse + (size_t)l * B * H * T;
+    if (m->sp.ring > 1) {   // the ring accumulates
+        CUDA_CHECK(err, cudaMemsetAsync(dq, 0, blk * sizeof(float), m->stream), "zeroing dq");
+        CUDA_CHECK(err, cudaMemsetAsync(dk, 0, blk * sizeof(float), m->stream), "zeroing dk");
+        CUDA_CHECK(err, cudaMemsetAsync(dv, 0, blk * sizeof(float), m->stream), "zeroing dv");
+        return ring_backward(m, dq, dk, dv, (const uint16_t *)dout, q, k, v, out, lse,
+                             m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
+                             m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
+    }
     if (m->attention == DIT_ATTN_EXACT)
-        return flash_backward_cuda(g->dq, g->dk, g->dv, g->att_workspace, (const uint16_t *)g->att,
-                                   (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
-                                   (const uint16_t *)(a->v + l * blk), (const uint16_t *)(a->att + l * blk),
-                                   a->att_lse + (size_t)l * B * H * T, B, H, T, D, m->stream, err);
-    return sage_backward_cuda(g->dq, g->dk, g->dv, g->att_workspace, fwd_ws, (const uint16_t *)g->att,
-                              (const uint16_t *)(a->q + l * blk), (const uint16_t *)(a->k + l * blk),
-                              (const uint16_t *)(a->v + l * blk), (const uint16_t *)(a->att + l * blk),
-                              a->att_lse + (size_t)l * B * H * T, NULL, B, H, T, D, m->sage.pv, m->stream, err);
+        return flash_backward_cuda(dq, dk, dv, g->att_workspace, (const uint16_t *)dout, q, k, v, out, lse,
+                                   B, H, T, D, m->stream, err);
+    return sage_backward_cuda(dq, dk, dv, g->att_workspace, fwd_ws, (const uint16_t *)dout, q, k, v, out, lse,
+                              NULL, B, H, T, D, m->sage.pv, m->stream, err);
 }
 
 // ---- small kernels of the model (the layers are in layers/) --------------------------------
@@ -330,14 +521,23 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     DitGpuActivations *a = &m->acts;
     const LayersCuda *ctx = &m->ctx;
     cudaStream_t s = m->stream;
-    int h = c->hidden, T = dit_tokens(c), P = dit_patch_dim(c), H = c->heads, D = h / H;
+    int h = c->hidden, T = m->tokens, P = dit_patch_dim(c), H = c->heads, D = h / H;
     int BT = B * T, L = c->depth, stride = L * 6 * h;
     size_t blk = (size_t)BT * h, bt = (size_t)BT;
+    int sequence_parallel = sp_size(m) > 1, ulysses = m->sp.ulysses > 1;
+    const DitGpuSeqBuffers *sb = &m->sp_bufs;
 
-    // patch embedding plus the fixed positions
-    TRY(patchify_forward_cuda(a->patches, a->x_t, B, c->channels, c->image_size, c->patch, s, err));
+    // patch embedding plus the fixed positions (sequence parallel: of this rank's tokens, whose
+    // positions start at token_offset)
+    if (sequence_parallel) {
+        TRY(patchify_forward_cuda(sb->tokens_full, a->x_t, B, c->channels, c->image_size, c->patch, s, err));
+        TRY(take_token_shard(m, a->patches, sb->tokens_full, B, err));
+    } else {
+        TRY(patchify_forward_cuda(a->patches, a->x_t, B, c->channels, c->image_size, c->patch, s, err));
+    }
     TRY(linear_forward_cuda(a->residual, a->patches, w->patch_w, w->patch_b, BT, P, h, ctx, s, err));
-    add_positions_kernel<<<blocks_for(blk, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(a->residual, m->pos_embed, T, h, blk);
+    add_positions_kernel<<<blocks_for(blk, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(
+        a->residual, m->pos_embed + (size_t)m->token_offset * h, T, h, blk);
     LAUNCH_CHECK(err, "add_positions_kernel", "B·T=%d C=%d", BT, h);
 
     // conditioning c = MLP(timestep features) + class embedding; every adaLN reads SiLU(c)
@@ -364,9 +564,18 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
                                             B, T, h, stride, s, err));
         TRY(linear_forward_cuda(qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
                                 BT, h, 3 * h, ctx, s, err));
-        TRY(split_heads_forward_cuda(a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, T, H, D, s, err));
+        // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
+        if (ulysses) {
+            TRY(split_heads_forward_cuda(sb->q_local, sb->k_local, sb->v_local, qkv, B, T, H, D, s, err));
+            TRY(ulysses_move(m, a->q + l * blk, sb->q_local, sizeof(bf16), 1, B, err));
+            TRY(ulysses_move(m, a->k + l * blk, sb->k_local, sizeof(bf16), 1, B, err));
+            TRY(ulysses_move(m, a->v + l * blk, sb->v_local, sizeof(bf16), 1, B, err));
+        } else {
+            TRY(split_heads_forward_cuda(a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, T, H, D, s, err));
+        }
         TRY(attention_forward_gpu(m, l, B, err));
-        TRY(merge_heads_forward_cuda(att_merged, att, B, T, H, D, s, err));
+        if (ulysses) TRY(ulysses_move(m, sb->att_local, att, sizeof(bf16), 0, B, err));
+        TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, s, err));
         TRY(linear_forward_cuda(proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
                                 BT, h, h, ctx, s, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
@@ -388,7 +597,11 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     TRY(layernorm_modulate_forward_cuda(a->lnf, a->lnf_mean, a->lnf_rstd, x_last, a->final_ada,
                                         a->final_ada + h, B, T, h, 2 * h, s, err));
     TRY(linear_forward_cuda(a->out_tokens, a->lnf, w->final_w, w->final_b, BT, h, P, ctx, s, err));
-    return unpatchify_forward_cuda(a->out, a->out_tokens, B, c->channels, c->image_size, c->patch, s, err);
+    if (!sequence_parallel)
+        return unpatchify_forward_cuda(a->out, a->out_tokens, B, c->channels, c->image_size, c->patch, s, err);
+    // every rank gets the whole output image
+    TRY(gather_output_tokens(m, B, err));
+    return unpatchify_forward_cuda(a->out, sb->tokens_full, B, c->channels, c->image_size, c->patch, s, err);
 }
 
 int dit_gpu_loss(DitGpu *m, int B, char *err) {
@@ -422,14 +635,21 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     DitParams *dw = &m->grads;
     const LayersCuda *ctx = &m->ctx;
     cudaStream_t s = m->stream;
-    int h = c->hidden, T = dit_tokens(c), P = dit_patch_dim(c), H = c->heads, D = h / H;
+    int h = c->hidden, T = m->tokens, P = dit_patch_dim(c), H = c->heads, D = h / H;
     int BT = B * T, L = c->depth, stride = L * 6 * h;
     size_t blk = (size_t)BT * h, bt = (size_t)BT;
+    int ulysses = m->sp.ulysses > 1;
+    const DitGpuSeqBuffers *sb = &m->sp_bufs;
     // every accumulated non-block gradient (they are contiguous from residual to ada)
     TRY(zero_range(m, g->residual, g->ada + (size_t)m->batch * stride, err));
 
-    // final layer
-    TRY(unpatchify_backward_cuda(g->out_tokens, g->out, B, c->channels, c->image_size, c->patch, s, err));
+    // final layer (sequence parallel: dL/dout is the whole image's; this rank takes its tokens)
+    if (sp_size(m) > 1) {
+        TRY(unpatchify_backward_cuda(sb->tokens_full, g->out, B, c->channels, c->image_size, c->patch, s, err));
+        TRY(take_token_shard(m, g->out_tokens, sb->tokens_full, B, err));
+    } else {
+        TRY(unpatchify_backward_cuda(g->out_tokens, g->out, B, c->channels, c->image_size, c->patch, s, err));
+    }
     TRY(linear_backward_cuda(g->lnf, dw->final_w, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h, P, ctx, s, err));
     TRY(layernorm_modulate_backward_cuda(g->residual, g->final_ada, g->final_ada + h, g->lnf, a->residual + L * blk,
                                          a->lnf_mean, a->lnf_rstd, a->final_ada + h, B, T, h, 2 * h, s, err));
@@ -463,7 +683,15 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(linear_backward_cuda(g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
                                  g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, ctx, s, err));
         TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
-        TRY(attention_backward_gpu(m, l, B, err));
+        if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
+            TRY(ulysses_move(m, sb->dout_heads, g->att, sizeof(bf16), 1, B, err));
+            TRY(attention_backward_gpu(m, l, B, sb->dq_heads, sb->dk_heads, sb->dv_heads, sb->dout_heads, err));
+            TRY(ulysses_move(m, g->dq, sb->dq_heads, sizeof(float), 0, B, err));
+            TRY(ulysses_move(m, g->dk, sb->dk_heads, sizeof(float), 0, B, err));
+            TRY(ulysses_move(m, g->dv, sb->dv_heads, sizeof(float), 0, B, err));
+        } else {
+            TRY(attention_backward_gpu(m, l, B, g->dq, g->dk, g->dv, g->att, err));
+        }
         size_t n_qkv = 3 * blk;
         qkv_grad_kernel<<<blocks_for(n_qkv, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(g->qkv, g->dq, g->dk, g->dv, T, H, D, n_qkv);
         LAUNCH_CHECK(err, "qkv_grad_kernel", "B·T=%d H=%d D=%d", BT, H, D);

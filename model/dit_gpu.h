@@ -21,6 +21,22 @@
 extern "C" {
 #endif
 
+// Sequence parallelism (dev/notes_sequence_parallel.md, "Sequence parallelism in the model"):
+// this rank is rank sp_rank = ring_rank·U + ulysses_rank of a group of U·R ranks that share every
+// image; it holds the tokens sp_rank·T/(U·R) .. of each one (its shard of the residual stream and
+// of every per-token activation). The conditioning (t, y, adaLN) is per image and replicated; the
+// attention runs Ulysses over `ulysses_comm` (all-to-all to H/U heads) and ring attention over
+// `ring_comm` (key/value shards of T/R tokens); the output tokens are all-gathered over `sp_comm`
+// so every rank has the whole output image, and the loss (a mean over the GLOBAL elements) and
+// dL/dout are the single-GPU ones. Parameter gradients are then this rank's share: the caller
+// sums them over the group (and averages over data parallel), e.g. dist_all_reduce_scaled.
+struct ncclComm;   // ncclComm_t
+typedef struct {
+    int ulysses, ring;                 // U, R (1: that kind is off)
+    int ulysses_rank, ring_rank;
+    struct ncclComm *sp_comm, *ulysses_comm, *ring_comm;  // NULL where the group has one rank
+} DitGpuSeqParallel;
+
 // bf16 views of one parameter buffer (the weights, or the EMA for sampling), as DitParams.
 typedef struct {
     bf16 *patch_w, *patch_b, *t_w1, *t_b1, *t_w2, *t_b2, *y_table;
@@ -28,7 +44,8 @@ typedef struct {
     bf16 *final_ada_w, *final_ada_b, *final_w, *final_b;
 } DitGpuWeights;
 
-// Activations of one forward (batch ≤ m->batch), kept for the backward; shapes as DitActivations.
+// Activations of one forward (batch ≤ m->batch), kept for the backward; shapes as DitActivations
+// with T = m->tokens (this rank's tokens; q, k, v, att, att_lse head-sharded under Ulysses).
 typedef struct {
     float *x0, *noise, *v_target;      // (B, C, S, S) fp32: the flow-matching batch and target
     float *t;                          // (B) flow-matching times
@@ -62,9 +79,26 @@ typedef struct {
     void *att_workspace;               // the attention backward's workspace
 } DitGpuGradActs;
 
+// Buffers of sequence parallelism (NULL when unused). Head-sharded tensors are (B, H/U, T/R, D).
+typedef struct {
+    bf16 *tokens_full;                 // (B, T, P): the whole image's patches / output tokens / their gradient
+    bf16 *tokens_gather;               // (U·R, B, T/(U·R), P): the all-gathered output tokens
+    bf16 *q_local, *k_local, *v_local; // (B, H, T/(U·R), D): split_heads' output before the all-to-all
+    bf16 *att_local;                   // (B, H, T/(U·R), D): the attention output after the inverse
+    bf16 *dout_heads;                  // head-sharded dL/d(attention output)
+    float *dq_heads, *dk_heads, *dv_heads;  // head-sharded attention gradients
+    float *k_mean, *v_scale;           // (depth, B, H/U, D): sage under ring, kept for the backward
+} DitGpuSeqBuffers;
+
 typedef struct {
     DitConfig cfg;
     size_t num_params;
+    // sequence parallelism (sp.ulysses = sp.ring = 1 without): this rank's tokens
+    // token_offset .. token_offset + tokens of the dit_tokens(cfg) of an image
+    DitGpuSeqParallel sp;
+    int tokens, token_offset;
+    DitGpuSeqBuffers sp_bufs;
+    cudaStream_t comm_stream;          // the ring's communication stream (R > 1)
     int batch;                         // activations are allocated for this batch size
     DitAttention attention;            // DIT_ATTN_SAGE: sage kernels; DIT_ATTN_EXACT: bf16 flash attention
     SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is used
@@ -89,6 +123,11 @@ typedef struct {
 // Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE (sage
 // kernels, attention/sage_cuda.h) or DIT_ATTN_EXACT (bf16 flash attention, attention/flash_cuda.h).
 int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err);
+// The same for one rank of a sequence-parallel group (sp NULL: dit_gpu_create). Errors: no NCCL
+// in the build, heads % U, tokens % (U·R), sage under ring with T/R not a multiple of 64, a
+// communicator missing for a group larger than one.
+int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention,
+                      const DitGpuSeqParallel *sp, char *err);
 void dit_gpu_free(DitGpu *m);
 // Bytes of each part, for the memory plan: parameter-sized buffers, activations (incl. gradients
 // and workspaces), and the LayersCuda context (cuBLASLt workspace and reduction scratch).
@@ -108,7 +147,8 @@ int dit_gpu_set_flow_batch(DitGpu *m, const float *x0, const float *noise, const
 
 // Forward of the inputs with weights w (&m->weights, or &m->ema_weights): output in acts.out.
 int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err);
-// acts.loss = mean (out - v_target)², grad_acts.out = dLoss/dout.
+// acts.loss = mean (out - v_target)², grad_acts.out = dLoss/dout (the whole image, also under
+// sequence parallelism).
 int dit_gpu_loss(DitGpu *m, int B, char *err);
 int dit_gpu_zero_grad(DitGpu *m, char *err);
 // Backward of the last forward (with m->weights) from grad_acts.out; parameter gradients

@@ -1,6 +1,7 @@
 // Tests of the multi-process machinery that needs no GPU (model/distributed.h): the environment
 // of each launcher, the per-rank seeds, the unique-id exchange through a file and over TCP, and
-// the local launcher (every rank's environment; a failing rank stops the others, quickly).
+// the local launcher (every rank's environment; a failing rank stops the others, quickly), and the
+// data-parallel × Ulysses × ring mesh.
 // The NCCL part is tested on 2 GPUs by test/test_distributed_cuda.c.
 #include <criterion/criterion.h>
 #include <pthread.h>
@@ -111,6 +112,43 @@ Test(environment, rank_seeds) {
         for (int q = 0; q < r; q++) cr_assert_neq(seen[r], seen[q], "ranks %d and %d share a seed", q, r);
         cr_assert_neq(dist_rank_seed(43, r), seen[r]);
     }
+}
+
+// ---- the data-parallel × Ulysses × ring mesh -------------------------------------------------
+
+// 16 ranks, U = 2, R = 4: groups of 8 consecutive ranks; inside one, Ulysses pairs are contiguous
+// and ring members 2 apart; every (dp, ring, ulysses) triple occurs exactly once.
+Test(mesh, ranks_of_the_groups) {
+    char err[DIT_ERR_LEN];
+    int seen[2][4][2] = {{{0}}};
+    for (int r = 0; r < 16; r++) {
+        DistMesh m;
+        cr_assert_eq(dist_mesh_make(&m, 16, r, 2, 4, err), 0, "%s", err);
+        cr_assert_eq(m.sp, 8);
+        cr_assert_eq(m.dp, 2);
+        cr_assert_eq(m.dp_rank, r / 8, "rank %d", r);
+        cr_assert_eq(m.sp_rank, r % 8, "rank %d", r);
+        cr_assert_eq(m.ulysses_rank, r % 2, "rank %d: Ulysses groups are contiguous", r);
+        cr_assert_eq(m.ring_rank, (r % 8) / 2, "rank %d: ring groups are strided by U", r);
+        cr_assert_eq(m.sp_rank, m.ring_rank * m.ulysses + m.ulysses_rank);
+        seen[m.dp_rank][m.ring_rank][m.ulysses_rank]++;
+    }
+    for (int d = 0; d < 2; d++)
+        for (int g = 0; g < 4; g++)
+            for (int u = 0; u < 2; u++) cr_assert_eq(seen[d][g][u], 1);
+    DistMesh one;
+    cr_assert_eq(dist_mesh_make(&one, 1, 0, 1, 1, err), 0, "%s", err);
+    cr_assert(one.sp == 1 && one.dp == 1 && one.sp_rank == 0 && one.dp_rank == 0);
+}
+
+Test(mesh, sizes_that_do_not_divide_are_errors) {
+    char err[DIT_ERR_LEN];
+    DistMesh m;
+    cr_assert_eq(dist_mesh_make(&m, 6, 0, 4, 1, err), -1);
+    cr_assert(strstr(err, "6 GPUs") && strstr(err, "multiple of U·R"), "%s", err);
+    cr_assert_eq(dist_mesh_make(&m, 1, 0, 2, 1, err), -1, "U = 2 on one GPU");
+    cr_assert_eq(dist_mesh_make(&m, 4, 0, 0, 1, err), -1);
+    cr_assert(strstr(err, "--sp-ulysses"), "%s", err);
 }
 
 // ---- the unique id through a file ----------------------------------------------------------
@@ -280,7 +318,7 @@ Test(launch, a_failing_rank_stops_the_others) {
 Test(launch, sigterm_ignored_then_killed_and_signals_reported) {
     char err[DIT_ERR_LEN];
     double t0 = now_s();
-    cr_assert_eq(launch_sh(2, "if [ $DIT_RANK = 0 ]; then kill -9 $$; fi; trap '' TERM; exec sleep 30", 0.5, err), -1);
+    cr_assert_eq(launch_sh(2, "trap '' TERM; if [ $DIT_RANK = 0 ]; then sleep 0.2; kill -9 $$; fi; exec sleep 30", 0.5, err), -1);
     double took = now_s() - t0;
     cr_assert(took >= 0.5 && took < 5.0, "took %.1f s, expected the 0.5 s grace then SIGKILL", took);
     cr_assert(strstr(err, "rank 0 of 2") && strstr(err, "signal 9"), "%s", err);
