@@ -46,3 +46,104 @@ __device__ inline float block_sum(float v) {
         for (int i = 0; i < BLOCK_SIZE / 32; i++) sum += warp_sums[i];
     return sum;
 }
+
+// ---- 16-byte vectors of VEC bf16 -----------------------------------------------------------
+// The memory-bound kernels move VEC consecutive bf16 per thread: one 16-byte load or store when
+// the caller's `vec` flag says every row start is 16-byte aligned (sizes multiples of VEC,
+// pointers aligned), element by element otherwise (odd sizes, tails, unaligned slices).
+#define VEC 8
+
+static inline bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
+
+// x[j] = p[j] for j < n (n <= VEC), 0 for j >= n.
+__device__ inline void load_bf16x8(float x[VEC], const bf16 *p, int n, bool vec) {
+    if (vec && n == VEC) {
+        union { int4 raw; __nv_bfloat162 pair[VEC / 2]; } u;
+        u.raw = *(const int4 *)p;
+        for (int j = 0; j < VEC / 2; j++) {
+            float2 f = __bfloat1622float2(u.pair[j]);
+            x[2 * j] = f.x;
+            x[2 * j + 1] = f.y;
+        }
+        return;
+    }
+    for (int j = 0; j < VEC; j++) x[j] = j < n ? __bfloat162float(p[j]) : 0.0f;
+}
+
+// p[j] = bf16(x[j]) for j < n (n <= VEC).
+__device__ inline void store_bf16x8(bf16 *p, const float x[VEC], int n, bool vec) {
+    if (vec && n == VEC) {
+        union { int4 raw; __nv_bfloat162 pair[VEC / 2]; } u;
+        for (int j = 0; j < VEC / 2; j++) u.pair[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+        *(int4 *)p = u.raw;
+        return;
+    }
+    for (int j = 0; j < n; j++) p[j] = __float2bfloat16(x[j]);
+}
+
+// Raw copy of n <= VEC bf16 (bit-exact data movement).
+__device__ inline void copy_bf16x8(bf16 *dst, const bf16 *src, int n, bool vec) {
+    if (vec && n == VEC) {
+        *(int4 *)dst = *(const int4 *)src;
+        return;
+    }
+    for (int j = 0; j < n; j++) dst[j] = src[j];
+}
+
+// ---- column sums over many rows (dshift, dscale, dgate, dbias) -----------------------------
+// A block of BLOCK_SIZE threads owns a tile of COLS_PER_BLOCK = 32·VEC columns: lane l of each
+// warp holds columns l·VEC .. l·VEC + VEC - 1 (a warp reads 512 contiguous bytes of a row) and
+// warp w visits rows w, w + COL_WARPS, ... of the block's row range. Then sum_over_warps adds
+// the COL_WARPS partial sums of a column in the order w = 0, 1, ... (fixed: no atomics).
+#define COL_WARPS (BLOCK_SIZE / 32)
+#define COLS_PER_BLOCK (32 * VEC)
+static_assert(COLS_PER_BLOCK == BLOCK_SIZE, "after sum_over_warps thread x owns column x of the tile");
+
+// Returns in thread x the sum over the warps of column x of the tile, acc being the calling
+// thread's VEC column sums. `lanes` is a __shared__ [COL_WARPS][COLS_PER_BLOCK] array of the
+// calling kernel; every thread of the block must call this.
+__device__ inline float sum_over_warps(const float acc[VEC], float (*lanes)[COLS_PER_BLOCK]) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int j = 0; j < VEC; j++) lanes[warp][lane * VEC + j] = acc[j];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int w = 0; w < COL_WARPS; w++) sum += lanes[w][threadIdx.x];
+    __syncthreads();   // `lanes` may be reused right after
+    return sum;
+}
+
+// The per-image column sums over T rows (dshift, dscale, dgate) split each image's rows into
+// `splits` ranges of split_rows, one block row per (image, range), when one block per (column
+// tile, image) would leave the GPU idle (B = 1, T = 16K): enough blocks for COL_TARGET_BLOCKS,
+// ranges of at least COL_MIN_SPLIT_ROWS rows, and the partial sums (B·splits·sums·C floats)
+// within `capacity`. The split depends on the sizes only, so the order of the additions, hence
+// the bits, are the same on every run and every GPU.
+#define COL_TARGET_BLOCKS 512
+#define COL_MIN_SPLIT_ROWS 64
+
+static inline int column_splits(int B, int T, int C, int sums, size_t capacity) {
+    long long tiles = (C + COLS_PER_BLOCK - 1) / COLS_PER_BLOCK;
+    long long splits = (COL_TARGET_BLOCKS + tiles * B - 1) / (tiles * B);
+    long long most_by_rows = T / COL_MIN_SPLIT_ROWS, most_by_space = (long long)(capacity / ((size_t)B * sums * C));
+    if (splits > most_by_rows) splits = most_by_rows;
+    if (splits > most_by_space) splits = most_by_space;
+    if (splits > 65535 / B) splits = 65535 / B;   // grid.y = B·splits
+    return splits < 2 ? 1 : (int)splits;
+}
+
+// Second pass: out_k[b·stride + c] += Σ_s partial[((b·splits + s)·sums + k)·C + c], s = 0, 1, ...
+// in order, for k < sums (out_1 only when sums == 2). One thread per (b, c).
+static __global__ void column_partials_finish_kernel(float *out0, float *out1, const float *partial,
+                                                     int B, int splits, int sums, int C, int stride) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)B * C) return;
+    int b = i / C, c = i % C;
+    float sum0 = 0.0f, sum1 = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        const float *p = partial + ((size_t)(b * splits + s) * sums) * C + c;
+        sum0 += p[0];
+        if (sums == 2) sum1 += p[C];
+    }
+    out0[(size_t)b * stride + c] += sum0;
+    if (sums == 2) out1[(size_t)b * stride + c] += sum1;
+}

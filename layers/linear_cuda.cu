@@ -10,8 +10,6 @@
 #include "layers/cuda_common.cuh"
 
 #define LT_WORKSPACE_BYTES (32u << 20)   // cuBLASLt workspace (32 MiB, as llm.c)
-#define DBIAS_MIN_CHUNK_ROWS 256         // the bias gradient sums chunks of at least these rows
-#define DBIAS_MAX_CHUNKS 256
 
 void layers_cuda_destroy(LayersCuda *ctx) {
     if (ctx->lt) cublasLtDestroy(ctx->lt);
@@ -45,12 +43,11 @@ int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err) {
     return 0;
 }
 
-static int dbias_chunks(int M) {
-    int chunks = (M + DBIAS_MIN_CHUNK_ROWS - 1) / DBIAS_MIN_CHUNK_ROWS;
-    return chunks < DBIAS_MAX_CHUNKS ? chunks : DBIAS_MAX_CHUNKS;
-}
+// Row chunks of the bias gradient: cuda_common.cuh's column_splits of the M rows (one chunk, no
+// scratch, when M is small or OC wide enough to fill the GPU by itself).
+static int dbias_chunks(int M, int OC) { return column_splits(1, M, OC, 1, SIZE_MAX); }
 
-size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M) * OC; }
+size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M, OC) * OC; }
 
 // Largest power of two (≤ 256) dividing the address: tells cuBLASLt's heuristic which kernels
 // may touch the buffer (its default assumes 256-byte alignment).
@@ -139,43 +136,48 @@ cleanup:
     return status;
 }
 
-// partial (chunks, OC): partial[c][o] = Σ_{m in chunk c} dout[m][o], chunk c = rows
-// [c·chunk_rows, (c+1)·chunk_rows). Block (COL_TILE, ROW_LANES) per (column tile, chunk).
-__global__ void dbias_partial_kernel(float *partial, const bf16 *dout, int M, int OC, int chunk_rows) {
-    __shared__ float lanes[ROW_LANES][COL_TILE];
-    int o = blockIdx.x * COL_TILE + threadIdx.x;
+// Block (column tile, chunk) of the bias gradient (cuda_common.cuh's column layout): the sum of
+// dout over rows [chunk·chunk_rows, (chunk + 1)·chunk_rows), fixed order; straight into dbias
+// when there is one chunk, else into partial[chunk·OC + o] for column_partials_finish_kernel.
+__global__ void dbias_partial_kernel(float *dbias, float *partial, const bf16 *dout, int M, int OC, int chunks,
+                                     int chunk_rows, bool vec) {
+    __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int o = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, OC - o);
     int row_end = min(M, (int)(blockIdx.y + 1) * chunk_rows);
-    float sum = 0.0f;
-    if (o < OC)
-        for (int m = blockIdx.y * chunk_rows + threadIdx.y; m < row_end; m += ROW_LANES)
-            sum += __bfloat162float(dout[(size_t)m * OC + o]);
-    sum = sum_over_row_lanes(sum, lanes);
-    if (threadIdx.y == 0 && o < OC) partial[(size_t)blockIdx.y * OC + o] = sum;
-}
-
-// dbias[o] += Σ_c partial[c][o], chunks in order.
-__global__ void dbias_finish_kernel(float *dbias, const float *partial, int chunks, int OC) {
-    int o = blockIdx.x * blockDim.x + threadIdx.x;
-    if (o >= OC) return;
-    float sum = 0.0f;
-    for (int c = 0; c < chunks; c++) sum += partial[(size_t)c * OC + o];
-    dbias[o] += sum;
+    float sum[VEC] = {0};
+    if (n > 0) {
+#pragma unroll 4
+        for (int m = blockIdx.y * chunk_rows + warp; m < row_end; m += COL_WARPS) {
+            float dy[VEC];
+            load_bf16x8(dy, dout + (size_t)m * OC + o, n, vec);
+            for (int j = 0; j < VEC; j++) sum[j] += dy[j];
+        }
+    }
+    float total = sum_over_warps(sum, lanes);
+    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
+    if (col >= OC) return;
+    if (chunks == 1) dbias[col] += total;
+    else partial[(size_t)blockIdx.y * OC + col] = total;
 }
 
 // dbias (OC) += Σ_m dout (M, OC): two passes over a fixed chunking of the rows (deterministic).
 static int dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    int chunks = dbias_chunks(M), chunk_rows = (M + chunks - 1) / chunks;
+    int chunks = dbias_chunks(M, OC), chunk_rows = (M + chunks - 1) / chunks;
     if (linear_backward_scratch_floats(M, OC) > ctx->scratch_floats) {
         dit_set_error(err, "linear_backward_cuda: bias gradient of M=%d OC=%d needs %zu floats of scratch, the context has %zu",
                       M, OC, linear_backward_scratch_floats(M, OC), ctx->scratch_floats);
         return -1;
     }
-    dim3 grid(blocks_for(OC, COL_TILE), chunks), block(COL_TILE, ROW_LANES);
-    dbias_partial_kernel<<<grid, block, 0, stream>>>(ctx->scratch, dout, M, OC, chunk_rows);
+    dim3 grid(blocks_for(OC, COLS_PER_BLOCK), chunks);
+    dbias_partial_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dbias, ctx->scratch, dout, M, OC, chunks, chunk_rows,
+                                                           OC % VEC == 0 && aligned16(dout));
     LAUNCH_CHECK(err, "dbias_partial_kernel", "M=%d OC=%d chunks=%d", M, OC, chunks);
-    dbias_finish_kernel<<<blocks_for(OC, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(dbias, ctx->scratch, chunks, OC);
-    LAUNCH_CHECK(err, "dbias_finish_kernel", "OC=%d chunks=%d", OC, chunks);
+    if (chunks == 1) return 0;
+    column_partials_finish_kernel<<<blocks_for(OC, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
+        dbias, NULL, ctx->scratch, 1, chunks, 1, OC, OC);
+    LAUNCH_CHECK(err, "column_partials_finish_kernel", "OC=%d chunks=%d", OC, chunks);
     return 0;
 }
 

@@ -1,34 +1,48 @@
 // LayerNorm without affine parameters fused with DiT's adaLN modulation (bf16 in and out,
-// statistics and reductions in fp32).
+// statistics and reductions in fp32). Rows are read as 16-byte vectors of VEC bf16 where the
+// sizes and pointers allow (layers/cuda_common.cuh), element by element otherwise.
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
 
 #define LAYERNORM_EPS 1e-6f
 #define ROWS_PER_BLOCK (BLOCK_SIZE / 32)   // one warp per (b, t) row
+// Partial sums of dshift/dscale when the T tokens of an image are split over several blocks
+// (4 MiB per GPU, in this module). The backward calls of one GPU share it: they must not run
+// concurrently on two streams of that GPU.
+#define DMOD_PARTIAL_FLOATS (1 << 20)
+static __device__ float dmod_partials[DMOD_PARTIAL_FLOATS];
 
-// One warp per row of C channels, sample b = row / T:
+// One warp per row of C channels, sample b = row / T; lane l reads the vectors l, l + 32, ...:
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
-// out = x̂·(1 + scale_b) + shift_b.
+// out = x̂·(1 + scale_b) + shift_b. The second and third reads of the row come from L1.
 __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd,
                                                   const bf16 *inp, const bf16 *shift, const bf16 *scale,
-                                                  int rows, int T, int C, int mod_stride) {
+                                                  int rows, int T, int C, int mod_stride, bool vec) {
     int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;   // whole warps leave together
     const bf16 *x = inp + (size_t)row * C;
     const bf16 *sh = shift + (size_t)(row / T) * mod_stride, *sc = scale + (size_t)(row / T) * mod_stride;
-    float sum = 0.0f;
-    for (int c = lane; c < C; c += 32) sum += __bfloat162float(x[c]);
-    float m = warp_sum(sum) / C;
-    float sq = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        float d = __bfloat162float(x[c]) - m;
-        sq += d * d;
+    float v[VEC], sum = 0.0f;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        load_bf16x8(v, x + c, min(VEC, C - c), vec);
+        for (int j = 0; j < VEC; j++) sum += v[j];
+    }
+    float m = warp_sum(sum) / C, sq = 0.0f;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        int n = min(VEC, C - c);
+        load_bf16x8(v, x + c, n, vec);
+        for (int j = 0; j < n; j++) sq += (v[j] - m) * (v[j] - m);
     }
     float s = rsqrtf(warp_sum(sq) / C + LAYERNORM_EPS);
     bf16 *y = out + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) {
-        float xhat = (__bfloat162float(x[c]) - m) * s;
-        y[c] = __float2bfloat16(xhat * (1.0f + __bfloat162float(sc[c])) + __bfloat162float(sh[c]));
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        int n = min(VEC, C - c);
+        float shv[VEC], scv[VEC];
+        load_bf16x8(v, x + c, n, vec);
+        load_bf16x8(shv, sh + c, n, vec);
+        load_bf16x8(scv, sc + c, n, vec);
+        for (int j = 0; j < VEC; j++) v[j] = (v[j] - m) * s * (1.0f + scv[j]) + shv[j];
+        store_bf16x8(y + c, v, n, vec);
     }
     if (lane == 0) {
         mean[row] = m;
@@ -40,49 +54,76 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
 // dinp += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂)).
 __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, const bf16 *inp,
                                                const float *mean, const float *rstd, const bf16 *scale,
-                                               int rows, int T, int C, int mod_stride) {
+                                               int rows, int T, int C, int mod_stride, bool vec) {
     int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const bf16 *x = inp + (size_t)row * C, *dy = dout + (size_t)row * C;
     const bf16 *sc = scale + (size_t)(row / T) * mod_stride;
     float m = mean[row], s = rstd[row];
-    float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
-    for (int c = lane; c < C; c += 32) {
-        float xhat = (__bfloat162float(x[c]) - m) * s;
-        float dxhat = __bfloat162float(dy[c]) * (1.0f + __bfloat162float(sc[c]));
-        sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * xhat;
+    float xv[VEC], dyv[VEC], scv[VEC], sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        int n = min(VEC, C - c);
+        load_bf16x8(xv, x + c, n, vec);
+        load_bf16x8(dyv, dy + c, n, vec);
+        load_bf16x8(scv, sc + c, n, vec);
+        for (int j = 0; j < n; j++) {
+            float dxhat = dyv[j] * (1.0f + scv[j]);
+            sum_dxhat += dxhat;
+            sum_dxhat_xhat += dxhat * (xv[j] - m) * s;
+        }
     }
     float mean_dxhat = warp_sum(sum_dxhat) / C, mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
     bf16 *dx = dinp + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) {
-        float xhat = (__bfloat162float(x[c]) - m) * s;
-        float dxhat = __bfloat162float(dy[c]) * (1.0f + __bfloat162float(sc[c]));
-        dx[c] = __float2bfloat16(__bfloat162float(dx[c]) + s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+        int n = min(VEC, C - c);
+        float dxv[VEC];
+        load_bf16x8(xv, x + c, n, vec);
+        load_bf16x8(dyv, dy + c, n, vec);
+        load_bf16x8(scv, sc + c, n, vec);
+        load_bf16x8(dxv, dx + c, n, vec);
+        for (int j = 0; j < VEC; j++) {
+            float xhat = (xv[j] - m) * s, dxhat = dyv[j] * (1.0f + scv[j]);
+            dxv[j] += s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat);
+        }
+        store_bf16x8(dx + c, dxv, n, vec);
     }
 }
 
-// Block (COL_TILE, ROW_LANES) per (channel tile, sample b), summing over the T tokens in a
-// fixed order: dshift_b[c] += Σ_t dout; dscale_b[c] += Σ_t dout·x̂.
-__global__ void layernorm_modulate_dmod_kernel(float *dshift, float *dscale, const bf16 *dout,
+// Block (column tile, image b, row range r) of the dshift/dscale sums (cuda_common.cuh's column
+// layout): Σ dout and Σ dout·x̂ over the rows t of range r of image b, fixed order. With one range
+// per image (splits == 1) the sums go straight into dshift_b, dscale_b; otherwise into
+// partial[((b·splits + r)·2 + {0, 1})·C + c] for column_partials_finish_kernel.
+__global__ void layernorm_modulate_dmod_kernel(float *dshift, float *dscale, float *partial, const bf16 *dout,
                                                const bf16 *inp, const float *mean, const float *rstd,
-                                               int T, int C, int mod_stride) {
-    __shared__ float lanes[ROW_LANES][COL_TILE];
-    int c = blockIdx.x * COL_TILE + threadIdx.x, b = blockIdx.y;
-    float sum_dy = 0.0f, sum_dy_xhat = 0.0f;
-    if (c < C)
-        for (int t = threadIdx.y; t < T; t += ROW_LANES) {
+                                               int T, int C, int mod_stride, int splits, int split_rows,
+                                               bool vec) {
+    __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int c = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - c);
+    int b = blockIdx.y / splits, t_end = min(T, (int)(blockIdx.y % splits + 1) * split_rows);
+    float sum_dy[VEC] = {0}, sum_dy_xhat[VEC] = {0};
+    if (n > 0) {
+#pragma unroll 4
+        for (int t = (blockIdx.y % splits) * split_rows + warp; t < t_end; t += COL_WARPS) {
             size_t row = (size_t)b * T + t;
-            float dy = __bfloat162float(dout[row * C + c]);
-            float xhat = (__bfloat162float(inp[row * C + c]) - mean[row]) * rstd[row];
-            sum_dy += dy;
-            sum_dy_xhat += dy * xhat;
+            float dy[VEC], x[VEC], m = mean[row], s = rstd[row];
+            load_bf16x8(dy, dout + row * C + c, n, vec);
+            load_bf16x8(x, inp + row * C + c, n, vec);
+            for (int j = 0; j < VEC; j++) {
+                sum_dy[j] += dy[j];
+                sum_dy_xhat[j] += dy[j] * ((x[j] - m) * s);
+            }
         }
-    sum_dy = sum_over_row_lanes(sum_dy, lanes);
-    sum_dy_xhat = sum_over_row_lanes(sum_dy_xhat, lanes);
-    if (threadIdx.y == 0 && c < C) {
-        dshift[(size_t)b * mod_stride + c] += sum_dy;
-        dscale[(size_t)b * mod_stride + c] += sum_dy_xhat;
+    }
+    float total_dy = sum_over_warps(sum_dy, lanes), total_dy_xhat = sum_over_warps(sum_dy_xhat, lanes);
+    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
+    if (col >= C) return;
+    if (splits == 1) {
+        dshift[(size_t)b * mod_stride + col] += total_dy;
+        dscale[(size_t)b * mod_stride + col] += total_dy_xhat;
+    } else {
+        partial[((size_t)blockIdx.y * 2) * C + col] = total_dy;
+        partial[((size_t)blockIdx.y * 2 + 1) * C + col] = total_dy_xhat;
     }
 }
 
@@ -101,8 +142,10 @@ int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     cudaStream_t stream, char *err) {
     if (check_sizes("layernorm_modulate_forward_cuda", B, T, C, mod_stride, err)) return -1;
     int rows = B * T;
+    bool vec = C % VEC == 0 && mod_stride % VEC == 0 && aligned16(out) && aligned16(inp) &&
+               aligned16(shift) && aligned16(scale);
     layernorm_modulate_forward_kernel<<<blocks_for(rows, ROWS_PER_BLOCK), BLOCK_SIZE, 0, stream>>>(
-        out, mean, rstd, inp, shift, scale, rows, T, C, mod_stride);
+        out, mean, rstd, inp, shift, scale, rows, T, C, mod_stride, vec);
     LAUNCH_CHECK(err, "layernorm_modulate_forward_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }
@@ -115,13 +158,24 @@ int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
     if (check_sizes("layernorm_modulate_backward_cuda", B, T, C, mod_stride, err) ||
         check_product("layernorm_modulate_backward_cuda", "grid.y B", B, 1, 65535, err)) return -1;
     int rows = B * T;
-    dim3 grid(blocks_for(C, COL_TILE), B), block(COL_TILE, ROW_LANES);
-    layernorm_modulate_dmod_kernel<<<grid, block, 0, stream>>>(dshift, dscale, dout, inp, mean, rstd,
-                                                               T, C, mod_stride);
-    LAUNCH_CHECK(err, "layernorm_modulate_dmod_kernel", "B=%d T=%d C=%d", B, T, C);
+    bool vec = C % VEC == 0 && aligned16(dout) && aligned16(inp);
+    int splits = column_splits(B, T, C, 2, DMOD_PARTIAL_FLOATS), split_rows = (T + splits - 1) / splits;
+    float *partial = NULL;
+    if (splits > 1)
+        CUDA_CHECK(err, cudaGetSymbolAddress((void **)&partial, dmod_partials), "LayerNorm dshift/dscale partials");
+    dim3 grid(blocks_for(C, COLS_PER_BLOCK), B * splits);
+    layernorm_modulate_dmod_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dshift, dscale, partial, dout, inp, mean, rstd,
+                                                                     T, C, mod_stride, splits, split_rows, vec);
+    LAUNCH_CHECK(err, "layernorm_modulate_dmod_kernel", "B=%d T=%d C=%d splits=%d", B, T, C, splits);
+    if (splits > 1) {
+        column_partials_finish_kernel<<<blocks_for((size_t)B * C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
+            dshift, dscale, partial, B, splits, 2, C, mod_stride);
+        LAUNCH_CHECK(err, "column_partials_finish_kernel", "B=%d C=%d splits=%d", B, C, splits);
+    }
     if (!dinp) return 0;
+    vec = vec && mod_stride % VEC == 0 && aligned16(dinp) && aligned16(scale);
     layernorm_modulate_dinp_kernel<<<blocks_for(rows, ROWS_PER_BLOCK), BLOCK_SIZE, 0, stream>>>(
-        dinp, dout, inp, mean, rstd, scale, rows, T, C, mod_stride);
+        dinp, dout, inp, mean, rstd, scale, rows, T, C, mod_stride, vec);
     LAUNCH_CHECK(err, "layernorm_modulate_dinp_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }

@@ -6,11 +6,21 @@
 
 #define CLIP_EPS 1e-6f   // as clip_grad_scale (layers/optimizer.c): torch's clip_grad_norm_
 
-// Pass 1, REDUCE_PARTIALS blocks striding over g: partial[block] = Σ g².
-__global__ void norm_partial_kernel(float *partial, const float *g, size_t n) {
+// Pass 1, REDUCE_PARTIALS blocks striding over g: partial[block] = Σ g². With vec (g 16-byte
+// aligned) thread i reads the float4s i, i + grid threads, ... and the n % 4 last elements are
+// added by the first threads; the order depends on n only (deterministic).
+__global__ void norm_partial_kernel(float *partial, const float *g, size_t n, bool vec) {
+    size_t tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
     float sum = 0.0f;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        sum += g[i] * g[i];
+    if (vec) {
+        for (size_t i = tid; i < n / 4; i += stride) {
+            float4 x = ((const float4 *)g)[i];
+            sum += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+        }
+        if (tid < n % 4) sum += g[n / 4 * 4 + tid] * g[n / 4 * 4 + tid];
+    } else {
+        for (size_t i = tid; i < n; i += stride) sum += g[i] * g[i];
+    }
     sum = block_sum(sum);
     if (threadIdx.x == 0) partial[blockIdx.x] = sum;
 }
@@ -23,31 +33,62 @@ __global__ void norm_finish_kernel(float *norm, const float *partial, int count)
     if (threadIdx.x == 0) *norm = sqrtf(sum);
 }
 
-// g = grad·scale, scale = min(1, max_norm/(‖grad‖ + 1e-6)) (1 without clipping);
-// p -= lr·wd·p; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; p -= lr·(m/bias1)/(sqrt(v/bias2) + eps);
-// p_bf16 = bf16(p). bias1 = 1 - β1^step, bias2 = 1 - β2^step.
-__global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
-                             float lr, float beta1, float beta2, float eps, float weight_decay,
-                             const float *grad_norm, float max_norm, float bias1, float bias2) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float scale = 1.0f;
-    if (grad_norm && max_norm > 0.0f) scale = fminf(1.0f, max_norm / (*grad_norm + CLIP_EPS));
-    float g = grads[i] * scale, p = params[i];
-    p -= lr * weight_decay * p;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    p -= lr * (mi / bias1) / (sqrtf(vi / bias2) + eps);
-    m[i] = mi;
-    v[i] = vi;
-    params[i] = p;
-    params_bf16[i] = __float2bfloat16(p);
+// One AdamW step of one parameter (see adamw_kernel).
+__device__ inline void adamw_one(float *p, float *m, float *v, float g, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, float bias1, float bias2) {
+    *p -= lr * weight_decay * *p;
+    *m = beta1 * *m + (1.0f - beta1) * g;
+    *v = beta2 * *v + (1.0f - beta2) * g * g;
+    *p -= lr * (*m / bias1) / (sqrtf(*v / bias2) + eps);
 }
 
-// ema = decay·ema + (1 - decay)·params.
-__global__ void ema_kernel(float *ema, const float *params, size_t n, float decay) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) ema[i] = decay * ema[i] + (1.0f - decay) * params[i];
+// g = grad·scale, scale = min(1, max_norm/(‖grad‖ + 1e-6)) (1 without clipping);
+// p -= lr·wd·p; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; p -= lr·(m/bias1)/(sqrt(v/bias2) + eps);
+// p_bf16 = bf16(p). bias1 = 1 - β1^step, bias2 = 1 - β2^step. Four parameters per thread: float4
+// loads and stores when vec (every pointer 16-byte aligned, params_bf16 8-byte aligned).
+__global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
+                             float lr, float beta1, float beta2, float eps, float weight_decay,
+                             const float *grad_norm, float max_norm, float bias1, float bias2, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i0 >= n) return;
+    float scale = 1.0f;
+    if (grad_norm && max_norm > 0.0f) scale = fminf(1.0f, max_norm / (*grad_norm + CLIP_EPS));
+    if (vec && i0 + 4 <= n) {
+        float4 p = *(float4 *)(params + i0), g = *(const float4 *)(grads + i0);
+        float4 mi = *(float4 *)(m + i0), vi = *(float4 *)(v + i0);
+        adamw_one(&p.x, &mi.x, &vi.x, g.x * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        adamw_one(&p.y, &mi.y, &vi.y, g.y * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        adamw_one(&p.z, &mi.z, &vi.z, g.z * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        adamw_one(&p.w, &mi.w, &vi.w, g.w * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        *(float4 *)(params + i0) = p;
+        *(float4 *)(m + i0) = mi;
+        *(float4 *)(v + i0) = vi;
+        union { uint2 raw; __nv_bfloat162 pair[2]; } out;
+        out.pair[0] = __floats2bfloat162_rn(p.x, p.y);
+        out.pair[1] = __floats2bfloat162_rn(p.z, p.w);
+        *(uint2 *)(params_bf16 + i0) = out.raw;
+        return;
+    }
+    for (size_t i = i0; i < n && i < i0 + 4; i++) {
+        adamw_one(&params[i], &m[i], &v[i], grads[i] * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        params_bf16[i] = __float2bfloat16(params[i]);
+    }
+}
+
+// ema = decay·ema + (1 - decay)·params, four per thread (float4 when vec).
+__global__ void ema_kernel(float *ema, const float *params, size_t n, float decay, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i0 >= n) return;
+    if (vec && i0 + 4 <= n) {
+        float4 e = *(float4 *)(ema + i0), p = *(const float4 *)(params + i0);
+        e.x = decay * e.x + (1.0f - decay) * p.x;
+        e.y = decay * e.y + (1.0f - decay) * p.y;
+        e.z = decay * e.z + (1.0f - decay) * p.z;
+        e.w = decay * e.w + (1.0f - decay) * p.w;
+        *(float4 *)(ema + i0) = e;
+        return;
+    }
+    for (size_t i = i0; i < n && i < i0 + 4; i++) ema[i] = decay * ema[i] + (1.0f - decay) * params[i];
 }
 
 int global_norm_cuda(float *norm, const float *g, size_t n, const LayersCuda *ctx,
@@ -57,7 +98,7 @@ int global_norm_cuda(float *norm, const float *g, size_t n, const LayersCuda *ct
                       n, REDUCE_PARTIALS, ctx->scratch_floats);
         return -1;
     }
-    norm_partial_kernel<<<REDUCE_PARTIALS, BLOCK_SIZE, 0, stream>>>(ctx->scratch, g, n);
+    norm_partial_kernel<<<REDUCE_PARTIALS, BLOCK_SIZE, 0, stream>>>(ctx->scratch, g, n, aligned16(g));
     LAUNCH_CHECK(err, "norm_partial_kernel", "n=%zu", n);
     norm_finish_kernel<<<1, BLOCK_SIZE, 0, stream>>>(norm, ctx->scratch, REDUCE_PARTIALS);
     LAUNCH_CHECK(err, "norm_finish_kernel", "%d partials", REDUCE_PARTIALS);
@@ -73,9 +114,10 @@ int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, floa
     }
     if (check_grid_x("adamw_update_cuda", n, BLOCK_SIZE, err)) return -1;
     float bias1 = 1.0f - powf(beta1, (float)step), bias2 = 1.0f - powf(beta2, (float)step);
-    adamw_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, n, lr, beta1,
-                                                                      beta2, eps, weight_decay, grad_norm, max_norm,
-                                                                      bias1, bias2);
+    bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && (uintptr_t)params_bf16 % 8 == 0;
+    adamw_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, n, lr, beta1,
+                                                                          beta2, eps, weight_decay, grad_norm, max_norm,
+                                                                          bias1, bias2, vec);
     LAUNCH_CHECK(err, "adamw_kernel", "n=%zu step=%d", n, step);
     return 0;
 }
@@ -83,7 +125,8 @@ int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, floa
 int ema_update_cuda(float *ema, const float *params, size_t n, float decay, cudaStream_t stream, char *err) {
     if (n == 0) return 0;
     if (check_grid_x("ema_update_cuda", n, BLOCK_SIZE, err)) return -1;
-    ema_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(ema, params, n, decay);
+    ema_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(ema, params, n, decay,
+                                                                     aligned16(ema) && aligned16(params));
     LAUNCH_CHECK(err, "ema_kernel", "n=%zu", n);
     return 0;
 }

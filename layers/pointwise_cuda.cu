@@ -5,40 +5,87 @@
 
 #define GELU_SCALE 0.7978845608028654f   // sqrt(2/π)
 
-// One thread per element of (B, T, C), sample b = i / (T·C), channel c = i % C:
-// out = res + gate_b[c]·h.
+// Partial sums of dgate when the T tokens of an image are split over several blocks (4 MiB per
+// GPU, in this module). The backward calls of one GPU share it: they must not run concurrently
+// on two streams of that GPU.
+#define DGATE_PARTIAL_FLOATS (1 << 20)
+static __device__ float dgate_partials[DGATE_PARTIAL_FLOATS];
+
+// Index of gate_b[c] for element i of (B, T, C): b = i / (T·C), c = i % C.
+__device__ inline size_t gate_index(size_t i, int TC, int C, int mod_stride) {
+    return (i / TC) * mod_stride + i % C;
+}
+
+// g[j] = gate_b[c] of element i0 + j for j < count, 0 beyond (one vector when vec: the VEC
+// elements are in one row).
+__device__ inline void load_gates(float g[VEC], const bf16 *gate, size_t i0, int count, int TC, int C,
+                                  int mod_stride, bool vec) {
+    if (vec) {
+        load_bf16x8(g, gate + gate_index(i0, TC, C, mod_stride), VEC, true);
+        return;
+    }
+    for (int j = 0; j < VEC; j++) g[j] = j < count ? __bfloat162float(gate[gate_index(i0 + j, TC, C, mod_stride)]) : 0.0f;
+}
+
+// One thread per VEC consecutive elements i0 .. i0 + VEC - 1 of (B, T, C) (one row and one
+// 16-byte vector each when vec: C a multiple of VEC): out = res + gate_b[c]·h.
 __global__ void gated_residual_forward_kernel(bf16 *out, const bf16 *res, const bf16 *h, const bf16 *gate,
-                                              size_t n, int TC, int C, int mod_stride) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = __bfloat162float(gate[(i / TC) * mod_stride + i % C]);
-    out[i] = __float2bfloat16(__bfloat162float(res[i]) + g * __bfloat162float(h[i]));
+                                              size_t n, int TC, int C, int mod_stride, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    int count = (int)min((size_t)VEC, n - i0);
+    float r[VEC], hv[VEC], g[VEC];
+    load_bf16x8(r, res + i0, count, vec);
+    load_bf16x8(hv, h + i0, count, vec);
+    load_gates(g, gate, i0, count, TC, C, mod_stride, vec);
+    for (int j = 0; j < VEC; j++) r[j] += g[j] * hv[j];
+    store_bf16x8(out + i0, r, count, vec);
 }
 
-// dres += dout; dh += gate_b[c]·dout (elementwise).
+// dres += dout; dh += gate_b[c]·dout (elementwise, VEC elements per thread as the forward).
 __global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, const bf16 *dout, const bf16 *gate,
-                                           size_t n, int TC, int C, int mod_stride) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float d = __bfloat162float(dout[i]);
-    float g = __bfloat162float(gate[(i / TC) * mod_stride + i % C]);
-    if (dres) dres[i] = __float2bfloat16(__bfloat162float(dres[i]) + d);
-    dh[i] = __float2bfloat16(__bfloat162float(dh[i]) + g * d);
+                                           size_t n, int TC, int C, int mod_stride, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    int count = (int)min((size_t)VEC, n - i0);
+    float d[VEC], acc[VEC], g[VEC];
+    load_bf16x8(d, dout + i0, count, vec);
+    load_gates(g, gate, i0, count, TC, C, mod_stride, vec);
+    if (dres) {
+        load_bf16x8(acc, dres + i0, count, vec);
+        for (int j = 0; j < VEC; j++) acc[j] += d[j];
+        store_bf16x8(dres + i0, acc, count, vec);
+    }
+    load_bf16x8(acc, dh + i0, count, vec);
+    for (int j = 0; j < VEC; j++) acc[j] += g[j] * d[j];
+    store_bf16x8(dh + i0, acc, count, vec);
 }
 
-// Block (COL_TILE, ROW_LANES) per (channel tile, sample b): dgate_b[c] += Σ_t dout·h, fixed order.
-__global__ void gated_residual_dgate_kernel(float *dgate, const bf16 *dout, const bf16 *h,
-                                            int T, int C, int mod_stride) {
-    __shared__ float lanes[ROW_LANES][COL_TILE];
-    int c = blockIdx.x * COL_TILE + threadIdx.x, b = blockIdx.y;
-    float sum = 0.0f;
-    if (c < C)
-        for (int t = threadIdx.y; t < T; t += ROW_LANES) {
+// Block (column tile, image b, row range r) of the dgate sums (cuda_common.cuh's column
+// layout): Σ dout·h over the rows of range r of image b, fixed order; straight into dgate_b
+// when splits == 1, else into partial[(b·splits + r)·C + c] for column_partials_finish_kernel.
+__global__ void gated_residual_dgate_kernel(float *dgate, float *partial, const bf16 *dout, const bf16 *h,
+                                            int T, int C, int mod_stride, int splits, int split_rows, bool vec) {
+    __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int c = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - c);
+    int b = blockIdx.y / splits, t_end = min(T, (int)(blockIdx.y % splits + 1) * split_rows);
+    float sum[VEC] = {0};
+    if (n > 0) {
+#pragma unroll 4
+        for (int t = (blockIdx.y % splits) * split_rows + warp; t < t_end; t += COL_WARPS) {
             size_t i = ((size_t)b * T + t) * C + c;
-            sum += __bfloat162float(dout[i]) * __bfloat162float(h[i]);
+            float dy[VEC], hv[VEC];
+            load_bf16x8(dy, dout + i, n, vec);
+            load_bf16x8(hv, h + i, n, vec);
+            for (int j = 0; j < VEC; j++) sum[j] += dy[j] * hv[j];
         }
-    sum = sum_over_row_lanes(sum, lanes);
-    if (threadIdx.y == 0 && c < C) dgate[(size_t)b * mod_stride + c] += sum;
+    }
+    float total = sum_over_warps(sum, lanes);
+    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
+    if (col >= C) return;
+    if (splits == 1) dgate[(size_t)b * mod_stride + col] += total;
+    else partial[(size_t)blockIdx.y * C + col] = total;
 }
 
 // GELU(x) = 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³).
@@ -102,7 +149,7 @@ static int check_btc(const char *fn, int B, int T, int C, int mod_stride, char *
                       fn, B, T, C, mod_stride);
         return -1;
     }
-    // T·C is an int in the kernels; one thread per element of (B, T, C)
+    // T·C is an int in the kernels; at most one thread per element of (B, T, C)
     return check_product(fn, "T·C", T, C, INT_MAX, err) || check_grid_x(fn, (size_t)B * T * C, BLOCK_SIZE, err)
                ? -1 : 0;
 }
@@ -111,8 +158,10 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err) {
     if (check_btc("gated_residual_forward_cuda", B, T, C, mod_stride, err)) return -1;
     size_t n = (size_t)B * T * C;
-    gated_residual_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
-        out, res, h, gate, n, T * C, C, mod_stride);
+    bool vec = C % VEC == 0 && mod_stride % VEC == 0 && aligned16(out) && aligned16(res) && aligned16(h) &&
+               aligned16(gate);
+    gated_residual_forward_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(
+        out, res, h, gate, n, T * C, C, mod_stride, vec);
     LAUNCH_CHECK(err, "gated_residual_forward_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }
@@ -123,11 +172,23 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
     if (check_btc("gated_residual_backward_cuda", B, T, C, mod_stride, err) ||
         check_product("gated_residual_backward_cuda", "grid.y B", B, 1, 65535, err)) return -1;
     size_t n = (size_t)B * T * C;
-    dim3 grid(blocks_for(C, COL_TILE), B), block(COL_TILE, ROW_LANES);
-    gated_residual_dgate_kernel<<<grid, block, 0, stream>>>(dgate, dout, h, T, C, mod_stride);
-    LAUNCH_CHECK(err, "gated_residual_dgate_kernel", "B=%d T=%d C=%d", B, T, C);
-    gated_residual_dinp_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
-        dres, dh, dout, gate, n, T * C, C, mod_stride);
+    bool vec = C % VEC == 0 && aligned16(dout) && aligned16(h);
+    int splits = column_splits(B, T, C, 1, DGATE_PARTIAL_FLOATS), split_rows = (T + splits - 1) / splits;
+    float *partial = NULL;
+    if (splits > 1)
+        CUDA_CHECK(err, cudaGetSymbolAddress((void **)&partial, dgate_partials), "dgate partials");
+    dim3 grid(blocks_for(C, COLS_PER_BLOCK), B * splits);
+    gated_residual_dgate_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dgate, partial, dout, h, T, C, mod_stride,
+                                                                  splits, split_rows, vec);
+    LAUNCH_CHECK(err, "gated_residual_dgate_kernel", "B=%d T=%d C=%d splits=%d", B, T, C, splits);
+    if (splits > 1) {
+        column_partials_finish_kernel<<<blocks_for((size_t)B * C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
+            dgate, NULL, partial, B, splits, 1, C, mod_stride);
+        LAUNCH_CHECK(err, "column_partials_finish_kernel", "B=%d C=%d splits=%d", B, C, splits);
+    }
+    vec = vec && mod_stride % VEC == 0 && aligned16(dh) && aligned16(gate) && (!dres || aligned16(dres));
+    gated_residual_dinp_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(
+        dres, dh, dout, gate, n, T * C, C, mod_stride, vec);
     LAUNCH_CHECK(err, "gated_residual_dinp_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }

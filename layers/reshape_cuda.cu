@@ -1,5 +1,6 @@
-// Reshapes between images, tokens and attention heads: one thread per element, each output
-// element written by exactly one thread (the backward passes too, so += needs no atomics).
+// Reshapes between images, tokens and attention heads: one thread per element (patchify) or per
+// VEC elements (heads), each output element written by exactly one thread (the backward passes
+// too, so += needs no atomics).
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
 
@@ -47,24 +48,37 @@ __device__ inline size_t head_index(size_t i, int T, int H, int D, int *which) {
     return ((b * H + h) * T + t) * D + d;
 }
 
-__global__ void split_heads_forward_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int T, int H, int D, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    int which;
-    size_t dst = head_index(i, T, H, D, &which);
-    bf16 *out = which == 0 ? q : which == 1 ? k : v;
-    out[dst] = qkv[i];
+// The head kernels move VEC consecutive elements i0 .. i0 + VEC - 1 per thread. When vec (D a
+// multiple of VEC, pointers 16-byte aligned) the VEC elements lie in one head of one token, so
+// both sides are one 16-byte vector; otherwise each element is placed on its own.
+__global__ void split_heads_forward_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int T, int H, int D, size_t n,
+                                           bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    int count = (int)min((size_t)VEC, n - i0), which;
+    for (int j = 0; j < count; j += vec ? VEC : 1) {
+        size_t dst = head_index(i0 + j, T, H, D, &which);
+        bf16 *out = which == 0 ? q : which == 1 ? k : v;
+        copy_bf16x8(out + dst, qkv + i0 + j, vec ? VEC : 1, vec);
+    }
 }
 
 // dqkv[i] += dq/dk/dv[head_index(i)].
 __global__ void split_heads_backward_kernel(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
-                                            int T, int H, int D, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    int which;
-    size_t src = head_index(i, T, H, D, &which);
-    const bf16 *g = which == 0 ? dq : which == 1 ? dk : dv;
-    dqkv[i] = __float2bfloat16(__bfloat162float(dqkv[i]) + __bfloat162float(g[src]));
+                                            int T, int H, int D, size_t n, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    int count = (int)min((size_t)VEC, n - i0), which;
+    for (int j = 0; j < count; j += vec ? VEC : 1) {
+        int len = vec ? VEC : 1;
+        size_t src = head_index(i0 + j, T, H, D, &which);
+        const bf16 *g = which == 0 ? dq : which == 1 ? dk : dv;
+        float acc[VEC], add[VEC];
+        load_bf16x8(acc, dqkv + i0 + j, len, vec);
+        load_bf16x8(add, g + src, len, vec);
+        for (int e = 0; e < VEC; e++) acc[e] += add[e];
+        store_bf16x8(dqkv + i0 + j, acc, len, vec);
+    }
 }
 
 // Element i = (b, t, h, d) of out (B, T, H·D) comes from o (B, H, T, D) at ((b·H + h)·T + t)·D + d.
@@ -75,17 +89,28 @@ __device__ inline size_t merged_index(size_t i, int T, int H, int D) {
     return ((b * H + h) * T + t) * D + d;
 }
 
-__global__ void merge_heads_forward_kernel(bf16 *out, const bf16 *o, int T, int H, int D, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = o[merged_index(i, T, H, D)];
+__global__ void merge_heads_forward_kernel(bf16 *out, const bf16 *o, int T, int H, int D, size_t n, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    int count = (int)min((size_t)VEC, n - i0);
+    for (int j = 0; j < count; j += vec ? VEC : 1)
+        copy_bf16x8(out + i0 + j, o + merged_index(i0 + j, T, H, D), vec ? VEC : 1, vec);
 }
 
 // do_[merged_index(i)] += dout[i] (a bijection: one writer per element).
-__global__ void merge_heads_backward_kernel(bf16 *do_, const bf16 *dout, int T, int H, int D, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    size_t j = merged_index(i, T, H, D);
-    do_[j] = __float2bfloat16(__bfloat162float(do_[j]) + __bfloat162float(dout[i]));
+__global__ void merge_heads_backward_kernel(bf16 *do_, const bf16 *dout, int T, int H, int D, size_t n, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i0 >= n) return;
+    int count = (int)min((size_t)VEC, n - i0);
+    for (int j = 0; j < count; j += vec ? VEC : 1) {
+        int len = vec ? VEC : 1;
+        size_t dst = merged_index(i0 + j, T, H, D);
+        float acc[VEC], add[VEC];
+        load_bf16x8(acc, do_ + dst, len, vec);
+        load_bf16x8(add, dout + i0 + j, len, vec);
+        for (int e = 0; e < VEC; e++) acc[e] += add[e];
+        store_bf16x8(do_ + dst, acc, len, vec);
+    }
 }
 
 static int check_image(const char *fn, int B, int Cimg, int S, int p, char *err) {
@@ -104,7 +129,7 @@ static int check_heads(const char *fn, int B, int T, int H, int D, char *err) {
         dit_set_error(err, "%s: sizes must be positive (B=%d T=%d H=%d D=%d)", fn, B, T, H, D);
         return -1;
     }
-    // a row of qkv (3·H·D) is indexed with int; one thread per element of (B, T, 3·H·D)
+    // a row of qkv (3·H·D) is indexed with int; at most one thread per element of (B, T, 3·H·D)
     return check_product(fn, "3·H·D", 3LL * H, D, INT_MAX, err) ||
            check_grid_x(fn, (size_t)B * T * 3 * H * D, BLOCK_SIZE, err) ? -1 : 0;
 }
@@ -140,7 +165,9 @@ int split_heads_forward_cuda(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, 
                              cudaStream_t stream, char *err) {
     if (check_heads("split_heads_forward_cuda", B, T, H, D, err)) return -1;
     size_t n = (size_t)B * T * 3 * H * D;
-    split_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(q, k, v, qkv, T, H, D, n);
+    bool vec = D % VEC == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(qkv);
+    split_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(
+        q, k, v, qkv, T, H, D, n, vec);
     LAUNCH_CHECK(err, "split_heads_forward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
     return 0;
 }
@@ -149,7 +176,9 @@ int split_heads_backward_cuda(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const 
                               int B, int T, int H, int D, cudaStream_t stream, char *err) {
     if (check_heads("split_heads_backward_cuda", B, T, H, D, err)) return -1;
     size_t n = (size_t)B * T * 3 * H * D;
-    split_heads_backward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(dqkv, dq, dk, dv, T, H, D, n);
+    bool vec = D % VEC == 0 && aligned16(dqkv) && aligned16(dq) && aligned16(dk) && aligned16(dv);
+    split_heads_backward_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(
+        dqkv, dq, dk, dv, T, H, D, n, vec);
     LAUNCH_CHECK(err, "split_heads_backward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
     return 0;
 }
@@ -158,7 +187,8 @@ int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int 
                              cudaStream_t stream, char *err) {
     if (check_heads("merge_heads_forward_cuda", B, T, H, D, err)) return -1;
     size_t n = (size_t)B * T * H * D;
-    merge_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(out, o, T, H, D, n);
+    bool vec = D % VEC == 0 && aligned16(out) && aligned16(o);
+    merge_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(out, o, T, H, D, n, vec);
     LAUNCH_CHECK(err, "merge_heads_forward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
     return 0;
 }
@@ -167,7 +197,8 @@ int merge_heads_backward_cuda(bf16 *do_, const bf16 *dout, int B, int T, int H, 
                               cudaStream_t stream, char *err) {
     if (check_heads("merge_heads_backward_cuda", B, T, H, D, err)) return -1;
     size_t n = (size_t)B * T * H * D;
-    merge_heads_backward_kernel<<<blocks_for(n, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(do_, dout, T, H, D, n);
+    bool vec = D % VEC == 0 && aligned16(do_) && aligned16(dout);
+    merge_heads_backward_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(do_, dout, T, H, D, n, vec);
     LAUNCH_CHECK(err, "merge_heads_backward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
     return 0;
 }

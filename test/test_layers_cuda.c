@@ -159,7 +159,7 @@ TestSuite(cuda, .init = setup, .fini = teardown);
 // ---- linear ------------------------------------------------------------------------------
 
 // Forward (with and without bias) and backward of one linear shape against linear_forward /
-// linear_backward. M > 256 exercises several chunks of the bias-gradient reduction.
+// linear_backward. M >= 128 exercises several row chunks of the bias-gradient reduction.
 static void check_linear(int M, int IC, int OC, uint64_t seed) {
     Rng rng;
     rng_seed(&rng, seed);
@@ -202,6 +202,8 @@ Test(cuda, linear_shapes) {
     check_linear(600, 64, 40, 2);    // 3 chunks in the bias gradient
     check_linear(98, 4, 24, 3);      // patch embedding of 1-channel 2×2 patches: IC = 4
     check_linear(98, 48, 4, 4);      // final layer to 2×2×1 pixels: OC = 4
+    check_linear(5000, 16, 300, 16); // OC not a multiple of 8 or 256: element-wise dbias, 78 chunks
+    check_linear(8192, 16, 264, 17); // 16-byte dbias loads, 128 chunks, a partial column tile
 }
 
 // linear_gelu_forward_cuda = GELU(linear_forward), pre-activation kept.
@@ -254,73 +256,97 @@ Test(cuda, linear_gelu_rejects_unaligned_width) {
 }
 
 // ---- LayerNorm + modulation, gated residual ----------------------------------------------
-// Shapes: B = 3 samples, T = 37 tokens, C = 72 channels (not a multiple of 32); the modulation
-// vectors are chunks of a (B, 6C) adaLN output, so mod_stride = 6C; shift is chunk 1, scale
-// chunk 2, gate chunk 4, and the gradient tests compare the whole (B, 6C) buffer (the other
-// chunks must stay untouched).
-#define NB 3
-#define NT 37
-#define NC 72
-#define MOD (6 * NC)
+// The modulation vectors are chunks of a (B, 6C) adaLN output, so mod_stride = 6C; shift is
+// chunk 1, scale chunk 2, gate chunk 4, and the gradient tests compare the whole (B, 6C) buffer
+// (the other chunks must stay untouched). Shapes (B, T, C):
+// - (3, 37, 72): C not a multiple of 32, one block row per image (the sums go straight out);
+// - (1, 16384, 264): one image of 16K tokens, the token sums split over 256 blocks and added by
+//   the second pass; C a multiple of 8 (16-byte vectors) but not of the 256-column tile;
+// - (2, 1000, 75): C not a multiple of 8 (element-wise loads, shift/scale unaligned), 15 splits;
+// - (64, 256, 96): config a's batch layout (splits per image over many images).
+static const int norm_shapes[][3] = {{3, 37, 72}, {1, 16384, 264}, {2, 1000, 75}, {64, 256, 96}};
 
-Test(cuda, layernorm_modulate) {
-    REQUIRE_GPU();
-    size_t n = (size_t)NB * NT * NC, nmod = (size_t)NB * MOD;
+static void check_layernorm_modulate(int B, int T, int C, uint64_t seed) {
+    int mod_stride = 6 * C;
+    size_t n = (size_t)B * T * C, nmod = (size_t)B * mod_stride, rows = (size_t)B * T;
     Rng rng;
-    rng_seed(&rng, 7);
+    rng_seed(&rng, seed);
     float *x = host_floats(n);
     for (size_t i = 0; i < n; i++) x[i] = bf16_round(0.5f + 2.0f * rng_normal(&rng));   // non-zero mean
     float *mod = randn_bf16(&rng, nmod, 0.5f), *dy = randn_bf16(&rng, n, 1.0f);
     float *dx0 = randn_bf16(&rng, n, 1.0f), *dmod0 = randn_bf16(&rng, nmod, 1.0f);
-    const float *shift = mod + NC, *scale = mod + 2 * NC;
+    const float *shift = mod + C, *scale = mod + 2 * C;
+    char name[128];
 
-    float *y = host_floats(n), *mean = host_floats(NB * NT), *rstd = host_floats(NB * NT);
-    layernorm_modulate_forward(y, mean, rstd, x, shift, scale, NB, NT, NC, MOD);
+    float *y = host_floats(n), *mean = host_floats(rows), *rstd = host_floats(rows);
+    layernorm_modulate_forward(y, mean, rstd, x, shift, scale, B, T, C, mod_stride);
     bf16 *d_x = upload_bf16(x, n), *d_mod = upload_bf16(mod, nmod);
     bf16 *d_y = poisoned(n * sizeof(bf16));
-    float *d_mean = poisoned(NB * NT * sizeof(float)), *d_rstd = poisoned(NB * NT * sizeof(float));
-    OK(layernorm_modulate_forward_cuda(d_y, d_mean, d_rstd, d_x, d_mod + NC, d_mod + 2 * NC, NB, NT, NC, MOD, 0, err));
-    EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, "layernorm_modulate forward out");
-    EXPECT_CLOSE(download_f32(d_mean, NB * NT), mean, NB * NT, TOL_F32, "layernorm_modulate forward mean");
-    EXPECT_CLOSE(download_f32(d_rstd, NB * NT), rstd, NB * NT, TOL_F32, "layernorm_modulate forward rstd");
+    float *d_mean = poisoned(rows * sizeof(float)), *d_rstd = poisoned(rows * sizeof(float));
+    OK(layernorm_modulate_forward_cuda(d_y, d_mean, d_rstd, d_x, d_mod + C, d_mod + 2 * C, B, T, C, mod_stride, 0, err));
+    snprintf(name, sizeof name, "layernorm_modulate forward out B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, name);
+    snprintf(name, sizeof name, "layernorm_modulate forward mean B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_f32(d_mean, rows), mean, rows, TOL_F32, name);
+    snprintf(name, sizeof name, "layernorm_modulate forward rstd B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_f32(d_rstd, rows), rstd, rows, TOL_F32, name);
 
     // backward from the CPU statistics on both sides
     float *dx = copy_floats(dx0, n), *dmod = copy_floats(dmod0, nmod);
-    layernorm_modulate_backward(dx, dmod + NC, dmod + 2 * NC, dy, x, mean, rstd, scale, NB, NT, NC, MOD);
+    layernorm_modulate_backward(dx, dmod + C, dmod + 2 * C, dy, x, mean, rstd, scale, B, T, C, mod_stride);
     bf16 *d_dx = upload_bf16(dx0, n);
     float *d_dmod = upload_f32(dmod0, nmod);
-    OK(layernorm_modulate_backward_cuda(d_dx, d_dmod + NC, d_dmod + 2 * NC, upload_bf16(dy, n), d_x,
-                                        upload_f32(mean, NB * NT), upload_f32(rstd, NB * NT), d_mod + 2 * NC,
-                                        NB, NT, NC, MOD, 0, err));
-    EXPECT_CLOSE(download_bf16(d_dx, n), dx, n, TOL_BF16, "layernorm_modulate backward dinp");
-    EXPECT_CLOSE(download_f32(d_dmod, nmod), dmod, nmod, TOL_F32, "layernorm_modulate backward dshift|dscale");
+    OK(layernorm_modulate_backward_cuda(d_dx, d_dmod + C, d_dmod + 2 * C, upload_bf16(dy, n), d_x,
+                                        upload_f32(mean, rows), upload_f32(rstd, rows), d_mod + 2 * C,
+                                        B, T, C, mod_stride, 0, err));
+    snprintf(name, sizeof name, "layernorm_modulate backward dinp B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_bf16(d_dx, n), dx, n, TOL_BF16, name);
+    snprintf(name, sizeof name, "layernorm_modulate backward dshift|dscale B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_f32(d_dmod, nmod), dmod, nmod, TOL_F32, name);
+}
+
+Test(cuda, layernorm_modulate) {
+    REQUIRE_GPU();
+    for (size_t i = 0; i < sizeof norm_shapes / sizeof *norm_shapes; i++)
+        check_layernorm_modulate(norm_shapes[i][0], norm_shapes[i][1], norm_shapes[i][2], 7 + i);
+}
+
+static void check_gated_residual(int B, int T, int C, uint64_t seed) {
+    int mod_stride = 6 * C;
+    size_t n = (size_t)B * T * C, nmod = (size_t)B * mod_stride;
+    Rng rng;
+    rng_seed(&rng, seed);
+    float *res = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f), *mod = randn_bf16(&rng, nmod, 1.0f);
+    float *dy = randn_bf16(&rng, n, 1.0f), *dres0 = randn_bf16(&rng, n, 1.0f), *dh0 = randn_bf16(&rng, n, 1.0f);
+    float *dmod0 = randn_bf16(&rng, nmod, 1.0f);
+    const float *gate = mod + 4 * C;
+    char name[128];
+
+    float *y = host_floats(n);
+    gated_residual_forward(y, res, h, gate, B, T, C, mod_stride);
+    bf16 *d_h = upload_bf16(h, n), *d_mod = upload_bf16(mod, nmod), *d_y = poisoned(n * sizeof(bf16));
+    OK(gated_residual_forward_cuda(d_y, upload_bf16(res, n), d_h, d_mod + 4 * C, B, T, C, mod_stride, 0, err));
+    snprintf(name, sizeof name, "gated_residual forward B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, name);
+
+    float *dres = copy_floats(dres0, n), *dh = copy_floats(dh0, n), *dmod = copy_floats(dmod0, nmod);
+    gated_residual_backward(dres, dh, dmod + 4 * C, dy, h, gate, B, T, C, mod_stride);
+    bf16 *d_dres = upload_bf16(dres0, n), *d_dh = upload_bf16(dh0, n);
+    float *d_dmod = upload_f32(dmod0, nmod);
+    OK(gated_residual_backward_cuda(d_dres, d_dh, d_dmod + 4 * C, upload_bf16(dy, n), d_h, d_mod + 4 * C,
+                                    B, T, C, mod_stride, 0, err));
+    snprintf(name, sizeof name, "gated_residual backward dres B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_bf16(d_dres, n), dres, n, TOL_BF16, name);
+    snprintf(name, sizeof name, "gated_residual backward dh B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_bf16(d_dh, n), dh, n, TOL_BF16, name);
+    snprintf(name, sizeof name, "gated_residual backward dgate B=%d T=%d C=%d", B, T, C);
+    EXPECT_CLOSE(download_f32(d_dmod, nmod), dmod, nmod, TOL_F32, name);
 }
 
 Test(cuda, gated_residual) {
     REQUIRE_GPU();
-    size_t n = (size_t)NB * NT * NC, nmod = (size_t)NB * MOD;
-    Rng rng;
-    rng_seed(&rng, 8);
-    float *res = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f), *mod = randn_bf16(&rng, nmod, 1.0f);
-    float *dy = randn_bf16(&rng, n, 1.0f), *dres0 = randn_bf16(&rng, n, 1.0f), *dh0 = randn_bf16(&rng, n, 1.0f);
-    float *dmod0 = randn_bf16(&rng, nmod, 1.0f);
-    const float *gate = mod + 4 * NC;
-
-    float *y = host_floats(n);
-    gated_residual_forward(y, res, h, gate, NB, NT, NC, MOD);
-    bf16 *d_h = upload_bf16(h, n), *d_mod = upload_bf16(mod, nmod), *d_y = poisoned(n * sizeof(bf16));
-    OK(gated_residual_forward_cuda(d_y, upload_bf16(res, n), d_h, d_mod + 4 * NC, NB, NT, NC, MOD, 0, err));
-    EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, "gated_residual forward");
-
-    float *dres = copy_floats(dres0, n), *dh = copy_floats(dh0, n), *dmod = copy_floats(dmod0, nmod);
-    gated_residual_backward(dres, dh, dmod + 4 * NC, dy, h, gate, NB, NT, NC, MOD);
-    bf16 *d_dres = upload_bf16(dres0, n), *d_dh = upload_bf16(dh0, n);
-    float *d_dmod = upload_f32(dmod0, nmod);
-    OK(gated_residual_backward_cuda(d_dres, d_dh, d_dmod + 4 * NC, upload_bf16(dy, n), d_h, d_mod + 4 * NC,
-                                    NB, NT, NC, MOD, 0, err));
-    EXPECT_CLOSE(download_bf16(d_dres, n), dres, n, TOL_BF16, "gated_residual backward dres");
-    EXPECT_CLOSE(download_bf16(d_dh, n), dh, n, TOL_BF16, "gated_residual backward dh");
-    EXPECT_CLOSE(download_f32(d_dmod, nmod), dmod, nmod, TOL_F32, "gated_residual backward dgate");
+    for (size_t i = 0; i < sizeof norm_shapes / sizeof *norm_shapes; i++)
+        check_gated_residual(norm_shapes[i][0], norm_shapes[i][1], norm_shapes[i][2], 20 + i);
 }
 
 // ---- pointwise ---------------------------------------------------------------------------
@@ -398,12 +424,11 @@ Test(cuda, patchify_unpatchify) {
     cr_assert_eq(n, (size_t)B * T * Cin * p * p);
 }
 
-Test(cuda, split_merge_heads) {
-    REQUIRE_GPU();
-    int B = 2, T = 5, H = 3, D = 8;
+// D a multiple of 8: 16-byte vectors; D = 6: element by element.
+static void check_heads(int B, int T, int H, int D, uint64_t seed) {
     size_t nh = (size_t)B * T * H * D, nqkv = 3 * nh;
     Rng rng;
-    rng_seed(&rng, 11);
+    rng_seed(&rng, seed);
     float *qkv = randn_bf16(&rng, nqkv, 1.0f), *g = randn_bf16(&rng, nqkv, 1.0f), *acc0 = randn_bf16(&rng, nqkv, 1.0f);
     float *q = host_floats(nh), *k = host_floats(nh), *v = host_floats(nh);
     split_heads_forward(q, k, v, qkv, B, T, H, D);
@@ -430,6 +455,13 @@ Test(cuda, split_merge_heads) {
     bf16 *d_do = upload_bf16(acc0, nh);
     OK(merge_heads_backward_cuda(d_do, d_g, B, T, H, D, 0, err));
     EXPECT_EXACT_BF16(download_bf16(d_do, nh), do_, nh, "merge_heads backward");
+}
+
+Test(cuda, split_merge_heads) {
+    REQUIRE_GPU();
+    check_heads(2, 5, 3, 8, 11);
+    check_heads(2, 33, 4, 64, 12);
+    check_heads(3, 7, 5, 6, 13);
 }
 
 // ---- conditioning ------------------------------------------------------------------------
@@ -541,6 +573,25 @@ Test(cuda, optimizer) {
     ema_update(ema, p, n, 0.999f);
     OK(ema_update_cuda(d_ema, d_p, n, 0.999f, 0, err));
     EXPECT_CLOSE(download_f32(d_ema, n), ema, n, TOL_F32, "ema");
+
+    // a parameter group that starts one element in (not 16-byte aligned): the element-wise path
+    size_t n1 = n - 1;
+    p = copy_floats(p0, n), m = copy_floats(m0, n), v = copy_floats(v0, n);
+    adamw_update(p + 1, g + 1, m + 1, v + 1, n1, lr, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 2);
+    d_p = upload_f32(p0, n), d_m = upload_f32(m0, n), d_v = upload_f32(v0, n);
+    OK(adamw_update_cuda(d_p + 1, d_pbf + 1, d_g + 1, d_m + 1, d_v + 1, n1, lr, 0.9f, 0.95f, 1e-8f, 0.1f, NULL, 0.0f, 2,
+                         0, err));
+    gp = download_f32(d_p, n);
+    EXPECT_CLOSE(gp + 1, p + 1, n1, TOL_F32, "adamw params (unaligned group)");
+    EXPECT_CLOSE(download_f32(d_v, n) + 1, v + 1, n1, TOL_F32, "adamw v (unaligned group)");
+    EXPECT_EXACT_BF16(download_bf16(d_pbf, n) + 1, gp + 1, n1, "adamw bf16 copy (unaligned group)");
+    ema = copy_floats(p0, n), d_ema = upload_f32(p0, n);
+    ema_update(ema + 1, p + 1, n1, 0.99f);
+    OK(ema_update_cuda(d_ema + 1, d_p + 1, n1, 0.99f, 0, err));
+    EXPECT_CLOSE(download_f32(d_ema, n) + 1, ema + 1, n1, TOL_F32, "ema (unaligned)");
+    norm = global_norm(g + 1, n1);
+    OK(global_norm_cuda(d_norm, d_g + 1, n1, &ctx, 0, err));
+    EXPECT_CLOSE(download_f32(d_norm, 1), &norm, 1, TOL_F32, "global norm (unaligned)");
 }
 
 // ---- determinism: the reductions give the same bits when run again ------------------------
@@ -570,5 +621,38 @@ Test(cuda, reductions_are_deterministic) {
         cr_expect_eq(memcmp(dw, first_dw, nw * sizeof(float)), 0, "dweight differs between runs");
         cr_expect_eq(memcmp(db, first_db, OC * sizeof(float)), 0, "dbias differs between runs");
         cr_expect_eq(memcmp(norm, first_norm, sizeof(float)), 0, "global norm differs between runs");
+    }
+}
+
+// The token sums of dshift, dscale and dgate over one image of 16K tokens (split over many
+// blocks, then a second pass) and the gradients next to them give the same bits on every run.
+Test(cuda, token_reductions_are_deterministic) {
+    REQUIRE_GPU();
+    int B = 1, T = 16384, C = 2048, mod_stride = 6 * C;
+    size_t n = (size_t)B * T * C, nmod = (size_t)B * mod_stride;
+    Rng rng;
+    rng_seed(&rng, 16);
+    bf16 *d_x = upload_bf16(randn_bf16(&rng, n, 1.0f), n), *d_dy = upload_bf16(randn_bf16(&rng, n, 1.0f), n);
+    bf16 *d_mod = upload_bf16(randn_bf16(&rng, nmod, 0.5f), nmod);
+    bf16 *d_ln = device_alloc(n * sizeof(bf16)), *d_dx = device_alloc(n * sizeof(bf16));
+    float *d_mean = device_alloc(T * sizeof(float)), *d_rstd = device_alloc(T * sizeof(float));
+    float *d_dmod = device_alloc(nmod * sizeof(float));
+    OK(layernorm_modulate_forward_cuda(d_ln, d_mean, d_rstd, d_x, d_mod, d_mod + C, B, T, C, mod_stride, 0, err));
+    float *first_dmod = NULL, *first_dx = NULL;
+    for (int run = 0; run < 2; run++) {
+        CK(cudaMemset(d_dmod, 0, nmod * sizeof(float)));
+        CK(cudaMemset(d_dx, 0, n * sizeof(bf16)));
+        OK(layernorm_modulate_backward_cuda(d_dx, d_dmod, d_dmod + C, d_dy, d_x, d_mean, d_rstd, d_mod + C,
+                                            B, T, C, mod_stride, 0, err));
+        OK(gated_residual_backward_cuda(NULL, d_dx, d_dmod + 2 * C, d_dy, d_ln, d_mod + 2 * C, B, T, C, mod_stride,
+                                        0, err));
+        float *dmod = download_f32(d_dmod, nmod), *dx = download_bf16(d_dx, n);
+        if (run == 0) {
+            first_dmod = dmod;
+            first_dx = dx;
+            continue;
+        }
+        cr_expect_eq(memcmp(dmod, first_dmod, nmod * sizeof(float)), 0, "dshift|dscale|dgate differ between runs");
+        cr_expect_eq(memcmp(dx, first_dx, n * sizeof(float)), 0, "dinp differs between runs");
     }
 }

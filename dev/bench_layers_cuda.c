@@ -1,0 +1,239 @@
+// Microbenchmark of the memory-bound layer kernels (layers/*_cuda.cu) at the shapes of config a
+// (DiT-B/2: hidden 768, 12 heads of 64, depth 12, 256 tokens × 64 images) and config c (hidden
+// 2048, 16 heads of 128, depth 4, 16384 tokens × 1 image): per call the median of 50 CUDA-event
+// timed runs after 5 warm-up runs, the bytes the call must move at least, GB/s and the share of
+// the H200's ~4.0 TB/s; the per-step figure multiplies by the calls a training step makes.
+// Inputs are random bf16/fp32 (the kernels' speed does not depend on the values).
+//
+// Build (the library's objects, or another version of them for a before/after comparison):
+//   make -j2 build/libditc.a && gcc -O2 -std=c11 -D_GNU_SOURCE -I. -I/usr/local/cuda/include
+//     -o build/bench_layers_cuda dev/bench_layers_cuda.c build/libditc.a -fopenmp
+//     -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublasLt -lcublas -lcudart -lstdc++ -lm
+// Run: build/bench_layers_cuda [label]   (label: a word printed in every row, e.g. "new")
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cuda_runtime_api.h>
+#include "layers/common.h"
+#include "layers/layers_cuda.h"
+
+#define WARMUP 5
+#define REPEATS 50
+#define PEAK_GBS 4000.0
+
+#define CK(call) do {                                                                          \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+#define OK(call) do {                                                                          \
+        if ((call) != 0) {                                                                     \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, err);         \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+typedef struct {
+    const char *name;
+    int B, T, h, H, D, depth;
+} Config;
+
+static char err[DIT_ERR_LEN];
+static LayersCuda ctx;
+static const char *label = "run";
+
+// A device buffer of `bytes` filled with a repeated 64 MiB pattern of 32-bit words whose low
+// half is a random bf16 in [-0.5, 0.5) and high half 0x3a80 (so fp32 reads see ~1e-3 > 0).
+#define PATTERN_WORDS (1u << 24)
+static void *random_buffer(size_t bytes) {
+    static uint32_t *pattern;
+    if (!pattern) {
+        pattern = malloc(PATTERN_WORDS * 4);
+        uint32_t s = 12345;
+        for (size_t i = 0; i < PATTERN_WORDS; i++) {
+            s = s * 1664525u + 1013904223u;
+            pattern[i] = bf16_bits_from_float(((s >> 8) & 0xffff) / 65536.0f - 0.5f) | (0x3a80u << 16);
+        }
+    }
+    char *d = NULL;
+    CK(cudaMalloc((void **)&d, bytes + 4));
+    for (size_t done = 0; done < bytes; done += PATTERN_WORDS * 4) {
+        size_t len = bytes - done < PATTERN_WORDS * 4 ? bytes - done : PATTERN_WORDS * 4;
+        CK(cudaMemcpy(d + done, pattern, len, cudaMemcpyHostToDevice));
+    }
+    return d;
+}
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+// Median ms of one call of `op` (a function of the case's buffers).
+typedef struct {
+    const Config *c;
+    bf16 *x, *y, *dy, *dx, *mod, *q, *k, *v, *qkv;
+    float *mean, *rstd, *dmod, *f0, *f1, *f2, *f3, *f4, *dw, *db;
+    bf16 *pbf, *w;
+    size_t nparams;
+    int oc;   // the dbias case's width
+} Case;
+
+typedef void (*Op)(Case *);
+
+static double time_op(Op op, Case *cs) {
+    cudaEvent_t start, stop;
+    CK(cudaEventCreate(&start));
+    CK(cudaEventCreate(&stop));
+    float ms[REPEATS];
+    for (int i = 0; i < WARMUP; i++) op(cs);
+    for (int i = 0; i < REPEATS; i++) {
+        CK(cudaEventRecord(start, 0));
+        op(cs);
+        CK(cudaEventRecord(stop, 0));
+        CK(cudaEventSynchronize(stop));
+        CK(cudaEventElapsedTime(&ms[i], start, stop));
+    }
+    CK(cudaEventDestroy(start));
+    CK(cudaEventDestroy(stop));
+    qsort(ms, REPEATS, sizeof *ms, cmp_float);
+    return ms[REPEATS / 2];
+}
+
+#define BTC(cs) (cs)->c->B, (cs)->c->T, (cs)->c->h
+#define HEADS(cs) (cs)->c->B, (cs)->c->T, (cs)->c->H, (cs)->c->D
+
+static void op_ln_forward(Case *cs) {
+    int h = cs->c->h;
+    OK(layernorm_modulate_forward_cuda(cs->y, cs->mean, cs->rstd, cs->x, cs->mod, cs->mod + h, BTC(cs), 6 * h, 0, err));
+}
+static void op_ln_dmod(Case *cs) {
+    int h = cs->c->h;
+    OK(layernorm_modulate_backward_cuda(NULL, cs->dmod, cs->dmod + h, cs->dy, cs->x, cs->mean, cs->rstd, cs->mod + h,
+                                        BTC(cs), 6 * h, 0, err));
+}
+static void op_ln_backward(Case *cs) {
+    int h = cs->c->h;
+    OK(layernorm_modulate_backward_cuda(cs->dx, cs->dmod, cs->dmod + h, cs->dy, cs->x, cs->mean, cs->rstd, cs->mod + h,
+                                        BTC(cs), 6 * h, 0, err));
+}
+static void op_gres_forward(Case *cs) {
+    OK(gated_residual_forward_cuda(cs->y, cs->x, cs->dy, cs->mod + 2 * cs->c->h, BTC(cs), 6 * cs->c->h, 0, err));
+}
+static void op_gres_backward(Case *cs) {
+    OK(gated_residual_backward_cuda(NULL, cs->dx, cs->dmod + 2 * cs->c->h, cs->dy, cs->x, cs->mod + 2 * cs->c->h, BTC(cs),
+                                    6 * cs->c->h, 0, err));
+}
+static void op_split_forward(Case *cs) { OK(split_heads_forward_cuda(cs->q, cs->k, cs->v, cs->qkv, HEADS(cs), 0, err)); }
+static void op_split_backward(Case *cs) { OK(split_heads_backward_cuda(cs->qkv, cs->q, cs->k, cs->v, HEADS(cs), 0, err)); }
+static void op_merge_forward(Case *cs) { OK(merge_heads_forward_cuda(cs->y, cs->q, HEADS(cs), 0, err)); }
+static void op_merge_backward(Case *cs) { OK(merge_heads_backward_cuda(cs->q, cs->y, HEADS(cs), 0, err)); }
+// linear backward with IC = 8: the dweight GEMM is small, the difference with/without dbias is the dbias
+static void op_linear_dbias(Case *cs) {
+    OK(linear_backward_cuda(NULL, cs->dw, cs->db, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
+}
+static void op_linear_nobias(Case *cs) {
+    OK(linear_backward_cuda(NULL, cs->dw, NULL, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
+}
+static void op_adamw(Case *cs) {
+    OK(adamw_update_cuda(cs->f0, cs->pbf, cs->f1, cs->f2, cs->f3, cs->nparams, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.0f, NULL,
+                         0.0f, 10, 0, err));
+}
+static void op_ema(Case *cs) { OK(ema_update_cuda(cs->f4, cs->f0, cs->nparams, 0.9999f, 0, err)); }
+static void op_norm(Case *cs) { OK(global_norm_cuda(cs->f4 + cs->nparams, cs->f1, cs->nparams, &ctx, 0, err)); }
+
+static void report(const Case *cs, const char *what, double ms, double bytes, int calls) {
+    double gbs = bytes / (ms * 1e-3) / 1e9;
+    printf("%-4s %s  %-22s %9.4f ms %8.0f GB/s %5.1f%%  x%-3d %8.3f ms/step  (%.0f MB)\n", label, cs->c->name, what, ms,
+           gbs, 100.0 * gbs / PEAK_GBS, calls, ms * calls, bytes / 1e6);
+}
+
+static void bench_config(const Config *c) {
+    Case cs = {.c = c};
+    int L = c->depth, h = c->h;
+    size_t N = (size_t)c->B * c->T * h, rows = (size_t)c->B * c->T, nh = N;   // H·D = h
+    cs.nparams = (size_t)18 * h * h * L;   // the blocks' weights (qkv, proj, fc1, fc2, adaLN)
+    cs.x = random_buffer(N * 2), cs.y = random_buffer(N * 2), cs.dy = random_buffer(N * 2), cs.dx = random_buffer(N * 2);
+    cs.mod = random_buffer((size_t)c->B * 6 * h * 2);
+    cs.dmod = random_buffer((size_t)c->B * 6 * h * 4);
+    cs.mean = random_buffer(rows * 4), cs.rstd = random_buffer(rows * 4);
+    cs.qkv = random_buffer(3 * nh * 2), cs.q = random_buffer(nh * 2), cs.k = random_buffer(nh * 2), cs.v = random_buffer(nh * 2);
+    op_ln_forward(&cs);   // real statistics
+    CK(cudaDeviceSynchronize());
+
+    double ms = time_op(op_ln_forward, &cs);
+    report(&cs, "layernorm fwd", ms, 4.0 * N + 8.0 * rows, 2 * L + 1);
+    double dmod = time_op(op_ln_dmod, &cs);
+    report(&cs, "layernorm bwd dmod", dmod, 4.0 * N + 8.0 * rows, 2 * L + 1);
+    ms = time_op(op_ln_backward, &cs);
+    report(&cs, "layernorm bwd dinp", ms - dmod, 8.0 * N + 8.0 * rows, 2 * L + 1);
+    report(&cs, "layernorm bwd total", ms, 12.0 * N + 16.0 * rows, 2 * L + 1);
+    ms = time_op(op_gres_forward, &cs);
+    report(&cs, "gated_res fwd", ms, 6.0 * N, 2 * L);
+    ms = time_op(op_gres_backward, &cs);
+    report(&cs, "gated_res bwd (dgate+dh)", ms, 10.0 * N, 2 * L);
+    ms = time_op(op_split_forward, &cs);
+    report(&cs, "split_heads fwd", ms, 12.0 * nh, L);
+    ms = time_op(op_split_backward, &cs);
+    report(&cs, "split_heads bwd", ms, 18.0 * nh, 0);
+    ms = time_op(op_merge_forward, &cs);
+    report(&cs, "merge_heads fwd", ms, 4.0 * nh, L);
+    ms = time_op(op_merge_backward, &cs);
+    report(&cs, "merge_heads bwd", ms, 6.0 * nh, L);
+
+    // dbias at the widths of a block's four linears (qkv 3h, proj h, fc1 4h, fc2 h)
+    size_t M = rows;
+    bf16 *dy_wide = random_buffer(M * 4 * h * 2);
+    bf16 *saved_dy = cs.dy;
+    cs.dy = dy_wide;
+    cs.w = random_buffer((size_t)4 * h * 8 * 2);
+    cs.dw = random_buffer((size_t)4 * h * 8 * 4), cs.db = random_buffer((size_t)4 * h * 4);
+    const int widths[4] = {3 * h, h, 4 * h, h};
+    for (int i = 0; i < 4; i++) {
+        cs.oc = widths[i];
+        double with = time_op(op_linear_dbias, &cs), without = time_op(op_linear_nobias, &cs);
+        char what[32];
+        snprintf(what, sizeof what, "dbias OC=%d", widths[i]);
+        report(&cs, what, with - without, 2.0 * M * widths[i], L);
+    }
+    cs.dy = saved_dy;
+    CK(cudaFree(dy_wide));
+
+    // optimizer over the blocks' parameters (fp32 params, grads, m, v, ema; bf16 copy)
+    cs.f0 = random_buffer(cs.nparams * 4), cs.f1 = random_buffer(cs.nparams * 4), cs.f2 = random_buffer(cs.nparams * 4);
+    cs.f3 = random_buffer(cs.nparams * 4), cs.f4 = random_buffer((cs.nparams + 1) * 4);
+    cs.pbf = random_buffer(cs.nparams * 2);
+    CK(cudaMemset(cs.f3, 0, cs.nparams * 4));   // v >= 0
+    ms = time_op(op_adamw, &cs);
+    report(&cs, "adamw", ms, 30.0 * cs.nparams, 1);
+    ms = time_op(op_ema, &cs);
+    report(&cs, "ema", ms, 12.0 * cs.nparams, 1);
+    ms = time_op(op_norm, &cs);
+    report(&cs, "global_norm", ms, 4.0 * cs.nparams, 1);
+    void *bufs[] = {cs.x, cs.y, cs.dy, cs.dx, cs.mod, cs.dmod, cs.mean, cs.rstd, cs.qkv, cs.q, cs.k, cs.v,
+                    cs.w, cs.dw, cs.db, cs.f0, cs.f1, cs.f2, cs.f3, cs.f4, cs.pbf};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) CK(cudaFree(bufs[i]));
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) label = argv[1];
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+        printf("bench_layers_cuda: no CUDA GPU found\n");
+        return 0;
+    }
+    struct cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("GPU: %s, %d SMs; median of %d runs after %d warm-up; %% of %.1f TB/s\n", prop.name,
+           prop.multiProcessorCount, REPEATS, WARMUP, PEAK_GBS / 1000);
+    OK(layers_cuda_create(&ctx, (size_t)1 << 22, err));
+    const Config configs[] = {
+        {"a", 64, 256, 768, 12, 64, 12},
+        {"c", 1, 16384, 2048, 16, 128, 4},
+    };
+    for (size_t i = 0; i < sizeof configs / sizeof *configs; i++) bench_config(&configs[i]);
+    layers_cuda_destroy(&ctx);
+    return 0;
+}
