@@ -559,22 +559,18 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
     }
     if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
     ncclRedOp_t ops[MAX_BUFFERS];
-    int made = 0;
-    ncclResult_t r = ncclSuccess;
-    for (; made < n_buffers && r == ncclSuccess; made++) {
-        float scale = scales[made];
-        r = ncclRedOpCreatePreMulSum(&ops[made], &scale, ncclFloat32, ncclScalarHostImmediate, c->comm);
-        if (r != ncclSuccess) break;
+    for (int i = 0; i < n_buffers; i++) {
+        float scale = scales[i];
+        if (settle(c, ncclRedOpCreatePreMulSum(&ops[i], &scale, ncclFloat32, ncclScalarHostImmediate, c->comm),
+                   what, err) != 0)
+            return -1;
     }
-    if (r == ncclSuccess) {
-        r = ncclGroupStart();
-        for (int i = 0; i < n_buffers && r == ncclSuccess; i++)
-            r = ncclAllReduce(buffers[i], buffers[i], counts[i], ncclFloat32, ops[i], c->comm, stream);
-        ncclResult_t end = ncclGroupEnd();
-        if (r == ncclSuccess) r = end;
-    }
-    if (settle(c, r, what, err) != 0) return -1;
-    for (int i = 0; i < made; i++) ncclRedOpDestroy(ops[i], c->comm);
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < n_buffers && r == ncclSuccess; i++)
+        r = ncclAllReduce(buffers[i], buffers[i], counts[i], ncclFloat32, ops[i], c->comm, stream);
+    ncclResult_t end = ncclGroupEnd();
+    if (settle(c, r != ncclSuccess ? r : end, what, err) != 0) return -1;
+    for (int i = 0; i < n_buffers; i++) ncclRedOpDestroy(ops[i], c->comm);
     return wait_stream(c, stream, what, err);
 }
 
