@@ -1,12 +1,16 @@
 """Training-step time of ./train_dit against the PyTorch reference (dev/dit_ref.py) on the same GPU,
-for the same model config and batch, in one run.
+for the same model config and batch, in one run: a markdown table (ms/step and images/s).
 
-    python3 dev/bench_step.py [--configs a,c] [--steps 30] [--compile]
+    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--train-dit PATH]
 
 PyTorch: fp32 master weights, autocast bf16, SDPA (cuDNN backend where available), fused AdamW,
-clip_grad_norm_ (the usual mixed-precision recipe); median step time over the steps after the
-warm-up, timed with CUDA events. train_dit: its own per-step ms (log line), median over the same
-steps. Synthetic data on both sides (the step does not depend on pixel values).
+clip_grad_norm_ (the usual mixed-precision recipe), eager and (--compile) torch.compile of the
+model (default mode; the loss, clipping and AdamW stay eager); median step time over the steps
+after the warm-up, timed with CUDA events. train_dit: its own per-step ms (log line: wall clock of
+the whole step, batch and host RNG included), median over the same steps. Synthetic data on both
+sides (the step does not depend on pixel values). Configs b, c, d run at depth 4: the step time
+is linear in depth, so the ratios hold for the full model. A run that fails (out of memory, a
+compile error, train_dit exiting) prints why on stderr and leaves "—" in its cell; the table goes on.
 """
 import argparse
 import os
@@ -14,6 +18,7 @@ import re
 import statistics
 import subprocess
 import sys
+import traceback
 
 import torch
 
@@ -24,18 +29,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (image_size, patch, hidden, depth, heads, batch); tokens = (image_size / patch)^2
 CONFIGS = {
-    "a": (32, 2, 768, 12, 12, 64),     # DiT-B/2 at 256 tokens
-    "b": (128, 2, 1152, 4, 18, 4),     # head dim 64 at 4K tokens (depth 4)
+    "a": (32, 2, 768, 12, 12, 64),     # DiT-B/2 at 256 tokens (full depth)
+    "b": (128, 2, 1152, 4, 18, 4),     # DiT-XL width, head dim 64, at 4K tokens (depth 4 of 28)
     "c": (256, 2, 2048, 4, 16, 1),     # head dim 128 at 16K tokens (depth 4)
     "d": (362, 2, 2048, 4, 16, 1),     # head dim 128 at 32,761 tokens (depth 4)
 }
 
 
-def time_pytorch(cfg, batch, steps, warmup, compile_model):
+def pytorch_step_ms(cfg, batch, steps, warmup, compile_model):
+    """Median ms of one PyTorch training step (CUDA events) after `warmup` steps."""
     torch.manual_seed(0)
     model = make_model(cfg, device="cuda", dtype=torch.float32, use_sdpa=True)
-    if compile_model:
-        model = torch.compile(model)
+    forward = torch.compile(model) if compile_model else model
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
@@ -45,66 +50,100 @@ def time_pytorch(cfg, batch, steps, warmup, compile_model):
     t = torch.rand(batch, device="cuda")
     y = torch.randint(0, cfg.num_classes, (batch,), device="cuda")
     times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = flow_matching_loss(model, x0, t, y, noise)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    del model, opt
-    torch.cuda.empty_cache()
+    try:
+        for i in range(warmup + steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = flow_matching_loss(forward, x0, t, y, noise)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+    finally:
+        del model, forward, opt
+        if compile_model:
+            torch._dynamo.reset()
+        torch.cuda.empty_cache()
     return statistics.median(times)
 
 
-def time_train_dit(size, patch, hidden, depth, heads, batch, attn, steps, warmup):
-    cmd = [os.path.join(REPO, "train_dit"), "--device", "gpu", "--data", "synthetic", "--attn", attn,
+def train_dit_step_ms(train_dit, size, patch, hidden, depth, heads, batch, attn, steps, warmup):
+    """Median of train_dit's logged step times after `warmup` steps; raises RuntimeError with the
+    reason when the run fails."""
+    cmd = [train_dit, "--device", "gpu", "--data", "synthetic", "--attn", attn,
            "--image-size", str(size), "--patch", str(patch), "--hidden", str(hidden),
            "--depth", str(depth), "--heads", str(heads), "--batch", str(batch),
            "--steps", str(warmup + steps), "--ckpt-every", "0", "--sample-every", "0",
            "--out", "/tmp/bench_step_out"]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        return None, out.stderr.strip().splitlines()[-1] if out.stderr else "failed"
+        tail = (out.stderr.strip() or out.stdout.strip() or "no output").splitlines()[-1]
+        raise RuntimeError(f"exit status {out.returncode}: {tail}")
     ms = [float(m.group(1)) for m in re.finditer(r"\| ([0-9.]+) ms \|", out.stdout)]
-    return statistics.median(ms[warmup:]), None
+    if len(ms) <= warmup:
+        raise RuntimeError(f"{len(ms)} step lines in its output, expected {warmup + steps}")
+    return statistics.median(ms[warmup:])
+
+
+def measure(label, fn, *args):
+    # fn(*args), or None with the reason on stderr when it fails
+    try:
+        return fn(*args)
+    except Exception as e:   # noqa: BLE001 -- any failure becomes an empty cell and a message
+        print(f"{label}: failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+              file=sys.stderr, flush=True)
+        if not isinstance(e, (RuntimeError, torch.cuda.OutOfMemoryError)):
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        return None
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="a,c")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="a,b,c,d")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5, help="steps before timing (compile happens here)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
+    ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.steps} steps "
-          f"after {args.warmup}")
-    print("| config | tokens | batch | train_dit sage ms | train_dit bf16 ms | PyTorch eager ms |"
-          + (" PyTorch compile ms |" if args.compile else "") + " eager / sage | eager / bf16 |")
-    print("|---|---|---|---|---|---|" + ("---|" if args.compile else "") + "---|---|")
+          f"after {args.warmup}; cells: ms/step (images/s)", flush=True)
+    runs = ["train_dit sage", "train_dit bf16", "PyTorch eager"] + (["PyTorch compile"] if args.compile else [])
+    ratios = ["eager / sage"] + (["compile / sage"] if args.compile else [])
+    print("| config | tokens | batch | depth | " + " | ".join(runs + ratios) + " |")
+    print("|---" * (4 + len(runs) + len(ratios)) + "|", flush=True)
     for name in args.configs.split(","):
+        if name not in CONFIGS:
+            print(f"config {name}: unknown (expected one of {', '.join(CONFIGS)})", file=sys.stderr)
+            continue
         size, patch, hidden, depth, heads, batch = CONFIGS[name]
         cfg = DiTConfig(image_size=size, channels=1, patch=patch, hidden=hidden, depth=depth,
                         heads=heads, num_classes=10)
-        ours = {}
+        ms = {}
         for attn in ("sage", "bf16"):
-            ms, why = time_train_dit(size, patch, hidden, depth, heads, batch, attn, args.steps, args.warmup)
-            ours[attn] = ms
-            if why:
-                print(f"train_dit --attn {attn} on config {name}: {why}", file=sys.stderr)
-        eager = time_pytorch(cfg, batch, args.steps, args.warmup, False)
-        compiled = time_pytorch(cfg, batch, args.steps, args.warmup, True) if args.compile else None
-        fmt = lambda v: f"{v:.1f}" if v else "—"  # noqa: E731
-        ratio = lambda v: f"{eager / v:.2f}x" if v else "—"  # noqa: E731
-        print(f"| {name} (h{hidden} d{depth} H{heads}) | {(size // patch) ** 2} | {batch} | {fmt(ours['sage'])} | "
-              f"{fmt(ours['bf16'])} | {eager:.1f} |" + (f" {compiled:.1f} |" if args.compile else "")
-              + f" {ratio(ours['sage'])} | {ratio(ours['bf16'])} |", flush=True)
+            ms[f"train_dit {attn}"] = measure(f"config {name}, train_dit --attn {attn}", train_dit_step_ms,
+                                              args.train_dit, size, patch, hidden, depth, heads, batch, attn,
+                                              args.steps, args.warmup)
+        ms["PyTorch eager"] = measure(f"config {name}, PyTorch eager", pytorch_step_ms, cfg, batch,
+                                      args.steps, args.warmup, False)
+        if args.compile:
+            ms["PyTorch compile"] = measure(f"config {name}, PyTorch compile", pytorch_step_ms, cfg, batch,
+                                            args.steps, args.warmup, True)
+        cell = lambda v: f"{v:.1f} ({batch / (v / 1e3):.0f})" if v else "—"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "—"  # noqa: E731
+        sage = ms["train_dit sage"]
+        cells = [cell(ms[r]) for r in runs] + [ratio(ms["PyTorch eager"], sage)]
+        if args.compile:
+            cells.append(ratio(ms["PyTorch compile"], sage))
+        print(f"| {name} (h{hidden} H{heads}) | {(size // patch) ** 2} | {batch} | {depth} | " + " | ".join(cells) + " |",
+              flush=True)
+    print("\nb, c, d run at depth 4 (a at DiT-B's full 12): the step time is linear in depth, so the ratios "
+          "hold for deeper models. x/y: how many times faster train_dit sage is.")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 same GPU: GPU kernel time per step split into attention, GEMMs (cuBLAS/cuBLASLt/nvjet/cutlass)
 and the rest (elementwise, norms, reductions, optimizer, copies).
 
-    python3 dev/profile_step.py [--configs c] [--steps 10]
+    python3 dev/profile_step.py [--configs c,a] [--steps 10] [--compile] [--train-dit PATH]
 
 train_dit runs with dev/kernel_times.c preloaded (CUPTI activity records: every kernel's GPU
-time by name; build/libkernel_times.so, built by dev/devrun_prepare.sh); PyTorch runs under
-torch.profiler for `steps` steps after warm-up. Both: sum of kernel durations / steps (kernels
-only: gaps between kernels are the step time minus this sum).
+time by name; build/libkernel_times.so, built by dev/devrun_prepare.sh); PyTorch (eager, and with
+--compile also torch.compile of the model) runs under torch.profiler for `steps` steps after
+warm-up. Both: sum of kernel durations / steps (kernels only: gaps between kernels are the step
+time minus this sum). Prints each run's split and top kernels, then one markdown table of all.
 """
 import argparse
 import os
@@ -26,13 +27,14 @@ def category(name):
     n = name.lower()
     if any(s in n for s in ("sage", "flash", "attention", "fmha", "sdpa", "cudnn", "ring_merge")):
         return "attention"
-    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")):
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "triton_tem_")):
         return "gemm"
     return "rest"
 
 
 def summarize(kernels, steps, label):
-    """kernels: {name: total_ns}. Prints the split and the top kernels, per step."""
+    """kernels: {name: total_ns}. Prints the split and the top kernels, per step; returns the ms
+    per step of (total, attention, gemm, rest)."""
     by_cat = defaultdict(float)
     for name, ns in kernels.items():
         by_cat[category(name)] += ns
@@ -43,11 +45,12 @@ def summarize(kernels, steps, label):
     print("  top kernels (ms/step, category, name):")
     for name, ns in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
         print(f"    {ns / steps / 1e6:8.3f}  {category(name):9s} {name[:110]}")
+    return tuple(v / steps / 1e6 for v in (total, by_cat["attention"], by_cat["gemm"], by_cat["rest"]))
 
 
-def profile_train_dit(name, attn, steps, lib):
+def profile_train_dit(train_dit, name, attn, steps, lib):
     size, patch, hidden, depth, heads, batch = CONFIGS[name]
-    cmd = [os.path.join(REPO, "train_dit"), "--device", "gpu", "--data", "synthetic", "--attn", attn,
+    cmd = [train_dit, "--device", "gpu", "--data", "synthetic", "--attn", attn,
            "--image-size", str(size), "--patch", str(patch), "--hidden", str(hidden), "--depth", str(depth),
            "--heads", str(heads), "--batch", str(batch), "--steps", str(steps + 1), "--ckpt-every", "0",
            "--sample-every", "0", "--out", "/tmp/profile_step_out"]
@@ -55,23 +58,25 @@ def profile_train_dit(name, attn, steps, lib):
     env = dict(os.environ, LD_PRELOAD=lib, KERNEL_TIMES_OUT=report)
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
-        print(run.stdout[-2000:], run.stderr[-2000:])
-        return
+        print(f"train_dit --attn {attn}, config {name}: failed with status {run.returncode}\n"
+              f"{run.stdout[-2000:]}{run.stderr[-2000:]}")
+        return None
     kernels = {}
     for line in open(report):
         total_ns, _count, kernel = line.rstrip("\n").split(" ", 2)
         kernels[kernel] = float(total_ns)
     # steps + 1 steps ran; the first does the same kernels (plus one-time host work), so the mean
     # over steps + 1 is the per-step kernel time. Sampling is off, so nothing else runs.
-    summarize(kernels, steps + 1, f"train_dit --attn {attn}, config {name}")
+    return summarize(kernels, steps + 1, f"train_dit --attn {attn}, config {name}")
 
 
-def profile_pytorch(name, steps, warmup=5):
+def profile_pytorch(name, steps, compile_model, warmup=5):
     size, patch, hidden, depth, heads, batch = CONFIGS[name]
     cfg = DiTConfig(image_size=size, channels=1, patch=patch, hidden=hidden, depth=depth, heads=heads,
                     num_classes=10)
     torch.manual_seed(0)
     model = make_model(cfg, device="cuda", dtype=torch.float32, use_sdpa=True)
+    forward = torch.compile(model) if compile_model else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     x0 = torch.randn(batch, 1, size, size, device="cuda")
     noise, t = torch.randn_like(x0), torch.rand(batch, device="cuda")
@@ -80,7 +85,7 @@ def profile_pytorch(name, steps, warmup=5):
     def step():
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = flow_matching_loss(model, x0, t, y, noise)
+            loss, _ = flow_matching_loss(forward, x0, t, y, noise)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -96,20 +101,42 @@ def profile_pytorch(name, steps, warmup=5):
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[ev.name] += ev.time_range.elapsed_us() * 1e3  # us -> ns
-    summarize(kernels, steps, f"PyTorch eager (bf16 autocast, SDPA), config {name}")
+    kind = "compile" if compile_model else "eager"
+    return summarize(kernels, steps, f"PyTorch {kind} (bf16 autocast, SDPA), config {name}")
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="c")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--compile", action="store_true", help="also torch.compile (compiles during the warm-up)")
     ap.add_argument("--lib", default=os.path.join(REPO, "build", "libkernel_times.so"))
+    ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    rows = []
     for name in args.configs.split(","):
+        size, patch, hidden, depth, heads, batch = CONFIGS[name]
+        label = f"{name} (h{hidden} d{depth}, {(size // patch) ** 2} tokens x {batch})"
         for attn in ("sage", "bf16"):
-            profile_train_dit(name, attn, args.steps, os.path.abspath(args.lib))
-        profile_pytorch(name, args.steps)
+            rows.append((label, f"train_dit {attn}",
+                         profile_train_dit(os.path.abspath(args.train_dit), name, attn, args.steps,
+                                           os.path.abspath(args.lib))))
+        for compile_model in (False, True) if args.compile else (False,):
+            try:
+                split = profile_pytorch(name, args.steps, compile_model)
+            except Exception as e:   # noqa: BLE001 -- a failed run leaves its row empty
+                print(f"PyTorch {'compile' if compile_model else 'eager'}, config {name}: failed: "
+                      f"{type(e).__name__}: {e}")
+                split = None
+            if compile_model:
+                torch._dynamo.reset()
+            torch.cuda.empty_cache()
+            rows.append((label, f"PyTorch {'compile' if compile_model else 'eager'}", split))
+    print("\n| config | run | kernel ms/step | attention | GEMM | rest |\n|---|---|---|---|---|---|")
+    for label, run, split in rows:
+        cells = " | ".join(f"{v:.1f}" for v in split) if split else "— | — | — | —"
+        print(f"| {label} | {run} | {cells} |")
 
 
 if __name__ == "__main__":
