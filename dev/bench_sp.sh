@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Sequence parallelism on 2 GPUs against 1 GPU: training throughput of train_dit at ~16K and
 # ~31K tokens (hidden 2048, 16 heads of dim 128, depth 4, batch 1, sage attention), Ulysses 2 and
-# ring 2; then the bytes each rank sends in one step, measured from NCCL's own log of every call
-# (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL) beside the formulas of dev/notes_sequence_parallel.md.
+# ring 2; and the bytes each rank sends per step, measured from NCCL's own log of every call
+# (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL, on during the two-GPU runs: one log line per call, a
+# few hundred per step) beside the formulas of dev/notes_sequence_parallel.md.
 #
 #   BIN=.devrun_h4 LOGS=$OUT bash dev/bench_sp.sh        (on a machine with 2 GPUs and NCCL)
+#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu" STEPS=8 ATTN=sage|bf16,
+#             DEADLINE=<epoch seconds> (runs that would start later than 5 s before it are skipped)
 #
 # Image sizes: 256 (patch 2: 128² = 16,384 tokens) and 352 (176² = 30,976 tokens: 32,768 is no
 # square, and sage under ring needs T/2 to be a multiple of 64, so the side a multiple of 16).
@@ -12,28 +15,31 @@
 set -uo pipefail
 BIN=${BIN:-.}
 LOGS=${LOGS:-bench_sp_out}
-STEPS=${STEPS:-12}
+STEPS=${STEPS:-8}
 ATTN=${ATTN:-sage}
 mkdir -p "$LOGS"
 MODEL="--data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn $ATTN --ckpt-every 0 --sample-every 0 --seed 1"
 
+SIZES=${SIZES:-256 352}
+RUNS=${RUNS:-1gpu ulysses2 ring2}
+DEADLINE=${DEADLINE:-$(( $(date +%s) + 100000 ))}
+
 run() {   # name, image size, extra flags
-    local name=$1 size=$2; shift 2
-    timeout 120 "$BIN/train_dit" $MODEL --image-size "$size" --steps "$STEPS" --out "$LOGS/$name" "$@" \
-        > "$LOGS/$name.log" 2>&1 || { echo "$name: FAILED (see $LOGS/$name.log)"; tail -3 "$LOGS/$name.log"; }
+    local name=$1 size=$2 left=$(( DEADLINE - $(date +%s) )); shift 2
+    [ $left -gt 120 ] && left=120
+    if [ $left -lt 5 ]; then echo "$name: skipped (deadline)"; return; fi
+    timeout $left "$BIN/train_dit" $MODEL --image-size "$size" --steps "$STEPS" --out "$LOGS/$name" "$@" \
+        > "$LOGS/$name.log" 2>&1 || { echo "$name: FAILED or cut (see $LOGS/$name.log)"; tail -2 "$LOGS/$name.log"; }
 }
 
-for size in 256 352; do
-    run "t${size}_1gpu" "$size"
-    run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2
-    run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2
-done
-
-# one step with NCCL's log of every collective and send
-for kind in ulysses ring; do
-    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL timeout 120 "$BIN/train_dit" $MODEL --image-size 256 --steps 1 \
-        --out "$LOGS/comm_$kind" --gpus 2 --sp-$kind 2 > "$LOGS/comm_$kind.log" 2>&1 \
-        || echo "comm_$kind: FAILED (see $LOGS/comm_$kind.log)"
+for size in $SIZES; do
+    for r in $RUNS; do
+        case $r in
+            1gpu) run "t${size}_1gpu" "$size" ;;
+            ulysses2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
+            ring2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
+        esac
+    done
 done
 
 python3 - "$LOGS" "$STEPS" "$ATTN" <<'EOF'
@@ -44,7 +50,8 @@ def ms_per_step(name):
     path = os.path.join(logs, name, "train_log.csv")
     if not os.path.exists(path): return None
     rows = [r for r in csv.DictReader(open(path)) if int(r["step"]) >= 4]
-    return statistics.median(float(r["ms"]) for r in rows) if rows else None
+    if len(rows) < steps - 3: return None   # cut short
+    return statistics.median(float(r["ms"]) for r in rows)
 
 print(f"## throughput ({attn} attention, hidden 2048, 16 heads, depth 4, batch 1; median ms/step of steps 4..{steps})")
 print("| tokens | 1 GPU ms | Ulysses 2 ms | speed-up | ring 2 ms | speed-up |")
@@ -52,7 +59,7 @@ print("|---|---|---|---|---|---|")
 for size in (256, 352):
     T = (size // 2) ** 2
     one, uly, ring = (ms_per_step(f"t{size}_{k}") for k in ("1gpu", "ulysses2", "ring2"))
-    f = lambda x: f"{x:.1f}" if x else "failed"
+    f = lambda x: f"{x:.1f}" if x else "not run"
     s = lambda x: f"{one / x:.2f}x" if (one and x) else "-"
     print(f"| {T:,} | {f(one)} | {f(uly)} | {s(uly)} | {f(ring)} | {s(ring)} |")
 
@@ -62,13 +69,13 @@ size_of = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11
 line_re = re.compile(r"\[(\d+)\] NCCL INFO (\w+): opCount \S+ sendbuff \S+ recvbuff \S+ count (\d+) "
                      r"datatype (\d+) op \d+ root (-?\d+) comm \S+ \[nranks=(\d+)\]")
 B, H, D, depth, h, P = 1, 16, 128, 4, 2048, 4
-T = 128 * 128
-n = T // 2                       # tokens per rank
-Te = B * H * n * D               # elements of one (B, H, T/2, D) shard
 params = None
-for kind in ("ulysses", "ring"):
-    path = os.path.join(logs, f"comm_{kind}.log")
-    if not os.path.exists(path): continue
+for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
+    T = (size // 2) ** 2
+    n = T // 2                       # tokens per rank
+    Te = B * H * n * D               # elements of one (B, H, T/2, D) shard
+    path = os.path.join(logs, f"t{size}_{kind}2.log")
+    if not os.path.exists(path) or not ms_per_step(f"t{size}_{kind}2"): continue
     sent = {}
     for line in open(path, errors="replace"):
         m = line_re.search(line)
@@ -83,14 +90,14 @@ for kind in ("ulysses", "ring"):
             b = b * 2 * (nranks - 1) / nranks
         else: continue
         sent.setdefault(dev, {}).setdefault(op, 0)
-        sent[dev][op] += b
+        sent[dev][op] += b / steps
     if kind == "ulysses":   # a2a q, k, v, out (bf16); backward dout (bf16), dq, dk, dv (fp32)
         fwd, bwd = 4 * 2 * Te / 2, (2 + 3 * 4) * Te / 2
     else:                   # sage ring FP8: (R-1) passes of k8, v e4m3, k_scale + 2 stats all-reduces;
         fwd = (2 * Te + 4 * B * H * n // 64) + 2 * 4 * B * H * D   # backward: k, v bf16 once, dk, dv fp32 twice
         bwd = 4 * Te + 8 * Te * 2
         if attn != "sage": fwd = 4 * Te
-    print(f"\n## bytes sent per rank in one step, {kind} 2, {T:,} tokens (measured from NCCL_DEBUG=INFO COLL)")
+    print(f"\n## bytes sent per rank and step, {kind} 2, {T:,} tokens (NCCL_DEBUG=INFO COLL, {steps} steps)")
     for dev in sorted(sent):
         print(f"rank {dev}: " + ", ".join(f"{op} {v / 1e6:.2f} MB" for op, v in sorted(sent[dev].items())))
     att = sum(v for op, v in sent.get(0, {}).items() if op in ("Send",)) + \

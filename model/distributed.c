@@ -584,19 +584,26 @@ static int split_group(DistComm *c, int size, int color, int key, const char *na
     if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 1;
+    // With a non-blocking parent the split runs in the background and NCCL writes *child only
+    // when the new communicator is complete: wait for that (or an error of the parent).
+    volatile ncclComm_t *ready = child;
     ncclResult_t r = ncclCommSplit(c->comm, color, key, child, &config);
     double start = now_seconds();
-    while (r == ncclInProgress && *child) {
-        if (now_seconds() - start > c->timeout_s) return fail(c, err, "%s: %s", what, "still in progress");
+    while ((r == ncclSuccess || r == ncclInProgress) && *ready == NULL) {
+        if (now_seconds() - start > c->timeout_s)
+            return fail(c, err, "%s: %s", what, "not complete within the timeout (did every rank reach it?)");
         sleep_seconds(1e-4);
-        ncclResult_t q = ncclCommGetAsyncError(*child, &r);
+        ncclResult_t q = ncclCommGetAsyncError(c->comm, &r);
         if (q != ncclSuccess) r = q;
     }
-    if (settle(c, r, what, err) != 0) return -1;
+    if (settle(c, r, what, err) != 0) return -1;   // the parent's background work has finished
+    ncclResult_t q = ncclCommGetAsyncError(*child, &r);
+    if (settle(c, q != ncclSuccess ? q : r, what, err) != 0) return -1;
     int n = 0;
     if ((r = ncclCommCount(*child, &n)) != ncclSuccess || n != size) {
-        char cause[96];
-        snprintf(cause, sizeof(cause), "the new communicator has %d ranks, expected %d", n, size);
+        char cause[160];
+        snprintf(cause, sizeof(cause), "ncclCommCount of the new communicator: %d ranks (%s), expected %d", n,
+                 ncclGetErrorString(r), size);
         return fail(c, err, "%s: %s", what, cause);
     }
     c->children[c->n_children++] = *child;
