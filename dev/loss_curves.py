@@ -230,8 +230,8 @@ def reference_worker(args):
                         ema[n].mul_(decay).add_(p.detach(), alpha=1.0 - decay)
             value = loss.item()
             log.write(f"{k + 1},{value:.9g}\n")
+            log.flush()   # a run stopped at --time-limit keeps every step it finished
             if k == 0 or (k + 1) % 100 == 0 or k + 1 == args.steps:
-                log.flush()
                 print(f"  {args.worker} step {k + 1:5d}/{args.steps} | loss {value:.6f} | "
                       f"{1e3 * (time.time() - t0) / (k + 1):.1f} ms/step", flush=True)
     stream.close()
