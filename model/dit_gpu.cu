@@ -644,7 +644,8 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     TRY(zero_range(m, g->residual, g->ada + (size_t)m->batch * stride, err));
 
     // final layer (sequence parallel: dL/dout is the whole image's; this rank takes its tokens)
-    if (sp_size(m) > 1) {
+    if (sp_size(m) > 1) {   // (unpatchify's backward adds into its output, as every backward here)
+        TRY(zero_range(m, sb->tokens_full, sb->tokens_full + (size_t)B * dit_tokens(c) * P, err));
         TRY(unpatchify_backward_cuda(sb->tokens_full, g->out, B, c->channels, c->image_size, c->patch, s, err));
         TRY(take_token_shard(m, g->out_tokens, sb->tokens_full, B, err));
     } else {
