@@ -36,14 +36,16 @@ for size in $SIZES; do
     for r in $RUNS; do
         case $r in
             1gpu) run "t${size}_1gpu" "$size" ;;
-            ulysses2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
-            ring2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
+            ulysses2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ulysses2.nccl.%p \
+                      run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
+            ring2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ring2.nccl.%p \
+                   run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
         esac
     done
 done
 
 python3 - "$LOGS" "$STEPS" "$ATTN" <<'EOF'
-import csv, os, re, statistics, sys
+import csv, glob, os, re, statistics, sys
 logs, steps, attn = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
 def ms_per_step(name):
@@ -74,10 +76,10 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
     T = (size // 2) ** 2
     n = T // 2                       # tokens per rank
     Te = B * H * n * D               # elements of one (B, H, T/2, D) shard
-    path = os.path.join(logs, f"t{size}_{kind}2.log")
-    if not os.path.exists(path) or not ms_per_step(f"t{size}_{kind}2"): continue
+    paths = glob.glob(os.path.join(logs, f"t{size}_{kind}2.nccl.*"))   # one file per rank (NCCL_DEBUG_FILE)
+    if not paths or not ms_per_step(f"t{size}_{kind}2"): continue
     sent = {}
-    for line in open(path, errors="replace"):
+    for line in (l for p in paths for l in open(p, errors="replace")):
         m = line_re.search(line)
         if not m: continue
         dev, op, count, dtype, root, nranks = int(m[1]), m[2], int(m[3]), int(m[4]), int(m[5]), int(m[6])
