@@ -42,6 +42,7 @@ typedef struct {
     int depth, hidden, heads, patch, image_size, channels;   // 0: the preset's value
     int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
     int skip_bad_images, preview_data, random_flip, save_init;
+    int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
@@ -56,6 +57,8 @@ static const char *usage_text =
     "  --attn KIND           CPU: exact (fp32) | sage (the bit-defined quantized attention);\n"
     "                        GPU: sage | bf16 (exact attention in bf16, FlashAttention-2)\n"
     "                        (default: sage on the GPU, exact on the CPU)\n"
+    "  --sage-rotate 0|1     sage: multiply q and k by a Hadamard matrix before quantizing (exact\n"
+    "                        attention unchanged; outlier channels cost far less INT8 precision) (default 1)\n"
     "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
     "data:\n"
     "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
@@ -138,7 +141,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
-                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1};
+                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -161,6 +164,13 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         else if (!strcmp(f, "--attn")) a->attn = v;
         else if (!strcmp(f, "--t-sampling")) a->t_sampling = v;
         else if (!strcmp(f, "--dump-parity")) a->dump_parity = v;
+        else if (!strcmp(f, "--sage-rotate")) {
+            rc = parse_int(f, v, 0, &a->sage_rotate, err);
+            if (!rc && a->sage_rotate > 1) {
+                dit_set_error(err, "--sage-rotate: expected 0 or 1, got '%s'", v);
+                rc = -1;
+            }
+        }
         else if (!strcmp(f, "--depth")) rc = parse_int(f, v, 1, &a->depth, err);
         else if (!strcmp(f, "--hidden")) rc = parse_int(f, v, 4, &a->hidden, err);
         else if (!strcmp(f, "--heads")) rc = parse_int(f, v, 1, &a->heads, err);
@@ -316,6 +326,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
     // exact attention: fp32 on the CPU, bf16 flash attention on the GPU (--attn bf16)
     DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
     if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : batch, attention, a->seed, err) != 0) die(err);
+    tr->cpu.sage.rotate = a->sage_rotate;
 #ifdef DIT_CUDA
     tr->dist = dist;
     if (tr->on_gpu) {
@@ -324,6 +335,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
         if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
             die(err);
         if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, &sp, err) != 0) die(err);
+        tr->gpu.sage.rotate = a->sage_rotate;
         return;
     }
 #else
@@ -843,9 +855,9 @@ int main(int argc, char **argv) {
     }
     trainer_to_device(&tr);
     if (rank == 0) {
-        printf("dit.c | device %s | attention %s | depth %d hidden %d heads %d (head dim %d) patch %d | "
+        printf("dit.c | device %s | attention %s%s | depth %d hidden %d heads %d (head dim %d) patch %d | "
                "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
-               a->device, a->attn, cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
+               a->device, a->attn, !strcmp(a->attn, "sage") && a->sage_rotate ? " (Hadamard-rotated q, k)" : "", cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);
         if (world > 1)

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "attention/flash_cuda.h"
+#include "attention/hadamard_cuda.h"
 #include "attention/sage_cuda.h"
 #include "layers/cuda_common.cuh"
 #include "layers/layers.h"
@@ -458,6 +459,10 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
     float *lse = a->att_lse + (size_t)l * B * H * T;
     const uint16_t *q = (const uint16_t *)(a->q + l * blk), *k = (const uint16_t *)(a->k + l * blk);
     const uint16_t *v = (const uint16_t *)(a->v + l * blk);
+    if (m->attention == DIT_ATTN_SAGE && m->sage.rotate) {   // q, k <- qH, kH in place (the backward reads them)
+        TRY(hadamard_rotate_bf16_cuda((uint16_t *)q, (size_t)B * H * T, D, m->stream, err));
+        TRY(hadamard_rotate_bf16_cuda((uint16_t *)k, (size_t)B * H * T, D, m->stream, err));
+    }
     if (m->sp.ring > 1)
         return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                             m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
@@ -480,15 +485,21 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, float *dq, float *dk,
         CUDA_CHECK(err, cudaMemsetAsync(dq, 0, blk * sizeof(float), m->stream), "zeroing dq");
         CUDA_CHECK(err, cudaMemsetAsync(dk, 0, blk * sizeof(float), m->stream), "zeroing dk");
         CUDA_CHECK(err, cudaMemsetAsync(dv, 0, blk * sizeof(float), m->stream), "zeroing dv");
-        return ring_backward(m, dq, dk, dv, (const uint16_t *)dout, q, k, v, out, lse,
-                             m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
-                             m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
-    }
-    if (m->attention == DIT_ATTN_EXACT)
+        TRY(ring_backward(m, dq, dk, dv, (const uint16_t *)dout, q, k, v, out, lse,
+                          m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
+                          m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err));
+    } else if (m->attention == DIT_ATTN_EXACT) {
         return flash_backward_cuda(dq, dk, dv, g->att_workspace, (const uint16_t *)dout, q, k, v, out, lse,
                                    B, H, T, D, m->stream, err);
-    return sage_backward_cuda(dq, dk, dv, g->att_workspace, fwd_ws, (const uint16_t *)dout, q, k, v, out, lse,
-                              NULL, B, H, T, D, m->sage.pv, m->stream, err);
+    } else {
+        TRY(sage_backward_cuda(dq, dk, dv, g->att_workspace, fwd_ws, (const uint16_t *)dout, q, k, v, out, lse,
+                               NULL, B, H, T, D, m->sage.pv, m->stream, err));
+    }
+    if (m->attention == DIT_ATTN_SAGE && m->sage.rotate) {   // q = q'H: dq = dq'H (H is symmetric), dk alike
+        TRY(hadamard_rotate_f32_cuda(dq, (size_t)B * H * T, D, m->stream, err));
+        TRY(hadamard_rotate_f32_cuda(dk, (size_t)B * H * T, D, m->stream, err));
+    }
+    return 0;
 }
 
 // ---- small kernels of the model (the layers are in layers/) --------------------------------
@@ -502,15 +513,21 @@ __global__ void add_positions_kernel(bf16 *x, const bf16 *pos, int T, int C, siz
 }
 
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32: split_heads_backward
-// (layers/reshape.c) into a zeroed dqkv, fused with the rounding to bf16 (one rounding).
+// (layers/reshape.c) into a zeroed dqkv, fused with the rounding to bf16 (one rounding). Each
+// thread moves 8 consecutive channels of one head (D is 64 or 128): two 16-byte loads, one
+// 16-byte store. n8 = B·T·3·H·D / 8.
 __global__ void qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *dk, const float *dv,
-                                int T, int H, int D, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
+                                int T, int H, int D, size_t n8) {
+    size_t i8 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i8 >= n8) return;
+    size_t i = 8 * i8;
     int C = H * D, j = i % (3 * C), which = j / C, h = (j % C) / D, d = j % D;
     size_t bt = i / (3 * C), b = bt / T, t = bt % T;
-    const float *src = which == 0 ? dq : which == 1 ? dk : dv;
-    dqkv[i] = __float2bfloat16(src[((b * H + h) * T + t) * D + d]);
+    const float *src = (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + d;
+    float4 lo = *(const float4 *)src, hi = *(const float4 *)(src + 4);
+    __nv_bfloat162 packed[4] = {__floats2bfloat162_rn(lo.x, lo.y), __floats2bfloat162_rn(lo.z, lo.w),
+                                __floats2bfloat162_rn(hi.x, hi.y), __floats2bfloat162_rn(hi.z, hi.w)};
+    *(uint4 *)(dqkv + i) = *(const uint4 *)packed;
 }
 
 // ---- forward -----------------------------------------------------------------------------
@@ -693,8 +710,9 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         } else {
             TRY(attention_backward_gpu(m, l, B, g->dq, g->dk, g->dv, g->att, err));
         }
-        size_t n_qkv = 3 * blk;
-        qkv_grad_kernel<<<blocks_for(n_qkv, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(g->qkv, g->dq, g->dk, g->dv, T, H, D, n_qkv);
+        size_t n_qkv8 = 3 * blk / 8;   // D is 64 or 128 (dit_gpu_create), so rows of 8 never cross a head
+        qkv_grad_kernel<<<blocks_for(n_qkv8, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(g->qkv, g->dq, g->dk, g->dv, T, H, D,
+                                                                            n_qkv8);
         LAUNCH_CHECK(err, "qkv_grad_kernel", "B·T=%d H=%d D=%d", BT, H, D);
         TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
                                  g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, ctx, s, err));

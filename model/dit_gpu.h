@@ -101,7 +101,8 @@ typedef struct {
     cudaStream_t comm_stream;          // the ring's communication stream (R > 1)
     int batch;                         // activations are allocated for this batch size
     DitAttention attention;            // DIT_ATTN_SAGE: sage kernels; DIT_ATTN_EXACT: bf16 flash attention
-    SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is used
+    SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is fixed at create
+                                       // (workspace sizes); rotate (Hadamard of q, k) may be set any time
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling)
     void *params_alloc;

@@ -107,7 +107,9 @@ static float *read_floats(const char *path, size_t n) {
 
 // One step on the current device with the model sp (NULL: one GPU); with comm, the gradients are
 // summed and the loss averaged over the ranks before they are read (as train_dit). Fills r.
-static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention attention, StepResult *r, char *err) {
+// rotate: sage's Hadamard rotation of q, k (DitGpu.sage.rotate).
+static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention attention, int rotate, StepResult *r,
+                    char *err) {
     static Batch b;
     make_batch(&b);
     Dit cpu;
@@ -118,7 +120,9 @@ static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention at
     r->out = malloc(BATCH * IMG * sizeof(float));
     r->grads_local = malloc(r->n * sizeof(float));
     r->grads = malloc(r->n * sizeof(float));
-    int rc = dit_gpu_create_sp(&gpu, &config, BATCH, attention, sp, err) || dit_gpu_upload(&gpu, &cpu, err) ||
+    int rc = dit_gpu_create_sp(&gpu, &config, BATCH, attention, sp, err);
+    gpu.sage.rotate = rotate;
+    rc = rc || dit_gpu_upload(&gpu, &cpu, err) ||
              dit_gpu_set_flow_batch(&gpu, b.x0, b.noise, b.t, b.labels, BATCH, err) ||
              dit_gpu_forward(&gpu, &gpu.weights, BATCH, err) || dit_gpu_loss(&gpu, BATCH, err) ||
              dit_gpu_zero_grad(&gpu, err) || dit_gpu_backward(&gpu, BATCH, err) ||
@@ -135,7 +139,7 @@ static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention at
     return rc ? -1 : 0;
 }
 
-static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttention attention) {
+static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttention attention, int rotate) {
     char err[DIT_ERR_LEN], path[512];
     DistEnv env = {.rank = rank, .world_size = WORLD, .local_rank = rank, .local_world_size = WORLD,
                    .master_port = DIST_DEFAULT_PORT};
@@ -153,7 +157,7 @@ static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttenti
     }
     sp.ulysses_rank = mesh.ulysses_rank;
     sp.ring_rank = mesh.ring_rank;
-    if (one_step(comm, &sp, attention, &r, err) != 0) {
+    if (one_step(comm, &sp, attention, rotate, &r, err) != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
         _exit(1);
     }
@@ -168,7 +172,7 @@ static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttenti
 }
 
 // Runs the two ranks, then the single-GPU reference, and compares.
-static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAttention attention,
+static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAttention attention, int rotate,
                                   double tol_out, double tol_grad) {
     if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");
     char dir[] = "/tmp/test_sp_model_cuda_XXXXXX", path[512], err[DIT_ERR_LEN];
@@ -176,7 +180,7 @@ static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAt
     fflush(NULL);
     pid_t pids[WORLD];
     for (int r = 0; r < WORLD; r++)
-        if ((pids[r] = fork()) == 0) sp_rank(r, dir, ulysses, ring, attention);
+        if ((pids[r] = fork()) == 0) sp_rank(r, dir, ulysses, ring, attention, rotate);
     double start = now_s();
     int statuses[WORLD], left = WORLD;
     for (int r = 0; r < WORLD; r++) statuses[r] = -2;
@@ -196,7 +200,7 @@ static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAt
 
     StepResult ref;
     cr_assert_eq(cudaSetDevice(0), cudaSuccess);
-    cr_assert_eq(one_step(NULL, NULL, attention, &ref, err), 0, "%s", err);
+    cr_assert_eq(one_step(NULL, NULL, attention, rotate, &ref, err), 0, "%s", err);
     size_t n = ref.n;
     float *got[WORLD][4];
     const char *names[4] = {"loss", "out", "grads_local", "grads"};
@@ -236,16 +240,24 @@ static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAt
 }
 
 Test(sp_model, ulysses2_exact_equals_one_gpu, .timeout = 300) {
-    check_against_one_gpu("Ulysses 2, exact", 2, 1, DIT_ATTN_EXACT, TOL_OUT, TOL_GRAD);
+    check_against_one_gpu("Ulysses 2, exact", 2, 1, DIT_ATTN_EXACT, 0, TOL_OUT, TOL_GRAD);
 }
 Test(sp_model, ulysses2_sage_equals_one_gpu, .timeout = 300) {
-    check_against_one_gpu("Ulysses 2, sage", 2, 1, DIT_ATTN_SAGE, TOL_OUT, TOL_GRAD);
+    check_against_one_gpu("Ulysses 2, sage", 2, 1, DIT_ATTN_SAGE, 0, TOL_OUT, TOL_GRAD);
 }
 Test(sp_model, ring2_exact_equals_one_gpu, .timeout = 300) {
-    check_against_one_gpu("ring 2, exact", 1, 2, DIT_ATTN_EXACT, TOL_OUT, TOL_GRAD);
+    check_against_one_gpu("ring 2, exact", 1, 2, DIT_ATTN_EXACT, 0, TOL_OUT, TOL_GRAD);
 }
 Test(sp_model, ring2_sage_equals_one_gpu, .timeout = 300) {
-    check_against_one_gpu("ring 2, sage", 1, 2, DIT_ATTN_SAGE, TOL_OUT_SAGE_RING, TOL_GRAD_SAGE_RING);
+    check_against_one_gpu("ring 2, sage", 1, 2, DIT_ATTN_SAGE, 0, TOL_OUT_SAGE_RING, TOL_GRAD_SAGE_RING);
+}
+// The Hadamard rotation (train_dit's default for sage) is per token and head, so it commutes with
+// both splits: the same tolerances hold.
+Test(sp_model, ulysses2_rotated_sage_equals_one_gpu, .timeout = 300) {
+    check_against_one_gpu("Ulysses 2, sage rotated", 2, 1, DIT_ATTN_SAGE, 1, TOL_OUT, TOL_GRAD);
+}
+Test(sp_model, ring2_rotated_sage_equals_one_gpu, .timeout = 300) {
+    check_against_one_gpu("ring 2, sage rotated", 1, 2, DIT_ATTN_SAGE, 1, TOL_OUT_SAGE_RING, TOL_GRAD_SAGE_RING);
 }
 
 // The model's checks of the sequence-parallel sizes (no GPU needed: they come first).
