@@ -4,6 +4,9 @@
 # ./gpu_logs). BIN holds the prebuilt binaries and benchmark libraries (default build/); the
 # machine has no Criterion, so its runtime libraries come in LIBS (default .devlibs).
 #   BIN=build LOGS=/tmp/logs bash dev/gpu_suite.sh [tests|bench|all]
+#   BIN=build LOGS=/tmp/logs bash dev/gpu_suite.sh multi     # on 2+ GPUs: the NCCL tests, one at a time
+# (One GPU: the multi-GPU tests skip. `multi` sets NCCL_NVLS_ENABLE=0 and finds libnccl in
+# PyTorch's nvidia-nccl wheel when the system has none.)
 set -uo pipefail
 BIN=${BIN:-build}; LOGS=${LOGS:-gpu_logs}; LIBS=${LIBS:-.devlibs}; what=${1:-all}
 mkdir -p "$LOGS"
@@ -11,6 +14,18 @@ export LD_LIBRARY_PATH="$PWD/$LIBS:${LD_LIBRARY_PATH:-}"
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$LOGS/gpu.txt"
 date -u | tee -a "$LOGS/gpu.txt"
+if [ "$what" = multi ]; then
+    export NCCL_NVLS_ENABLE=0
+    nccl_dir=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
+    [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nccl_dir"
+    for t in "$BIN"/test_sequence_parallel_cuda "$BIN"/test_distributed_cuda "$BIN"/test_sp_model_cuda; do
+        [ -x "$t" ] || continue
+        echo "== $t" | tee -a "$LOGS/multi.log"
+        timeout 400 "$t" --jobs 1 --verbose 2>&1 | tee -a "$LOGS/multi.log" | grep -E "Synthesis|FAIL|Assertion" || status=1
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+    exit $status
+fi
 if [ "$what" != bench ]; then
     for t in "$BIN"/test_*_cuda; do
         echo "== $t" | tee -a "$LOGS/tests.log"
