@@ -17,6 +17,17 @@
 //   dK += bf16(dSᵀ)·Q   (scaled by 1/sqrt(D) at the end)
 //   dSᵀ -> shared memory (bf16); then dQ += dS·K/sqrt(D) for the 64×D block as 8 tiles of
 //   16 queries × D/2 columns spread over the warps, added to the fp32 dq with atomics.
+// Deterministic dQ (ORDERED, opt-in: sage_backward_set_deterministic, flash_backward_set_deterministic):
+// the key blocks of a head add their dQ tile of a query block in the order of the key blocks, so dq
+// is the same sum in the same order in every run. One counter
+// per (head, query block) in the workspace (the "turn", zeroed with dq) says how many key blocks
+// have added; key block kb adds its tile when the turn is kb, then increments it (see
+// wait_dq_turn, hand_on_dq_turn). Key block kb - 1 of a head has a lower linear block index than
+// kb (grid (key blocks, B·H)), so it was launched first and the wait cannot deadlock. Each key block
+// runs about one query step behind the one before it: the CTAs of a head launched together start
+// staggered, and any delay of one CTA holds up the key blocks after it: 11–55% slower than the
+// unordered atomics (dev/notes_attention_bwd.md), which stay the default (their sum order, and so
+// dq's last bits, vary from run to run with more than two key blocks per head).
 #pragma once
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +48,7 @@ typedef struct {
     const float *lse, *delta;
     SageCudaQuant qv;
     int N;
+    int *dq_turn;   // (B·H, ceil(N/64)) counters, zeroed: ordered dQ adds; NULL: unordered atomics
 } AttnBwdArgs;
 
 template <int D, int WARPS, int SRC> struct AttnBwdSmem {
@@ -53,12 +65,21 @@ template <int D, int WARPS, int SRC> struct AttnBwdSmem {
     static constexpr int TOTAL = SRC == SCORES_SAGE ? Q8 + 2 * Q8B_BYTES : K8;
 };
 
-// delta[row] = Σ_d dout[row, d]·out[row, d] in fp32, and dq[row, :] = 0. One warp per row.
-static __global__ void attention_delta_kernel(float *delta, float *dq, const __nv_bfloat16 *dout,
-                                              const __nv_bfloat16 *out, size_t rows, int D) {
+// The backward workspace: delta (B·H·N fp32) | the dQ turns (B·H·ceil(N/64) int32), 16-byte aligned.
+static inline size_t attention_backward_turns_offset(int B, int H, int N) {
+    return ((size_t)B * H * N * sizeof(float) + 15) / 16 * 16;
+}
+static inline size_t attention_backward_workspace_bytes(int B, int H, int N) {
+    return attention_backward_turns_offset(B, H, N) + (size_t)B * H * ((N + BWD_BLOCK_M - 1) / BWD_BLOCK_M) * sizeof(int);
+}
+
+// delta[row] = Σ_d dout[row, d]·out[row, d] in fp32, dq[row, :] = 0, and the dQ turn of the query
+// block that starts at row (rows = B·H·N, N per head) = 0 (turn may be NULL). One warp per row.
+static __global__ void attention_delta_kernel(float *delta, float *dq, int *turn, const __nv_bfloat16 *dout,
+                                              const __nv_bfloat16 *out, size_t rows, int N, int D) {
     size_t row = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
-    int lane = threadIdx.x % 32;
+    int lane = threadIdx.x % 32, q = (int)(row % N);
     float s = 0.0f;
     for (int d = lane * 2; d < D; d += 64) {
         float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)(dout + row * D + d));
@@ -68,22 +89,50 @@ static __global__ void attention_delta_kernel(float *delta, float *dq, const __n
     for (int d = lane * 4; d < D; d += 128) *(float4 *)(dq + row * D + d) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) delta[row] = s;
+    if (turn && lane == 0 && q % BWD_BLOCK_M == 0)
+        turn[row / N * ((N + BWD_BLOCK_M - 1) / BWD_BLOCK_M) + q / BWD_BLOCK_M] = 0;
 }
 
-// The delta every backward needs: the caller's (dq is then zeroed here), or rowsum(dout∘out)
-// computed into `workspace` by attention_delta_kernel (which also zeroes dq). rows = B·H·N.
-static inline int attention_backward_delta(const float **delta, float *dq, void *workspace, const uint16_t *dout,
-                                           const uint16_t *out, size_t rows, int D, cudaStream_t stream, char *err) {
-    if (*delta) {
-        SAGE_CUDA_CHECK(cudaMemsetAsync(dq, 0, rows * D * sizeof(float), stream), err, "cudaMemsetAsync(dq)");
+// What every backward needs before its kernel, for a.N and BH = B·H heads of D: a.delta = the
+// caller's delta (dq is then zeroed here), or rowsum(dout∘out) computed into the workspace by
+// attention_delta_kernel (which also zeroes dq); a.dq_turn = the zeroed turns in the workspace, or
+// NULL unless `deterministic`. a.dq must be set.
+static inline int attention_backward_prepare(AttnBwdArgs *a, void *workspace, const uint16_t *out, int BH, int D,
+                                             int deterministic, cudaStream_t stream, char *err) {
+    int N = a->N;
+    size_t rows = (size_t)BH * N;
+    a->dq_turn = deterministic ? (int *)((uint8_t *)workspace + attention_backward_turns_offset(BH, 1, N)) : NULL;
+    if (a->delta) {
+        SAGE_CUDA_CHECK(cudaMemsetAsync(a->dq, 0, rows * D * sizeof(float), stream), err, "cudaMemsetAsync(dq)");
+        if (a->dq_turn)
+            SAGE_CUDA_CHECK(cudaMemsetAsync(a->dq_turn, 0, (size_t)BH * ((N + BWD_BLOCK_M - 1) / BWD_BLOCK_M) * sizeof(int),
+                                            stream), err, "cudaMemsetAsync(dq turns)");
         return 0;
     }
     float *d = (float *)workspace;
-    attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(d, dq, (const __nv_bfloat16 *)dout,
-                                                                         (const __nv_bfloat16 *)out, rows, D);
+    attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(d, a->dq, a->dq_turn, a->dout,
+                                                                         (const __nv_bfloat16 *)out, rows, N, D);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_delta_kernel");
-    *delta = d;
+    a->delta = d;
     return 0;
+}
+
+// Ordered dQ (a.dq_turn != NULL), run by thread 0 of a CTA. A turn counts the key blocks that have
+// added their dQ tile of one query block. wait_dq_turn: until key block kb may add (turn == kb);
+// seen: the turn as loaded before (ld_acquire_gpu issued early hides its latency).
+// hand_on_dq_turn: after every thread's adds of the block were issued and a CTA barrier (bar.sync
+// makes them part of what the release fence orders): the next key block's turn.
+__device__ __forceinline__ int ld_acquire_gpu(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void wait_dq_turn(const int *turn, int kb, int seen) {
+    while (seen != kb) seen = ld_acquire_gpu(turn);
+}
+__device__ __forceinline__ void hand_on_dq_turn(int *turn) {
+    asm volatile("fence.acq_rel.gpu;\n"
+                 "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
 
 // Q, dO (and sage's Q̂) of the 64 queries from q0 into buffer buf, as one cp.async group;
@@ -154,7 +203,9 @@ __device__ __forceinline__ void probs_transposed(float pt[8][4], const uint8_t *
 // A (16×16) from smem holding Aᵀ (k rows, m contiguous), .trans:    row k0 + 8·(mi/2) + r8, col m0 + 8·(mi%2)
 // B pair (k16 × two n8) from smem (n rows, k contiguous):          row n0 + 8·(mi/2) + r8, col k0 + 8·(mi%2)
 // B pair from smem (k rows, n contiguous), .trans:                  row k0 + 8·(mi%2) + r8, col n0 + 8·(mi/2)
-template <int D, int WARPS, int SRC>
+// ORDERED: deterministic dQ through a.dq_turn (compiled out otherwise, which keeps the unordered
+// kernel as fast as before).
+template <int D, int WARPS, int SRC, bool ORDERED>
 __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnBwdArgs a) {
     using S = AttnBwdSmem<D, WARPS, SRC>;
     constexpr int THREADS = WARPS * 32, BLOCK_N = S::BLOCK_N, NT = D / 8;
@@ -162,12 +213,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
     extern __shared__ __align__(16) uint8_t smem[];
     float *s_lse = (float *)(smem + S::LSE), *s_delta = (float *)(smem + S::DELTA);
     const int N = a.N;
-    int bh = blockIdx.y, k0 = blockIdx.x * BLOCK_N, keys = min(BLOCK_N, N - k0);
+    int kb = blockIdx.x, bh = blockIdx.y, k0 = kb * BLOCK_N, keys = min(BLOCK_N, N - k0);
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4, mi = lane / 8, r8 = lane % 8;
     size_t head = (size_t)bh * N * D;
     const float *lse_h = a.lse + (size_t)bh * N, *delta_h = a.delta + (size_t)bh * N;
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
     const int nqb = (N + BWD_BLOCK_M - 1) / BWD_BLOCK_M;
+    int *turn = ORDERED ? a.dq_turn + (size_t)bh * nqb : NULL;   // this head's dQ turns
 
     if constexpr (SRC == SCORES_SAGE)
         cp_async_rows<BLOCK_N, D, S::I8_STRIDE, THREADS>(smem + S::K8, (const uint8_t *)a.qv.k8 + head + (size_t)k0 * D,
@@ -207,7 +259,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
     for (int qb = 0; qb < nqb; qb++) {
         int buf = qb & 1, q0 = qb * BWD_BLOCK_M;
         cp_async_wait<0>();
-        __syncthreads();   // block qb landed; every warp is done with block qb-1 (its buffers and dSᵀ)
+        __syncthreads();   // block qb landed; every warp is done with block qb-1 (its buffers, dSᵀ, dQ adds)
+        int seen_turn = 0;
+        if (ORDERED && tid == 0) seen_turn = ld_acquire_gpu(turn + qb);
         float next_stat = 0.0f;   // lse (tid < 64) or delta (64 <= tid < 128) of block qb+1
         if (qb + 1 < nqb) {
             int q1 = q0 + BWD_BLOCK_M;
@@ -281,7 +335,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
             if (tid < BWD_BLOCK_M) s_lse[(buf ^ 1) * BWD_BLOCK_M + tid] = next_stat;
             else if (tid < 2 * BWD_BLOCK_M) s_delta[(buf ^ 1) * BWD_BLOCK_M + tid - BWD_BLOCK_M] = next_stat;
         }
-        __syncthreads();   // dSᵀ complete
+        if (ORDERED && tid == 0) {   // block qb - 1 to the next key block; wait for our turn at block qb
+            if (qb > 0) hand_on_dq_turn(turn + qb - 1);
+            wait_dq_turn(turn + qb, kb, seen_turn);
+        }
+        __syncthreads();   // dSᵀ complete (and dQ of block qb may be added)
 
         // dQ += dS·K/sqrt(D): tile t = queries 16(t%4).. × columns (t/4)·D/2.., summed over the keys
 #pragma unroll
@@ -312,6 +370,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
             }
         }
     }
+    if (ORDERED) {
+        __syncthreads();
+        if (tid == 0) hand_on_dq_turn(turn + nqb - 1);
+    }
 
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -325,19 +387,24 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
     }
 }
 
-template <int D, int WARPS, int SRC>
-static int launch_attention_backward_warps(const AttnBwdArgs &a, int BH, cudaStream_t stream, char *err) {
+template <int D, int WARPS, int SRC, bool ORDERED>
+static int launch_attention_backward_kernel(const AttnBwdArgs &a, int BH, cudaStream_t stream, char *err) {
     int bytes = AttnBwdSmem<D, WARPS, SRC>::TOTAL;
-    SAGE_CUDA_CHECK(cudaFuncSetAttribute(attention_backward_kernel<D, WARPS, SRC>,
+    SAGE_CUDA_CHECK(cudaFuncSetAttribute(attention_backward_kernel<D, WARPS, SRC, ORDERED>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                     err, "cudaFuncSetAttribute(attention_backward_kernel max dynamic smem)");
     dim3 grid((a.N + 16 * WARPS - 1) / (16 * WARPS), BH);
-    attention_backward_kernel<D, WARPS, SRC><<<grid, WARPS * 32, bytes, stream>>>(a);
+    attention_backward_kernel<D, WARPS, SRC, ORDERED><<<grid, WARPS * 32, bytes, stream>>>(a);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_backward_kernel");
     return 0;
 }
+template <int D, int WARPS, int SRC>
+static int launch_attention_backward_warps(const AttnBwdArgs &a, int BH, cudaStream_t stream, char *err) {
+    if (a.dq_turn) return launch_attention_backward_kernel<D, WARPS, SRC, true>(a, BH, stream, err);
+    return launch_attention_backward_kernel<D, WARPS, SRC, false>(a, BH, stream, err);
+}
 
-// The backward kernel for B·H = BH heads (delta in a.delta, dq zeroed). 8 warps (128 keys) per CTA,
+// The backward kernel for B·H = BH heads (a from attention_backward_prepare). 8 warps (128 keys) per CTA,
 // or 4 (64 keys) where the device's shared memory per block is too small for 8 (e.g. sage at
 // D = 128 on sm_80: 196 KB > 163 KB); DIT_ATTN_BWD_WARPS=4 picks 4 anyway (tests that path).
 template <int D, int SRC>

@@ -5,9 +5,17 @@
 #include "attention/attention_backward.cuh"
 #include "layers/cuda_args.h"
 
+static int flash_deterministic = 0;   // flash_backward_set_deterministic
+
+extern "C" int flash_backward_set_deterministic(int on) {
+    int before = flash_deterministic;
+    flash_deterministic = on != 0;
+    return before;
+}
+
 extern "C" size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D) {
     (void)D;
-    return (size_t)B * H * N * sizeof(float);
+    return attention_backward_workspace_bytes(B, H, N);
 }
 
 extern "C" int flash_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
@@ -21,11 +29,9 @@ extern "C" int flash_backward_cuda(float *dq, float *dk, float *dv, void *worksp
     CHECK_DEVICE_ARGS("flash_backward_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
                       DEVICE_ARG(workspace, 4), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
                       DEVICE_ARG(v, 16), DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4));
-    const float *delta = NULL;
-    if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
-        return -1;
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
-                     (const __nv_bfloat16 *)v, lse, delta, {}, N};
+                     (const __nv_bfloat16 *)v, lse, NULL, {}, N, NULL};
+    if (attention_backward_prepare(&a, workspace, out, B * H, D, flash_deterministic, stream, err) != 0) return -1;
     if (D == 64) return launch_attention_backward<64, SCORES_BF16>(a, B * H, stream, err);
     return launch_attention_backward<128, SCORES_BF16>(a, B * H, stream, err);
 }

@@ -32,7 +32,8 @@ int flash_forward_sm90_available(void);
 int flash_forward_sm90_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
                             const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err);
 
-// Bytes of the backward workspace (delta = rowsum(dout∘out), (B,H,N) fp32).
+// Bytes of the backward workspace: delta = rowsum(dout∘out) ((B,H,N) fp32) and the counters that
+// order the dq adds ((B,H,ceil(N/64)) int32).
 size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D);
 
 // Recompute backward of flash_forward_cuda: P = exp2(s - lse), delta = rowsum(dout∘out) from the
@@ -41,6 +42,13 @@ size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D);
 int flash_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
                         const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                         const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err);
+
+// Deterministic backward, off by default: with flash_backward_set_deterministic(1) the key blocks
+// add their dq contributions in a fixed order, so the same inputs give bitwise the same dq, dk, dv
+// in every run (costs 11–55%: dev/notes_attention_bwd.md). Off: unordered fp32 atomics, whose sum
+// order varies from run to run with more than two 128-key blocks. Process-wide; returns the
+// previous setting.
+int flash_backward_set_deterministic(int on);
 
 #ifdef __cplusplus
 }

@@ -6,9 +6,19 @@
 #include "attention/attention_backward.cuh"
 #include "layers/cuda_args.h"
 
+static int sage_deterministic = 0;   // sage_backward_set_deterministic
+
+extern "C" int sage_backward_set_deterministic(int on) {
+    int before = sage_deterministic;
+    sage_deterministic = on != 0;
+    return before;
+}
+
+extern "C" int sage_backward_deterministic(void) { return sage_deterministic; }
+
 extern "C" size_t sage_cuda_backward_workspace_size(int B, int H, int N, int D) {
     (void)D;
-    return (size_t)B * H * N * sizeof(float);
+    return attention_backward_workspace_bytes(B, H, N);
 }
 
 extern "C" int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
@@ -24,18 +34,18 @@ extern "C" int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspa
     CHECK_DEVICE_ARGS("sage_backward_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
                       DEVICE_ARG(fwd_workspace, 16), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
                       DEVICE_ARG(v, 16), DEVICE_ARG(lse, 4));
+    CHECK_DEVICE_ARGS("sage_backward_cuda", err, DEVICE_ARG(workspace, 4));
     if (delta) CHECK_DEVICE_ARGS("sage_backward_cuda", err, DEVICE_ARG(delta, 4));
-    else CHECK_DEVICE_ARGS("sage_backward_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(workspace, 4), DEVICE_ARG(out, 16));
+    else CHECK_DEVICE_ARGS("sage_backward_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(out, 16));
     // Hopper: the wgmma kernel (sage_backward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
     if (!getenv("DIT_SAGE_MMA_SYNC") && (long long)B * H * N < (1ll << 31) &&
         sage_backward_sm90_available())
         return sage_backward_sm90_cuda(dq, dk, dv, workspace, fwd_workspace, dout, q, k, v, out, lse, delta, B, H, N,
                                        D, pv, stream, err);
-    if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
-        return -1;
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
-                     sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N};
+                     sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N, NULL};
+    if (attention_backward_prepare(&a, workspace, out, B * H, D, sage_deterministic, stream, err) != 0) return -1;
     if (D == 64) return launch_attention_backward<64, SCORES_SAGE>(a, B * H, stream, err);
     return launch_attention_backward<128, SCORES_SAGE>(a, B * H, stream, err);
 }

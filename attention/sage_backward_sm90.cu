@@ -15,9 +15,13 @@
 //   dV += bf16(Pᵀ)·dO   wgmma m64nDk16, A from registers, dO rows as MN-major B
 //   dK += bf16(dSᵀ)·Q   likewise
 //   dSᵀ -> shared memory (bf16, swizzled), barrier over both warpgroups, then
-//   dQ[:, w·D/2..] += dS·(k - k_mean) over all 128 keys   wgmma m64n(D/2)k16, both operands
-//        MN-major in shared memory; scaled by 1/sqrt(D) and added to the fp32 dq with atomics
-//        during the next block's Sᵀ/dPᵀ wgmma.
+//   dQ[:, w·D/2..] = dS·(k - k_mean) over all 128 keys   wgmma m64n(D/2)k16, both operands
+//        MN-major in shared memory; scaled by 1/sqrt(D) into a shared-memory fp32 tile, which
+//        thread 0 adds to dq with one TMA reduce-add per 32 columns (cp.reduce.async.bulk.tensor,
+//        a 3-D map (D, N, B·H) that drops the rows past N), overlapping the next step.
+// Deterministic dQ (attention_backward.cuh): thread 0 waits for the turn of block qb before it
+// issues the reduce of block qb (end of step qb), and hands the turn on once the reduce is
+// complete (before barrier A of step qb + 1, which also frees the tile for rewriting).
 // At the end dV and dK/sqrt(D) are stored (rows < N). The shared memory tiles use the 128-byte
 // swizzle (64-byte for the D = 64 int8 rows and the D = 64 k - k_mean boxes), see wgmma.cuh.
 #include "attention/sage_cuda.h"
@@ -37,7 +41,8 @@ template <int D> struct Bwd90Smem {
     static constexpr int V = K8 + BWD90_KEYS * D;                 // V: D/64 boxes of 128 keys × 64 bf16
     static constexpr int KS = V + BWD90_KEYS * D * 2;             // k - k_mean: 2 boxes of 128 keys × D/2 bf16
     static constexpr int DS = KS + BWD90_KEYS * D * 2;            // dSᵀ: 128 keys × 64 queries bf16
-    static constexpr int STAGE0 = DS + BWD90_KEYS * BWD90_QUERIES * 2;
+    static constexpr int DQ = DS + BWD90_KEYS * BWD90_QUERIES * 2;  // dQ: D/32 boxes of 64 queries × 32 fp32
+    static constexpr int STAGE0 = DQ + BWD90_QUERIES * D * 4;
     // one stage: Q̂ (64 × D int8) | Q | dO (D/64 boxes of 64 queries × 64 bf16) by the TMA, then
     // lse | delta (64 fp32 each) by the threads
     static constexpr int Q8 = 0, Q = BWD90_QUERIES * D, DO = Q + BWD90_QUERIES * D * 2;
@@ -49,9 +54,28 @@ template <int D> struct Bwd90Smem {
 
 // k8, q8: int8 (D inner, B·H·N outer), boxes D × 128 and D × 64; v, q, dout: bf16 rows as bytes
 // (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64.
+// dq: fp32 (D, N, B·H), box 32 × 64 × 1 (128-byte swizzle), for the TMA reduce-add.
 typedef struct {
-    CUtensorMap k8, v, q8, q, dout;
+    CUtensorMap k8, v, q8, q, dout, dq;
 } Bwd90Maps;
+
+// dq as a 3-D fp32 tensor map (D, N, BH) with boxes of 32 columns × 64 rows of one head.
+static int tma_map_dq(CUtensorMap *map, const float *dq, int D, int N, int BH, char *err) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
+    if (!encode) return -1;
+    cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)BH};
+    cuuint64_t strides[2] = {(cuuint64_t)D * 4, (cuuint64_t)N * D * 4};
+    cuuint32_t box[3] = {32, BWD90_QUERIES, 1}, elem_strides[3] = {1, 1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, (void *)dq, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        dit_set_error(err, "cuTensorMapEncodeTiled(sage_backward_sm90 dq: %d x %d x %d fp32) failed (%d)", D, N, BH,
+                      (int)r);
+        return -1;
+    }
+    return 0;
+}
 
 #ifdef SAGE_SM90_DEVICE
 // Thread 0: query block qb of head bh into the stage at st, completing on bar.
@@ -81,23 +105,32 @@ __device__ __forceinline__ void dkv_wgmma(float (&d)[D / 2], const uint32_t a[4]
     else wgmma_bf16_m64n64k16_rs<1, 1>(d, a, desc_b);
 }
 
-// dq (already scaled by 1/sqrt(D)) of the block's queries q0.. (this warpgroup's D/2 columns,
-// m64n(D/2) accumulator layout) added to the fp32 dq with atomics. Branch-free, as it runs while
-// wgmma are in flight (a divergent path there makes ptxas serialize them): rows >= N add 0 to
-// row N - 1.
+// dq·scale (this warpgroup's D/2 columns, m64n(D/2) accumulator layout) into the shared-memory
+// dQ tile: box b = columns 32b..32b+31, 64 rows of 128 bytes, 128-byte swizzled as the TMA reads it.
 template <int D>
-__device__ __forceinline__ void add_dq(const AttnBwdArgs &a, size_t head, int q0, int wg, const float (&dq)[D / 4]) {
+__device__ __forceinline__ void store_dq_tile(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
     int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        int row = q0 + 16 * warp + g + 8 * h;
-        bool valid = row < a.N;
-        float *dq_row = a.dq + head + (size_t)min(row, a.N - 1) * D + wg * (D / 2) + 2 * c;
+        int row = 16 * warp + g + 8 * h;
 #pragma unroll
-        for (int j = 0; j < D / 16; j++)
-            atomic_add_f32x2(dq_row + 8 * j, valid ? dq[4 * j + 2 * h] : 0.0f, valid ? dq[4 * j + 2 * h + 1] : 0.0f);
+        for (int j = 0; j < D / 16; j++) {
+            int col = wg * (D / 2) + 8 * j + 2 * c;
+            uint32_t off = (col / 32) * (BWD90_QUERIES * 128) + swizzle_offset<128>(row * 128 + (col % 32) * 4);
+            *(float2 *)(tile + off) = make_float2(dq[4 * j + 2 * h] * scale, dq[4 * j + 2 * h + 1] * scale);
+        }
     }
 }
+
+// global (fp32) += the box at smem, at columns x.., rows y.. of head z; completes in a bulk group.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const void *smem, int x, int y, int z) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                 ::"l"(map), "r"(smem_addr(smem)), "r"(x), "r"(y), "r"(z) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until this thread's bulk groups are complete (their writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
 template <int D, int scale_d>
@@ -108,7 +141,8 @@ __device__ __forceinline__ void dq_wgmma(float (&d)[D / 4], uint64_t desc_a, uin
 #endif
 
 // Grid (ceil(N/128), B·H), BWD90_THREADS threads, Bwd90Smem<D>::TOTAL bytes of dynamic shared
-// memory. a: dq (zeroed), dk, dv, k (bf16, for k - k_mean), the forward's scales and k_mean, N.
+// memory. a: from attention_backward_prepare (dq and the dQ turns zeroed), k (bf16, for k - k_mean),
+// the forward's scales and k_mean, N.
 template <int D>
 __global__ void __launch_bounds__(BWD90_THREADS, 1)
     sage_backward_sm90_kernel(const __grid_constant__ Bwd90Maps maps, AttnBwdArgs a) {
@@ -119,9 +153,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     __shared__ uint64_t bar_kv, bar_q[2];
     uint8_t *sm = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const int N = a.N, nqb = (N + BWD90_QUERIES - 1) / BWD90_QUERIES;
-    const int bh = blockIdx.y, k0 = blockIdx.x * BWD90_KEYS, tid = threadIdx.x;
+    const int kb = blockIdx.x, bh = blockIdx.y, k0 = kb * BWD90_KEYS, tid = threadIdx.x;
     const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const size_t head = (size_t)bh * N * D;
+    int *turn = a.dq_turn ? a.dq_turn + (size_t)bh * nqb : NULL;   // this head's dQ turns, or NULL
 
     if (tid == 0) {
         mbar_init(&bar_kv, 1);
@@ -167,7 +202,6 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const float inv_sqrt_d = 1.0f / sqrtf((float)D);
     const uint64_t desc_k8 = smem_desc<D>(sm + S::K8 + 64 * wg * D);
     float dv[HALF] = {}, dk[HALF] = {};   // m64nD accumulators: keys × D
-    float dq[D / 4] = {};                 // m64n(D/2): dQ of the previous block until its atomics
     mbar_wait(&bar_kv, 0);
 
     for (int qb = 0; qb < nqb; qb++) {
@@ -175,6 +209,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
         float next_stat = 0.0f;   // lse or delta of block qb + 1, stored into the other stage below
         if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb) next_stat = load_query_stat(a, bh, qb + 1, tid);
+        int seen_turn = turn && tid == 0 ? ld_acquire_gpu(turn + qb) : 0;   // checked at the end of the step
         mbar_wait(&bar_q[stage], (qb >> 1) & 1);
         const float scale = __fmul_rn(a.qv.q_scale[(size_t)bh * nqb + qb], k_scale);
 
@@ -197,7 +232,6 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             else wgmma_bf16_m64n64k16_ss<1, 0, 0>(dp, da, db);
         }
         wgmma_commit();
-        if (qb > 0) add_dq<D>(a, head, q0 - BWD90_QUERIES, wg, dq);   // while the tensor cores work
         wgmma_wait<0>();
         reg_fence(s_acc);
         reg_fence(dp);
@@ -241,11 +275,14 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
         }
         wgmma_commit();
-        __syncthreads();   // dSᵀ of both warpgroups (and the next block's lse, delta) in shared memory
+        if (tid == 0 && qb > 0) {   // the reduce of block qb - 1 is complete: the dQ tile is free
+            bulk_wait_all();
+            if (turn) hand_on_dq_turn(turn + qb - 1);
+        }
+        __syncthreads();   // (A) dSᵀ of both warpgroups (and the next block's lse, delta) in shared memory
 
         // dQ[:, wg·D/2 ..] = dS·(k - k_mean) over the 128 keys, 16 keys per k-step
-#pragma unroll
-        for (int i = 0; i < D / 4; i++) dq[i] = 0.0f;
+        float dq[D / 4] = {};
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BWD90_KEYS / 16; ks++) {
@@ -264,13 +301,21 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             reg_fence(pa[t]);
             reg_fence(dsa[t]);
         }
-#pragma unroll
-        for (int i = 0; i < D / 4; i++) dq[i] *= inv_sqrt_d;   // ordinary values now: the next step's
-                                                              // atomics need not wait for its wgmma
-        __syncthreads();   // both warpgroups are done with this stage and with dSᵀ
-        if (tid == 0 && qb + 2 < nqb) load_query_stage<D>(st, &bar_q[stage], maps, bh, N, qb + 2);
+        store_dq_tile<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
+        fence_proxy_async();
+        if (turn && tid == 0) wait_dq_turn(turn + qb, kb, seen_turn);
+        __syncthreads();   // (B) both warpgroups are done with this stage and with dSᵀ; dQ tile complete
+        if (tid == 0) {
+            if (turn) fence_proxy_async_global();   // the acquired turn before the async-proxy reduce
+            for (int b = 0; b < D / 32; b++) tma_reduce_add_3d(&maps.dq, sm + S::DQ + b * BWD90_QUERIES * 128, 32 * b, q0, bh);
+            bulk_commit();
+            if (qb + 2 < nqb) load_query_stage<D>(st, &bar_q[stage], maps, bh, N, qb + 2);
+        }
     }
-    add_dq<D>(a, head, (nqb - 1) * BWD90_QUERIES, wg, dq);
+    if (tid == 0) {
+        bulk_wait_all();
+        if (turn) hand_on_dq_turn(turn + nqb - 1);
+    }
 
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -301,7 +346,8 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
         tma_map_2d_bytes(&m.q8, a.qv.q8, D, rows, D, BWD90_QUERIES, "sage_backward_sm90 q8", err) ||
         tma_map_2d_bytes(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "sage_backward_sm90 v", err) ||
         tma_map_2d_bytes(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 q", err) ||
-        tma_map_2d_bytes(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 dout", err))
+        tma_map_2d_bytes(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 dout", err) ||
+        tma_map_dq(&m.dq, a.dq, D, N, BH, err))
         return -1;
     int bytes = Bwd90Smem<D>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_backward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
@@ -326,18 +372,19 @@ extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *wo
     CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
                       DEVICE_ARG(fwd_workspace, 16), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
                       DEVICE_ARG(v, 16), DEVICE_ARG(lse, 4));
+    CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(workspace, 4));
     if (delta) CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(delta, 4));
-    else CHECK_DEVICE_ARGS("sage_backward_sm90_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(workspace, 4), DEVICE_ARG(out, 16));
+    else CHECK_DEVICE_ARGS("sage_backward_sm90_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(out, 16));
     if (!sage_backward_sm90_available()) {
         dit_set_error(err, "sage_backward_sm90_cuda: needs a compute capability 9.0 device and a build with "
                            "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
         return -1;
     }
-    if (attention_backward_delta(&delta, dq, workspace, dout, out, (size_t)B * H * N, D, stream, err) != 0)
-        return -1;
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
-                     sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N};
+                     sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N, NULL};
+    if (attention_backward_prepare(&a, workspace, out, B * H, D, sage_backward_deterministic(), stream, err) != 0)
+        return -1;
     if (D == 64) return launch_backward_sm90<64>(a, dout, q, v, B * H, stream, err);
     return launch_backward_sm90<128>(a, dout, q, v, B * H, stream, err);
 }

@@ -86,7 +86,8 @@ int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace,
                            const uint16_t *q, const uint16_t *k, const uint16_t *v,
                            int B, int H, int N, int D, cudaStream_t stream, char *err);
 
-// Bytes of the backward workspace (delta = rowsum(dout∘out), (B,H,N) fp32).
+// Bytes of the backward workspace: delta = rowsum(dout∘out) ((B,H,N) fp32) and the counters that
+// order the dq adds ((B,H,ceil(N/64)) int32). Needed also when the caller passes delta.
 size_t sage_cuda_backward_workspace_size(int B, int H, int N, int D);
 
 // Recompute backward of sage_forward_cuda: s from the forward's q8, k8 and scales (fwd_workspace),
@@ -99,6 +100,17 @@ int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const v
                        const uint16_t *v, const uint16_t *out, const float *lse,
                        const float *delta, int B, int H, int N, int D, SagePV pv,
                        cudaStream_t stream, char *err);
+
+// Deterministic backward, off by default: with sage_backward_set_deterministic(1) both sage
+// backwards add the key blocks' dq contributions in a fixed order (a counter per (head, 64-query
+// block) in the workspace), so the same inputs give bitwise the same dq, dk, dv in every run, at
+// any B, H, N; train, checkpoint, resume then reproduces the losses bit for bit. Costs 13–55% of
+// the backward (13% at N = 16K, D = 128 on an H200; more with few heads or D = 64:
+// dev/notes_attention_bwd.md). Off: unordered fp32 atomics, whose sum order (dq's last bits)
+// varies from run to run with more than two 128-key blocks. Process-wide; returns the previous
+// setting. sage_backward_deterministic() tells the current one.
+int sage_backward_set_deterministic(int on);
+int sage_backward_deterministic(void);
 
 // The Hopper backward (attention/sage_backward_sm90.cu): the same math as sage_backward_cuda with
 // wgmma tensor-core products fed by TMA (same arguments; B·H·N < 2^31). Available (1) on a

@@ -23,6 +23,8 @@
 #include <string.h>
 #include <unistd.h>
 #include <cuda_runtime_api.h>
+#include "attention/flash_cuda.h"
+#include "attention/sage_cuda.h"
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "model/checkpoint.h"
@@ -216,16 +218,21 @@ Test(dit_gpu, ten_adamw_steps_follow_the_cpu_losses) {
 
 // Train 3 steps, checkpoint (through a file), continue 3 steps; a fresh model loaded from the
 // checkpoint continues the same 3 steps: the losses and final parameters are bitwise equal.
-// 64 tokens: one attention key block, so sage's dq (fp32 atomics across key blocks) is exact.
-Test(dit_gpu, resume_from_a_checkpoint_is_bitwise_identical) {
+// (image_size/2)² tokens: 64 is one attention key block; 256 two blocks of 128 keys (two fp32
+// adds onto zero commute, so even unordered dq atomics are exact there); 1024 tokens are 8 key
+// blocks, bitwise only with the ordered dq of the attention backwards, which the test turns on
+// (sage_backward_set_deterministic, flash_backward_set_deterministic: what --deterministic would do).
+static void check_resume(int image_size, DitAttention attention) {
     REQUIRE_GPU();
+    sage_backward_set_deterministic(1);
+    flash_backward_set_deterministic(1);
     char err[DIT_ERR_LEN];
     DitConfig c = small_config;
-    c.image_size = 16;   // 8×8 = 64 tokens
+    c.image_size = image_size;
     int B = 4;
     Dit cpu, host;
     DitGpu gpu;
-    make_models(&cpu, &gpu, &c, B, 13, DIT_ATTN_SAGE, err);
+    make_models(&cpu, &gpu, &c, B, 13, attention, err);
     Batch b = batch_new(&c, B);
     float norm, first[3], second[3];
     for (int step = 1; step <= 3; step++) {
@@ -246,11 +253,11 @@ Test(dit_gpu, resume_from_a_checkpoint_is_bitwise_identical) {
     OK(dit_gpu_download(&gpu, &cpu, err));
     dit_gpu_free(&gpu);
 
-    OK(dit_create(&host, &c, 1, DIT_ATTN_SAGE, 99, err));
+    OK(dit_create(&host, &c, 1, attention, 99, err));
     OK(checkpoint_load(path, &host, &state, err));
     unlink(path);
     cr_assert_eq(state.step, 3);
-    OK(dit_gpu_create(&gpu, &c, B, DIT_ATTN_SAGE, err));
+    OK(dit_gpu_create(&gpu, &c, B, attention, err));
     OK(dit_gpu_upload(&gpu, &host, err));
     for (int step = 4; step <= 6; step++) {
         batch_fill(&b, &c, 13, step);
@@ -258,7 +265,8 @@ Test(dit_gpu, resume_from_a_checkpoint_is_bitwise_identical) {
     }
     OK(dit_gpu_download(&gpu, &host, err));
     for (int i = 0; i < 3; i++)
-        fprintf(stderr, "resume: step %d loss %.9g vs %.9g\n", i + 4, first[i], second[i]);
+        fprintf(stderr, "resume (%d tokens, %s): step %d loss %.9g vs %.9g\n", image_size * image_size / 4,
+                attention == DIT_ATTN_SAGE ? "sage" : "bf16", i + 4, first[i], second[i]);
     cr_expect(memcmp(first, second, sizeof(first)) == 0, "the losses after resuming differ");
     cr_expect(memcmp(cpu.params_memory, host.params_memory, cpu.num_params * sizeof(float)) == 0,
               "the parameters after resuming differ");
@@ -268,6 +276,13 @@ Test(dit_gpu, resume_from_a_checkpoint_is_bitwise_identical) {
     dit_gpu_free(&gpu);
     dit_free(&host);
     dit_free(&cpu);
+}
+
+Test(dit_gpu, resume_from_a_checkpoint_is_bitwise_identical) { check_resume(16, DIT_ATTN_SAGE); }
+Test(dit_gpu, resume_at_256_tokens_is_bitwise_identical) { check_resume(32, DIT_ATTN_SAGE); }
+Test(dit_gpu, resume_at_1024_tokens_is_bitwise_identical, .timeout = 120) {
+    check_resume(64, DIT_ATTN_SAGE);
+    check_resume(64, DIT_ATTN_EXACT);
 }
 
 // Sampling from the EMA weights on the GPU follows the CPU sampler (same weights, same noise).
