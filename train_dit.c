@@ -32,6 +32,8 @@
 #include "model/sample.h"
 #ifdef DIT_CUDA
 #include <cuda_runtime_api.h>
+#include "attention/flash_cuda.h"
+#include "attention/sage_cuda.h"
 #include "model/dit_gpu.h"
 #endif
 
@@ -41,7 +43,7 @@ typedef struct {
     const char *model, *data, *out, *resume, *device, *attn, *t_sampling, *dump_parity;
     int depth, hidden, heads, patch, image_size, channels;   // 0: the preset's value
     int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
-    int skip_bad_images, preview_data, random_flip, save_init;
+    int skip_bad_images, preview_data, random_flip, save_init, deterministic;
     int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
@@ -82,7 +84,11 @@ static const char *usage_text =
     "  --ckpt-every N        write OUT/ckpt_<step>.safetensors every N steps and at the end (default 500)\n"
     "  --save-init           also write OUT/ckpt_000000.safetensors, the initial weights, before step 1\n"
     "                        (dev/loss_curves.py starts PyTorch from it; --resume from it replays the run)\n"
-    "  --resume FILE         continue bit-identically from a checkpoint\n"
+    "  --resume FILE         continue bit-identically from a checkpoint (GPU: above 256 tokens only\n"
+    "                        with --deterministic)\n"
+    "  --deterministic       GPU: the attention backwards add dq in a fixed order, so runs and resumes\n"
+    "                        are bitwise reproducible at any length (costs ~13% of the attention\n"
+    "                        backward at 16K tokens; the CPU is always deterministic)\n"
     "  --sample-every N      write OUT/samples_<step>.png every N steps and at the end (default 500)\n"
     "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
     "  --samples-per-class N tiles per class in the grid (default 2)\n"
@@ -93,8 +99,8 @@ static const char *usage_text =
     "                        GPU with mpirun -np N / srun -n N, without --gpus); --batch is the global\n"
     "                        batch, split evenly; rank r reads its own data stream (seed mixed with r)\n"
     "  --sp-ulysses U        sequence parallelism: U consecutive GPUs share each image, attention by\n"
-    "                        all-to-all over heads (heads %% U == 0); default 1\n"
-    "  --sp-ring R           ... and R groups of them ring attention (tokens %% (U·R) == 0; sage: T/R a\n"
+    "                        all-to-all over heads (heads % U == 0); default 1\n"
+    "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
     "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
@@ -149,6 +155,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         if (!strcmp(f, "--preview-data")) { a->preview_data = 1; continue; }
         if (!strcmp(f, "--no-flip")) { a->random_flip = 0; continue; }
         if (!strcmp(f, "--save-init")) { a->save_init = 1; continue; }
+        if (!strcmp(f, "--deterministic")) { a->deterministic = 1; continue; }
         if (strncmp(f, "--", 2) != 0 || i + 1 >= argc) {
             dit_set_error(err, "%s: %s (see --help)", f,
                           strncmp(f, "--", 2) ? "unexpected argument" : "missing value or unknown flag");
@@ -336,6 +343,8 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
             die(err);
         if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, &sp, err) != 0) die(err);
         tr->gpu.sage.rotate = a->sage_rotate;
+        sage_backward_set_deterministic(a->deterministic);   // process-wide switches of the kernels
+        flash_backward_set_deterministic(a->deterministic);
         return;
     }
 #else
