@@ -116,13 +116,16 @@ static float gpu_step(DitGpu *m, Batch *b, float lr, int step, float *grad_norm)
 }
 
 // One forward, loss and backward on each side from the same weights and batch.
-static void check_one_step(DitAttention attention) {
+// rotate: sage with the Hadamard rotation of q, k on both sides (SageConfig.rotate, the CPU in
+// fp32, the GPU in bf16: hadamard_cuda.h), as train_dit runs it by default.
+static void check_one_step(DitAttention attention, int rotate) {
     char err[DIT_ERR_LEN];
     const DitConfig *c = &small_config;
     int B = 3;
     Dit cpu;
     DitGpu gpu;
     make_models(&cpu, &gpu, c, B, 11, attention, err);
+    cpu.sage.rotate = gpu.sage.rotate = rotate;
     Batch b = batch_new(c, B);
     batch_fill(&b, c, 11, 1);
 
@@ -148,7 +151,7 @@ static void check_one_step(DitAttention attention) {
     OK(dit_gpu_download_grads(&gpu, gpu_grads, err));
 
     double e_out = rel_l2(gpu_out, cpu.acts.out, b.n), e_loss = fabs(gpu_loss - cpu_loss) / cpu_loss;
-    const char *name = attention == DIT_ATTN_SAGE ? "sage" : "exact/flash";
+    const char *name = attention == DIT_ATTN_SAGE ? (rotate ? "sage, rotated" : "sage") : "exact/flash";
     fprintf(stderr, "one step (%s): output rel L2 %.3e, loss %.6f vs %.6f (rel %.3e)\n", name, e_out, gpu_loss, cpu_loss, e_loss);
     cr_expect(e_out < TOL_OUT, "output: rel L2 %.3e >= %g", e_out, TOL_OUT);
     cr_expect(e_loss < TOL_LOSS, "loss: %g vs %g, rel %.3e >= %g", gpu_loss, cpu_loss, e_loss, TOL_LOSS);
@@ -176,12 +179,17 @@ static void check_one_step(DitAttention attention) {
 
 Test(dit_gpu, one_step_output_loss_and_every_gradient_match_the_cpu) {
     REQUIRE_GPU();
-    check_one_step(DIT_ATTN_SAGE);
+    check_one_step(DIT_ATTN_SAGE, 0);
+}
+
+Test(dit_gpu, one_step_with_rotated_sage_matches_the_cpu) {
+    REQUIRE_GPU();
+    check_one_step(DIT_ATTN_SAGE, 1);
 }
 
 Test(dit_gpu, one_step_with_flash_attention_matches_the_cpu_exact_attention) {
     REQUIRE_GPU();
-    check_one_step(DIT_ATTN_EXACT);
+    check_one_step(DIT_ATTN_EXACT, 0);
 }
 
 Test(dit_gpu, ten_adamw_steps_follow_the_cpu_losses) {
