@@ -3,19 +3,24 @@
 // CPU definition with its defaults is the reference); it exists because on Hopper the e4m3
 // mma.sync is emulated through f16 HMMA and only wgmma runs 8-bit operands at the 8-bit rate.
 //
-// One CTA = one warpgroup (128 threads) per (64-query block, head); several CTAs share an SM and
-// overlap each other's softmax with their tensor-core work. Thread 0 drives the TMA unit: Q once,
-// then K̂ and V̂ tiles of 64 keys through SM90_STAGES shared-memory stages, each completing on its
-// own mbarrier. Per key block kb:
-//   S = Q8·K8ᵀ     wgmma m64n64k32 s8 (Q and K from shared memory), int32 accumulators
-//   online softmax in base 2 over the 64-key step of the definition (softmax_fused): row max on the
-//        int32 S, p' = exp2(S·q_scale·k_scale − m + log2 448) = 448·p by one FFMA and one ex2
-//   P8 = e4m3(p') packed in registers straight from the S accumulators: the quantization pass
-//        stores V̂ᵀ with the tokens of each group of 16 in the A-fragment order (sage_cuda.h)
-//   blk = P8·V8     wgmma m64nDk32 e4m3, A from registers, V̂ᵀ (K-major) from shared memory
-//   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
-// then thread 0 refills the stage with key block kb + SM90_STAGES. Finally out = O·v_scale/l'
-// and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
+// Persistent, warp-specialized CTA (the FA3 structure), one per SM, looping over tiles of
+// 64 queries per consumer warpgroup × one head:
+//   producer warpgroup (registers given back by setmaxnreg): one thread drives the TMA unit:
+//     the tile's Q̂, then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared stages, each
+//     with a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer is done with
+//     it); the next tile's Q̂ as soon as the consumers hold the current one.
+//   consumer warpgroups (2 at D = 128, 3 at D = 64), 64 query rows each (one q_scale block), Q̂
+//     held in registers as the A fragments of the S wgmma. Per key block kb (64 keys, one
+//     k_scale block):
+//       S_kb = Q8·K8ᵀ        wgmma m64n64k32 s8, A from registers, int32 accumulators
+//       blk  = P8_{kb-1}·V8  wgmma m64nDk32 e4m3 of the previous block, A from registers
+//         (both issued together; the softmax of S_kb runs while blk is still in the tensor core)
+//       online softmax of S_kb in base 2 (softmax_step: the definition's per-64-key step),
+//         P8_kb = e4m3(448·p) packed in registers straight from the S accumulators (pack_p8):
+//         the quantization pass stores V̂ᵀ with the tokens of each group of 16 in the
+//         A-fragment order (sage_cuda.h)
+//       O = O·alpha_{kb-1} + blk   (the definition's two-level fp32 accumulation)
+// Finally out = O·v_scale/l' and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
 #include <limits.h>
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
@@ -23,16 +28,35 @@
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 
-#define SM90_THREADS 128   // one warpgroup: 64 query rows
-#define SM90_STAGES 3      // K̂/V̂ tiles in flight
+#define SM90_STAGES 4         // K̂/V̂ tiles in flight
+#define SM90_PRODUCER_REGS 24 // what the producer warpgroup keeps (setmaxnreg)
 
-// Shared memory of one CTA; every tile is a whole number of 1024-byte swizzle atoms.
+// The CTA's shape and shared memory; every tile is a whole number of 1024-byte swizzle atoms.
+// Consumer warpgroups: as many as their registers allow. The CTA starts with LAUNCH_REGS per
+// thread (the 64K registers of the SM over THREADS, in steps of 8); setmaxnreg can only hand the
+// consumers what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread: a consumer
+// asking for more waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS.
+// D = 128 needs ~210 per thread (O, blk, S, p', Q̂ fragments): 2 consumers, 168 → 240;
+// D = 64 ~135: 3 consumers, 128 → 160.
 template <int D> struct Sm90Smem {
-    static constexpr int Q_BYTES = SAGE_CUDA_BLOCK * D;    // 64 queries × D int8, rows of D bytes
+    static constexpr int CONSUMERS = D == 128 ? 2 : 3;
+    static constexpr int THREADS = 128 * (CONSUMERS + 1);
+    static constexpr int TILE_Q = SAGE_CUDA_BLOCK * CONSUMERS;   // query rows of one tile
+    static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+    static constexpr int CONSUMER_REGS = (LAUNCH_REGS + (LAUNCH_REGS - SM90_PRODUCER_REGS) / CONSUMERS) / 8 * 8;
+    static constexpr int Q_BYTES = SAGE_CUDA_BLOCK * D;    // 64 queries × D int8 per consumer, rows of D bytes
     static constexpr int K_BYTES = SAGE_CUDA_BLOCK * D;    // 64 keys × D int8
     static constexpr int V_BYTES = D * SAGE_CUDA_BLOCK;    // D channels × 64 keys e4m3, rows of 64 bytes
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-    static constexpr int TOTAL = 1024 + Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
+    static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
+};
+
+// The CTA's mbarriers (static shared memory).
+struct Sm90Barriers {
+    uint64_t q_full;                  // the tile's Q̂ landed (TMA bytes)
+    uint64_t q_empty;                 // every consumer warp holds Q̂ in registers
+    uint64_t kv_full[SM90_STAGES];    // K̂, V̂ᵀ of a key block landed (TMA bytes)
+    uint64_t kv_empty[SM90_STAGES];   // every consumer warp is done with the stage
 };
 
 #ifdef SAGE_SM90_DEVICE
@@ -46,25 +70,26 @@ __device__ __forceinline__ void pv_wgmma(float (&blk)[D / 2], const uint32_t a[4
 #define LOG2_448 8.807354922057604f
 
 // Online softmax of one 64 × 64 block (this thread holds keys 8j + 2c + (e & 1) of rows g (e < 2)
-// and g + 8 (e >= 2) in s[4j + e]), then P8 packed into the two k32 A fragments: a[t][2h] row g,
-// a[t][2h + 1] row g + 8, key chunks 4t+2h, 4t+2h+1. Few instructions per element (the kernel is
-// issue-bound; the definition's order of operations cost ~12 per element, this ~7.5 at D = 128):
+// and g + 8 (e >= 2) in s[4j + e]): the definition's per-64-key step, into p'[i] = 448·p (floats,
+// same layout) and the row statistics m, l' and alpha. Few instructions per element (the kernel
+// is issue-bound; the definition's order of operations cost ~12 per element, this ~7.5 at D = 128):
 // the row max is taken on the int32 S (rn is monotonic and scale >= 0, so rn(max S · scale) is
-// the definition's max, bit for bit), and p' = exp2(S·scale − (m − log2 448)) = 448·p comes from
-// one FFMA and one ex2 per element, so P8 = e4m3(p') needs no ×448 and l' = Σ p' = 448·l (the
-// epilogue divides by l' and subtracts log2 448 from the lse). Differences from the definition:
+// the definition's max, bit for bit), and p' = exp2(S·scale − (m − log2 448)) comes from one FFMA
+// and one ex2 per element, so P8 = e4m3(p') needs no ×448 and l' = Σ p' = 448·l (the epilogue
+// divides by l' and subtracts log2 448 from the lse). Differences from the definition:
 // S·scale − m rounded once instead of twice (~1e-7 relative in p). Keys >= N are handled only in
-// the tail block (`valid` < 64): S = INT_MIN there for the max, p' = 0 after the exp2.
-__device__ __forceinline__ void softmax_fused(uint32_t (&a)[2][4], float (&alpha)[2], float (&m)[2], float (&l)[2],
-                                              int (&s)[32], float scale, int valid, int c) {
+// the tail block (`valid` < 64): left out of the max, p' = 0 after the exp2.
+__device__ __forceinline__ void softmax_step(float (&p)[32], float (&alpha)[2], float (&m)[2], float (&l)[2],
+                                             const int (&s)[32], float scale, int valid, int c) {
+    int smax[2] = {INT_MIN, INT_MIN};
     if (valid < SAGE_CUDA_BLOCK) {
 #pragma unroll
         for (int i = 0; i < 32; i++)
-            if (8 * (i / 4) + 2 * c + (i & 1) >= valid) s[i] = INT_MIN;
-    }
-    int smax[2] = {INT_MIN, INT_MIN};
+            if (8 * (i / 4) + 2 * c + (i & 1) < valid) smax[(i % 4) / 2] = max(smax[(i % 4) / 2], s[i]);
+    } else {
 #pragma unroll
-    for (int i = 0; i < 32; i++) smax[(i % 4) / 2] = max(smax[(i % 4) / 2], s[i]);
+        for (int i = 0; i < 32; i++) smax[(i % 4) / 2] = max(smax[(i % 4) / 2], s[i]);
+    }
     float offset[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -76,7 +101,6 @@ __device__ __forceinline__ void softmax_fused(uint32_t (&a)[2][4], float (&alpha
         l[r] *= alpha[r];
         offset[r] = LOG2_448 - m_new;
     }
-    float p[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) p[i] = exp2f(fmaf((float)s[i], scale, offset[(i % 4) / 2]));
     if (valid < SAGE_CUDA_BLOCK) {
@@ -86,6 +110,12 @@ __device__ __forceinline__ void softmax_fused(uint32_t (&a)[2][4], float (&alpha
     }
 #pragma unroll
     for (int i = 0; i < 32; i++) l[(i % 4) / 2] += p[i];
+}
+
+// P8 = e4m3(p') packed straight from the accumulator layout into the two k32 A fragments of the
+// P·V wgmma: a[t][2h] row g, a[t][2h + 1] row g + 8, key chunks 4t+2h, 4t+2h+1 (the V̂ᵀ token
+// order of the quantization pass makes this the right key order).
+__device__ __forceinline__ void pack_p8(uint32_t (&a)[2][4], const float (&p)[32]) {
 #pragma unroll
     for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -96,100 +126,58 @@ __device__ __forceinline__ void softmax_fused(uint32_t (&a)[2][4], float (&alpha
         }
 }
 
-// Thread 0: key block `tile` of K̂ (rows of D bytes) and V̂ᵀ (rows of 64 bytes) into `stage`.
+// Producer thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 bytes),
+// into `stage`.
 template <int D>
-__device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *bar, const CUtensorMap *map_k,
-                                        const CUtensorMap *map_v, int bh, int N, int tile) {
+__device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *full, const CUtensorMap *map_k,
+                                        const CUtensorMap *map_v, int bh, int N, int kb) {
     using S = Sm90Smem<D>;
-    mbar_expect_bytes(bar, S::STAGE_BYTES);
-    tma_load_2d(sK, map_k, bar, 0, bh * N + tile * SAGE_CUDA_BLOCK);
-    tma_load_2d(sV, map_v, bar, tile * SAGE_CUDA_BLOCK, bh * D);
+    mbar_expect_bytes(full, S::STAGE_BYTES);
+    tma_load_2d(sK, map_k, full, 0, bh * N + kb * SAGE_CUDA_BLOCK);
+    tma_load_2d(sV, map_v, full, kb * SAGE_CUDA_BLOCK, bh * D);
 }
-#endif
 
-// map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
-// B·H·D outer), box 64 × D. Grid (ceil(N/64), B·H), SM90_THREADS threads, Sm90Smem<D>::TOTAL bytes.
+// Consumer warp `wq` of a warpgroup: its 16 rows of the 64 × D tile Q̂ (swizzled as TMA wrote it)
+// as the D/32 k32 A fragments of the S wgmma: q[ks][0] row 16wq + g, bytes 32ks + 4c..+3;
+// q[ks][1] row + 8; q[ks][2], q[ks][3] the same rows 16 bytes further.
 template <int D>
-__global__ void __launch_bounds__(SM90_THREADS, 2)
-    sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                             const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
-                             SageCudaQuant qv, int N) {
-#ifdef SAGE_SM90_DEVICE
-    using S = Sm90Smem<D>;
-    constexpr int BN = SAGE_CUDA_BLOCK;
-    extern __shared__ uint8_t smem_raw[];
-    __shared__ uint64_t bar_q, bar_kv[SM90_STAGES];
-    uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    uint8_t *sK = sQ + S::Q_BYTES, *sV = sK + SM90_STAGES * S::K_BYTES;
-    int bh = blockIdx.y, qb = blockIdx.x, nblk = gridDim.x, tid = threadIdx.x;
-    int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-
-    if (tid == 0) {
-        mbar_init(&bar_q, 1);
-        for (int s = 0; s < SM90_STAGES; s++) mbar_init(&bar_kv[s], 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
-    if (tid == 0) {
-        mbar_expect_bytes(&bar_q, S::Q_BYTES);
-        tma_load_2d(sQ, &map_q, &bar_q, 0, bh * N + qb * BN);
-        for (int s = 0; s < SM90_STAGES && s < nblk; s++)
-            load_kv<D>(sK + s * S::K_BYTES, sV + s * S::V_BYTES, &bar_kv[s], &map_k, &map_v, bh, N, s);
-    }
-
-    const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
-    const float *k_scale = qv.k_scale + (size_t)bh * nblk;
-    float o[D / 2] = {}, blk[D / 2] = {};   // accumulator layout of m64nD (wgmma.cuh)
-    int s_acc[32] = {};                     // accumulator layout of m64n64
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};   // rows g and g + 8 of this warp
-    mbar_wait(&bar_q, 0);
-    const uint64_t desc_q = smem_desc<D>(sQ);
-
-    for (int kb = 0; kb < nblk; kb++) {
-        int stage = kb % SM90_STAGES;
-        mbar_wait(&bar_kv[stage], (kb / SM90_STAGES) & 1);
-        const uint64_t desc_k = smem_desc<D>(sK + stage * S::K_BYTES);
-        const uint64_t desc_v = smem_desc<BN>(sV + stage * S::V_BYTES);
-
-        // S = Q8·K8ᵀ: 64 × 64, D/32 steps of k32
-        wgmma_fence();
-        wgmma_s8_m64n64k32<0>(s_acc, desc_q, desc_k);
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[D / 32][4], const uint8_t *sQ, int wq, int g, int c) {
 #pragma unroll
-        for (int ks = 1; ks < D / 32; ks++)
-            wgmma_s8_m64n64k32<1>(s_acc, desc_advance(desc_q, 32 * ks), desc_advance(desc_k, 32 * ks));
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(s_acc);
-
-        float alpha[2];
-        uint32_t a[2][4];   // P8 as two k32 A fragments
-        softmax_fused(a, alpha, m, l, s_acc, __fmul_rn(q_scale, k_scale[kb]), N - kb * BN, c);
-
-        // blk = P8·V8 over the block's 64 keys, then the two-level accumulation
-        wgmma_fence();
-        pv_wgmma<D, 0>(blk, a[0], desc_v);
-        pv_wgmma<D, 1>(blk, a[1], desc_advance(desc_v, 32));
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(blk);
-        reg_fence(a[0]);
-        reg_fence(a[1]);
-        if (tid == 0 && kb + SM90_STAGES < nblk)   // the stage is free: both wgmma batches completed
-            load_kv<D>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v, bh,
-                       N, kb + SM90_STAGES);
+    for (int ks = 0; ks < D / 32; ks++)
 #pragma unroll
-        for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
-    }
+        for (int i = 0; i < 4; i++) {
+            int row = 16 * wq + g + 8 * (i & 1), col = 32 * ks + 16 * (i / 2) + 4 * c;
+            q[ks][i] = *(const uint32_t *)(sQ + swizzle_offset<D>(row * D + col));
+        }
+}
 
-    const float *vs = qv.v_scale + (size_t)bh * D;
+// S = Q8·K8ᵀ (64 × 64 int32) over D/32 k32 steps, A = the Q̂ fragments, B = K̂ of one stage.
+template <int D>
+__device__ __forceinline__ void qk_wgmma(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_k) {
+    wgmma_s8_m64n64k32_rs<0>(s, q[0], desc_k);
+#pragma unroll
+    for (int ks = 1; ks < D / 32; ks++) wgmma_s8_m64n64k32_rs<1>(s, q[ks], desc_advance(desc_k, 32 * ks));
+}
+
+// blk = P8·V8 over one block's 64 keys (two k32 steps), V̂ᵀ K-major in one stage.
+template <int D>
+__device__ __forceinline__ void pv_block_wgmma(float (&blk)[D / 2], const uint32_t (&p)[2][4], uint64_t desc_v) {
+    pv_wgmma<D, 0>(blk, p[0], desc_v);
+    pv_wgmma<D, 1>(blk, p[1], desc_advance(desc_v, 32));
+}
+
+// O (64 × D, this thread's accumulator registers) → out (bf16) and lse for rows >= N skipped:
+// o = 448·Σ p·v̂ and l = 448·Σ p, so out = o·v_scale/l and lse = m + log2 l − log2 448.
+template <int D>
+__device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const float (&o)[D / 2], float (&l)[2],
+                                           const float (&m)[2], const float *vs, int bh, int N, int row0, int c) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        int row = qb * BN + warp * 16 + g + 8 * r;
+        int row = row0 + 8 * r;
         if (row >= N) continue;
         __nv_bfloat16 *orow = out + ((size_t)bh * N + row) * D;
-        // o = 448·Σ p·v̂ and l = 448·Σ p: out = o·v_scale/l
         float inv_l = 1.0f / l[r];
 #pragma unroll
         for (int j = 0; j < D / 8; j++) {
@@ -198,6 +186,152 @@ __global__ void __launch_bounds__(SM90_THREADS, 2)
                                                                     o[4 * j + 2 * r + 1] * vs[col + 1] * inv_l);
         }
         if (c == 0) lse[(size_t)bh * N + row] = m[r] + (log2f(l[r]) - LOG2_448);
+    }
+}
+
+// The producer thread's whole life: for each tile of this CTA, Q̂ (once the consumers hold the
+// previous tile's in registers), then every key block through the stages. `it` counts key
+// blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
+template <int D>
+__device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
+                        const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq, int ntiles) {
+    using S = Sm90Smem<D>;
+    int it = 0, round_q = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, round_q++) {
+        int bh = tile / ntq, qt = tile % ntq;
+        if (round_q > 0) mbar_wait(&bar->q_empty, (round_q - 1) & 1);
+        int nq = min(S::CONSUMERS, nblk - qt * S::CONSUMERS);   // query blocks in this tile
+        mbar_expect_bytes(&bar->q_full, nq * S::Q_BYTES);
+        for (int w = 0; w < nq; w++)
+            tma_load_2d(sQ + w * S::Q_BYTES, map_q, &bar->q_full, 0, bh * N + qt * S::TILE_Q + w * SAGE_CUDA_BLOCK);
+        for (int kb = 0; kb < nblk; kb++, it++) {
+            int stage = it % SM90_STAGES;
+            if (it >= SM90_STAGES) mbar_wait(&bar->kv_empty[stage], (it / SM90_STAGES - 1) & 1);
+            load_kv<D>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar->kv_full[stage], map_k, map_v, bh, N,
+                       kb);
+        }
+    }
+}
+
+// Consumer warpgroup `wg`: rows 64·wg.. of each of this CTA's tiles.
+template <int D>
+__device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
+                        __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int nblk, int ntq, int ntiles,
+                        int wg) {
+    using S = Sm90Smem<D>;
+    constexpr int BN = SAGE_CUDA_BLOCK;
+    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
+    int it = 0, round_q = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, round_q++) {
+        int bh = tile / ntq, qt = tile % ntq;
+        // this warpgroup's 64 query rows are quantization block qb (past the last block in the
+        // last tile of an odd count: computed on stale Q̂ with a valid scale and not stored)
+        int qb = min(qt * S::CONSUMERS + wg, nblk - 1);
+        const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
+        const float *k_scale = qv.k_scale + (size_t)bh * nblk;
+
+        uint32_t q[D / 32][4];
+        mbar_wait(&bar->q_full, round_q & 1);
+        load_q_fragments<D>(q, sQ + wg * S::Q_BYTES, wq, g, c);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&bar->q_empty);
+
+        float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh)
+        int s[32];                         // accumulator layout of m64n64
+        float pf[32];                      // p' of block kb, accumulator layout
+        uint32_t p[2][4];                  // P8 of block kb - 1 as k32 A fragments
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2], alpha_next[2];
+
+        // key block 0: S only
+        int stage = it % SM90_STAGES;
+        mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
+        wgmma_fence();
+        qk_wgmma<D>(s, q, smem_desc<D>(sK + stage * S::K_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s);
+        softmax_step(pf, alpha, m, l, s, __fmul_rn(q_scale, k_scale[0]), N, c);
+        pack_p8(p, pf);
+
+        for (int kb = 1; kb < nblk; kb++) {
+            int prev = stage;
+            it++;
+            stage = it % SM90_STAGES;
+            mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
+            wgmma_fence();
+            qk_wgmma<D>(s, q, smem_desc<D>(sK + stage * S::K_BYTES));
+            wgmma_commit();
+            pv_block_wgmma<D>(blk, p, smem_desc<BN>(sV + prev * S::V_BYTES));
+            wgmma_commit();
+            wgmma_wait<1>();   // S of block kb done; blk of block kb - 1 may still run
+            reg_fence(s);
+            softmax_step(pf, alpha_next, m, l, s, __fmul_rn(q_scale, k_scale[kb]), N - kb * BN, c);
+            wgmma_wait<0>();
+            reg_fence(blk);
+            reg_fence(p[0]);
+            reg_fence(p[1]);
+            if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
+#pragma unroll
+            for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+#pragma unroll
+            for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
+            pack_p8(p, pf);   // the P·V that read p has completed
+        }
+
+        // the last block's P·V
+        wgmma_fence();
+        pv_block_wgmma<D>(blk, p, smem_desc<BN>(sV + stage * S::V_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(blk);
+        reg_fence(p[0]);
+        reg_fence(p[1]);
+        if (lane == 0) mbar_arrive(&bar->kv_empty[stage]);
+        it++;
+#pragma unroll
+        for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+
+        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + g;
+        store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, row0, c);
+    }
+}
+#endif
+
+// map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
+// B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/128)
+// tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2), Sm90Smem<D>::THREADS
+// threads, Sm90Smem<D>::TOTAL bytes.
+template <int D>
+__global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
+    sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                             const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
+                             SageCudaQuant qv, int N, int BH) {
+#ifdef SAGE_SM90_DEVICE
+    using S = Sm90Smem<D>;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ Sm90Barriers bar;
+    uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    uint8_t *sK = sQ + S::CONSUMERS * S::Q_BYTES, *sV = sK + SM90_STAGES * S::K_BYTES;
+    int nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK, ntq = (nblk + S::CONSUMERS - 1) / S::CONSUMERS;
+    int ntiles = BH * ntq, wg = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        mbar_init(&bar.q_full, 1);
+        mbar_init(&bar.q_empty, 4 * S::CONSUMERS);
+        for (int s = 0; s < SM90_STAGES; s++) {
+            mbar_init(&bar.kv_full[s], 1);
+            mbar_init(&bar.kv_empty[s], 4 * S::CONSUMERS);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (wg == S::CONSUMERS) {   // the producer warpgroup: one thread issues every TMA load
+        setmaxnreg_dec<SM90_PRODUCER_REGS>();
+        if (threadIdx.x == S::CONSUMERS * 128)
+            produce<D>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, ntiles);
+    } else {
+        setmaxnreg_inc<S::CONSUMER_REGS>();
+        consume<D>(&bar, sQ, sK, sV, out, lse, qv, N, nblk, ntq, ntiles, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -218,13 +352,17 @@ static int launch_sm90(uint16_t *out, float *lse, const SageCudaQuant *qv, int B
         tma_map_2d_bytes(&map_k, qv->k8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 k8", err) ||
         tma_map_2d_bytes(&map_v, qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "sage_forward_sm90 v_t", err))
         return -1;
-    int bytes = Sm90Smem<D>::TOTAL;
+    int bytes = Sm90Smem<D>::TOTAL, dev, sms;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_sm90_kernel max dynamic smem)");
-    dim3 grid(nblk, BH);
-    sage_forward_sm90_kernel<D><<<grid, SM90_THREADS, bytes, stream>>>(map_q, map_k, map_v,
-                                                                              (__nv_bfloat16 *)out, lse, *qv, N);
+    SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
+    SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), err,
+                    "cudaDeviceGetAttribute(multiprocessor count)");
+    long long tiles = (long long)BH * ((nblk + Sm90Smem<D>::CONSUMERS - 1) / Sm90Smem<D>::CONSUMERS);
+    int grid = (int)(tiles < sms ? tiles : sms);
+    sage_forward_sm90_kernel<D><<<grid, Sm90Smem<D>::THREADS, bytes, stream>>>(map_q, map_k, map_v, (__nv_bfloat16 *)out,
+                                                                       lse, *qv, N, BH);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
 }
