@@ -112,19 +112,19 @@ static void op_ln_forward(Case *cs) {
 static void op_ln_dmod(Case *cs) {
     int h = cs->c->h;
     OK(layernorm_modulate_backward_cuda(NULL, cs->dmod, cs->dmod + h, cs->dy, cs->x, cs->mean, cs->rstd, cs->mod + h,
-                                        BTC(cs), 6 * h, 0, err));
+                                        BTC(cs), 6 * h, &ctx, 0, err));
 }
 static void op_ln_backward(Case *cs) {
     int h = cs->c->h;
     OK(layernorm_modulate_backward_cuda(cs->dx, cs->dmod, cs->dmod + h, cs->dy, cs->x, cs->mean, cs->rstd, cs->mod + h,
-                                        BTC(cs), 6 * h, 0, err));
+                                        BTC(cs), 6 * h, &ctx, 0, err));
 }
 static void op_gres_forward(Case *cs) {
     OK(gated_residual_forward_cuda(cs->y, cs->x, cs->dy, cs->mod + 2 * cs->c->h, BTC(cs), 6 * cs->c->h, 0, err));
 }
 static void op_gres_backward(Case *cs) {
     OK(gated_residual_backward_cuda(NULL, cs->dx, cs->dmod + 2 * cs->c->h, cs->dy, cs->x, cs->mod + 2 * cs->c->h, BTC(cs),
-                                    6 * cs->c->h, 0, err));
+                                    6 * cs->c->h, &ctx, 0, err));
 }
 static void op_split_forward(Case *cs) { OK(split_heads_forward_cuda(cs->q, cs->k, cs->v, cs->qkv, HEADS(cs), 0, err)); }
 static void op_split_backward(Case *cs) { OK(split_heads_backward_cuda(cs->qkv, cs->q, cs->k, cs->v, HEADS(cs), 0, err)); }

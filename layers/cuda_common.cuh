@@ -112,12 +112,22 @@ __device__ inline float sum_over_warps(const float acc[VEC], float (*lanes)[COLS
     return sum;
 }
 
+// 0, or -1 unless ctx is a created context (its scratch holds the reductions' partial sums).
+static inline int check_context(const char *fn, const LayersCuda *ctx, char *err) {
+    if (!ctx || !ctx->scratch || ctx->scratch_floats < 1) {
+        dit_set_error(err, "%s: ctx must be a LayersCuda made by layers_cuda_create (got %s)", fn,
+                      ctx ? "one without scratch" : "NULL");
+        return -1;
+    }
+    return 0;
+}
+
 // The per-image column sums over T rows (dshift, dscale, dgate) split each image's rows into
 // `splits` ranges of split_rows, one block row per (image, range), when one block per (column
 // tile, image) would leave the GPU idle (B = 1, T = 16K): enough blocks for COL_TARGET_BLOCKS,
 // ranges of at least COL_MIN_SPLIT_ROWS rows, and the partial sums (B·splits·sums·C floats)
-// within `capacity`. The split depends on the sizes only, so the order of the additions, hence
-// the bits, are the same on every run and every GPU.
+// within `capacity` (the caller's LayersCuda scratch). The split depends on the sizes and the
+// capacity only, so the order of the additions, hence the bits, are the same on every run and GPU.
 #define COL_TARGET_BLOCKS 512
 #define COL_MIN_SPLIT_ROWS 64
 

@@ -52,6 +52,9 @@ int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err);
 void layers_cuda_destroy(LayersCuda *ctx);
 // Partial sums a linear backward with a bias gradient needs in ctx->scratch.
 size_t linear_backward_scratch_floats(int M, int OC);
+// Partial sums layernorm_modulate_backward_cuda and gated_residual_backward_cuda use in
+// ctx->scratch for their fastest split of the token sums (less scratch: fewer splits, slower).
+size_t modulation_backward_scratch_floats(int B, int T, int C);
 // Number of per-block partials of the global norm and the loss (a fixed grid: fixed order).
 #define REDUCE_PARTIALS 1024
 
@@ -106,21 +109,25 @@ int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     int B, int T, int C, int mod_stride,
                                     cudaStream_t stream, char *err);
 // dinp (bf16, may be NULL) += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂)); dshift_b, dscale_b
-// (fp32, sample b at b·mod_stride) += Σ_t dout, Σ_t dout·x̂.
+// (fp32, sample b at b·mod_stride) += Σ_t dout, Σ_t dout·x̂. The token sums are split over
+// blocks of rows whose partial sums go to ctx->scratch (as many splits as it holds, so the
+// result depends only on the shapes and the scratch size: bitwise the same run to run).
 int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
                                      const bf16 *dout, const bf16 *inp, const float *mean,
                                      const float *rstd, const bf16 *scale,
                                      int B, int T, int C, int mod_stride,
-                                     cudaStream_t stream, char *err);
+                                     const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // ---- gated residual: out = res + gate_b·h ------------------------------------------------
 int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const bf16 *gate,
                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err);
-// dres (bf16, may be NULL) += dout; dh (bf16) += gate·dout; dgate_b (fp32) += Σ_t dout·h.
-// dres must not alias dout.
+// dres (bf16, may be NULL) += dout; dh (bf16) += gate·dout; dgate_b (fp32) += Σ_t dout·h (token
+// sums split as in layernorm_modulate_backward_cuda, partials in ctx->scratch). dres must not
+// alias dout.
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err);
+                                 int B, int T, int C, int mod_stride,
+                                 const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // ---- pointwise (bf16 in and out, fp32 math) -----------------------------------------------
 int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);

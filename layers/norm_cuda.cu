@@ -6,11 +6,6 @@
 
 #define LAYERNORM_EPS 1e-6f
 #define ROWS_PER_BLOCK (BLOCK_SIZE / 32)   // one warp per (b, t) row
-// Partial sums of dshift/dscale when the T tokens of an image are split over several blocks
-// (4 MiB per GPU, in this module). The backward calls of one GPU share it: they must not run
-// concurrently on two streams of that GPU.
-#define DMOD_PARTIAL_FLOATS (1 << 20)
-static __device__ float dmod_partials[DMOD_PARTIAL_FLOATS];
 
 // One warp per row of C channels, sample b = row / T; lane l reads the vectors l, l + 32, ...:
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
@@ -150,19 +145,23 @@ int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
     return 0;
 }
 
+size_t modulation_backward_scratch_floats(int B, int T, int C) {
+    int splits = column_splits(B, T, C, 2, (size_t)-1);
+    return splits > 1 ? (size_t)B * splits * 2 * C : 0;
+}
+
 int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
                                      const bf16 *dout, const bf16 *inp, const float *mean,
                                      const float *rstd, const bf16 *scale,
                                      int B, int T, int C, int mod_stride,
-                                     cudaStream_t stream, char *err) {
+                                     const LayersCuda *ctx, cudaStream_t stream, char *err) {
     if (check_sizes("layernorm_modulate_backward_cuda", B, T, C, mod_stride, err) ||
-        check_product("layernorm_modulate_backward_cuda", "grid.y B", B, 1, 65535, err)) return -1;
+        check_product("layernorm_modulate_backward_cuda", "grid.y B", B, 1, 65535, err) ||
+        check_context("layernorm_modulate_backward_cuda", ctx, err)) return -1;
     int rows = B * T;
     bool vec = C % VEC == 0 && aligned16(dout) && aligned16(inp);
-    int splits = column_splits(B, T, C, 2, DMOD_PARTIAL_FLOATS), split_rows = (T + splits - 1) / splits;
-    float *partial = NULL;
-    if (splits > 1)
-        CUDA_CHECK(err, cudaGetSymbolAddress((void **)&partial, dmod_partials), "LayerNorm dshift/dscale partials");
+    int splits = column_splits(B, T, C, 2, ctx->scratch_floats), split_rows = (T + splits - 1) / splits;
+    float *partial = ctx->scratch;   // (B, splits, 2, C) when splits > 1
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), B * splits);
     layernorm_modulate_dmod_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dshift, dscale, partial, dout, inp, mean, rstd,
                                                                      T, C, mod_stride, splits, split_rows, vec);

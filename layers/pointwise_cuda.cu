@@ -5,12 +5,6 @@
 
 #define GELU_SCALE 0.7978845608028654f   // sqrt(2/π)
 
-// Partial sums of dgate when the T tokens of an image are split over several blocks (4 MiB per
-// GPU, in this module). The backward calls of one GPU share it: they must not run concurrently
-// on two streams of that GPU.
-#define DGATE_PARTIAL_FLOATS (1 << 20)
-static __device__ float dgate_partials[DGATE_PARTIAL_FLOATS];
-
 // Index of gate_b[c] for element i of (B, T, C): b = i / (T·C), c = i % C.
 __device__ inline size_t gate_index(size_t i, int TC, int C, int mod_stride) {
     return (i / TC) * mod_stride + i % C;
@@ -168,15 +162,15 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
 
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err) {
+                                 int B, int T, int C, int mod_stride,
+                                 const LayersCuda *ctx, cudaStream_t stream, char *err) {
     if (check_btc("gated_residual_backward_cuda", B, T, C, mod_stride, err) ||
-        check_product("gated_residual_backward_cuda", "grid.y B", B, 1, 65535, err)) return -1;
+        check_product("gated_residual_backward_cuda", "grid.y B", B, 1, 65535, err) ||
+        check_context("gated_residual_backward_cuda", ctx, err)) return -1;
     size_t n = (size_t)B * T * C;
     bool vec = C % VEC == 0 && aligned16(dout) && aligned16(h);
-    int splits = column_splits(B, T, C, 1, DGATE_PARTIAL_FLOATS), split_rows = (T + splits - 1) / splits;
-    float *partial = NULL;
-    if (splits > 1)
-        CUDA_CHECK(err, cudaGetSymbolAddress((void **)&partial, dgate_partials), "dgate partials");
+    int splits = column_splits(B, T, C, 1, ctx->scratch_floats), split_rows = (T + splits - 1) / splits;
+    float *partial = ctx->scratch;   // (B, splits, C) when splits > 1
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), B * splits);
     gated_residual_dgate_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dgate, partial, dout, h, T, C, mod_stride,
                                                                   splits, split_rows, vec);

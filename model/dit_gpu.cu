@@ -130,6 +130,7 @@ static size_t linear_scratch_floats(const DitConfig *c, int B, int T) {
         linear_backward_scratch_floats((int)BT, 4 * h), linear_backward_scratch_floats((int)BT, 3 * h),
         linear_backward_scratch_floats((int)BT, dit_patch_dim(c)),
         linear_backward_scratch_floats(B, c->depth * 6 * h), linear_backward_scratch_floats(B, 2 * h),
+        modulation_backward_scratch_floats(B, T, h),
     };
     for (size_t i = 0; i < sizeof(need) / sizeof(need[0]); i++) most = need[i] > most ? need[i] : most;
     return most;
@@ -670,7 +671,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     }
     TRY(linear_backward_cuda(g->lnf, dw->final_w, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h, P, ctx, s, err));
     TRY(layernorm_modulate_backward_cuda(g->residual, g->final_ada, g->final_ada + h, g->lnf, a->residual + L * blk,
-                                         a->lnf_mean, a->lnf_rstd, a->final_ada + h, B, T, h, 2 * h, s, err));
+                                         a->lnf_mean, a->lnf_rstd, a->final_ada + h, B, T, h, 2 * h, ctx, s, err));
     TRY(cast_float_to_bf16_cuda(g->final_ada_bf16, g->final_ada, (size_t)B * 2 * h, s, err));
     TRY(linear_backward_cuda(g->c_silu, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
                              w->final_ada_w, B, h, 2 * h, ctx, s, err));
@@ -686,18 +687,19 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
-                                         B, T, h, stride, s, err));
+                                         B, T, h, stride, ctx, s, err));
         TRY(linear_dgelu_backward_cuda(g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
                                        g->fc2, a->gelu + o4, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
                                        BT, 4 * h, h, ctx, s, err));
         TRY(linear_backward_cuda(g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
                                  g->fc1, a->ln2 + o1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, ctx, s, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
-                                             a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride, s, err));
+                                             a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
+                                             ctx, s, err));
 
         // x_mid = x + gate_msa·proj(attention(...))
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
-                                         B, T, h, stride, s, err));
+                                         B, T, h, stride, ctx, s, err));
         TRY(linear_backward_cuda(g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
                                  g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, ctx, s, err));
         TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
@@ -717,7 +719,8 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
                                  g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, ctx, s, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
-                                             a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride, s, err));
+                                             a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
+                                             ctx, s, err));
     }
 
     // conditioning: c_silu feeds every adaLN; c = t_emb + y_emb passes its gradient to both

@@ -201,7 +201,7 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
                  err, "IC=12");
     EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 8, 4, 0, err), err,
                  "mod_stride >= C", "mod_stride=4");
-    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, 0, err), err,
+    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "T=0");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 10, 4, 0, err), err, "S a multiple of p", "S=10 p=4");
     EXPECT_ERROR(split_heads_forward_cuda(NULL, NULL, NULL, NULL, 1, 4, 0, 8, 0, err), err, "H=0");
@@ -221,11 +221,11 @@ Test(cuda_api, layers_reject_sizes_whose_int_indices_overflow) {
     char err[DIT_ERR_LEN];
     EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 65536, 65536, 8, 8, 0, err),
                  err, "layernorm_modulate_forward_cuda", "B·T = 65536·65536");
-    EXPECT_ERROR(layernorm_modulate_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, 0,
-                                                  err), err, "layernorm_modulate_backward_cuda", "grid.y B = 70000");
+    EXPECT_ERROR(layernorm_modulate_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, NULL,
+                                                  0, err), err, "layernorm_modulate_backward_cuda", "grid.y B = 70000");
     EXPECT_ERROR(gated_residual_forward_cuda(NULL, NULL, NULL, NULL, 1, 65536, 65536, 65536, 0, err), err,
                  "gated_residual_forward_cuda", "T·C = 65536·65536");
-    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, 0, err), err,
+    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "grid.y B = 70000");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 65536, 1, 0, err), err, "patchify_forward_cuda",
                  "S·S = 65536·65536");
