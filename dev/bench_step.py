@@ -36,39 +36,50 @@ CONFIGS = {
 }
 
 
-def pytorch_step_ms(cfg, batch, steps, warmup, compile_model):
-    """Median ms of one PyTorch training step (CUDA events) after `warmup` steps."""
+def pytorch_training_step(cfg, batch, compile_model):
+    """One PyTorch training step as a function (fp32 master weights, autocast bf16, SDPA, fused
+    AdamW, clipping) on a fixed synthetic batch; returns (step, release)."""
     torch.manual_seed(0)
     model = make_model(cfg, device="cuda", dtype=torch.float32, use_sdpa=True)
     forward = torch.compile(model) if compile_model else model
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
     x0 = torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, device="cuda")
-    noise = torch.randn_like(x0)
-    t = torch.rand(batch, device="cuda")
+    noise, t = torch.randn_like(x0), torch.rand(batch, device="cuda")
     y = torch.randint(0, cfg.num_classes, (batch,), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = flow_matching_loss(forward, x0, t, y, noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    def release():
+        nonlocal model, forward, opt
+        del model, forward, opt
+        if compile_model:
+            torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+    return step, release
+
+
+def pytorch_step_ms(cfg, batch, steps, warmup, compile_model):
+    """Median ms of one PyTorch training step (CUDA events) after `warmup` steps."""
+    step, release = pytorch_training_step(cfg, batch, compile_model)
     times = []
     try:
         for i in range(warmup + steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss, _ = flow_matching_loss(forward, x0, t, y, noise)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            step()
             end.record()
             torch.cuda.synchronize()
             if i >= warmup:
                 times.append(start.elapsed_time(end))
     finally:
-        del model, forward, opt
-        if compile_model:
-            torch._dynamo.reset()
-        torch.cuda.empty_cache()
+        release()
     return statistics.median(times)
 
 

@@ -19,8 +19,8 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import CONFIGS, REPO  # noqa: E402
-from dit_ref import DiTConfig, make_model, flow_matching_loss  # noqa: E402
+from bench_step import CONFIGS, REPO, pytorch_training_step  # noqa: E402
+from dit_ref import DiTConfig  # noqa: E402
 
 
 def category(name):
@@ -74,22 +74,7 @@ def profile_pytorch(name, steps, compile_model, warmup=5):
     size, patch, hidden, depth, heads, batch = CONFIGS[name]
     cfg = DiTConfig(image_size=size, channels=1, patch=patch, hidden=hidden, depth=depth, heads=heads,
                     num_classes=10)
-    torch.manual_seed(0)
-    model = make_model(cfg, device="cuda", dtype=torch.float32, use_sdpa=True)
-    forward = torch.compile(model) if compile_model else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-    x0 = torch.randn(batch, 1, size, size, device="cuda")
-    noise, t = torch.randn_like(x0), torch.rand(batch, device="cuda")
-    y = torch.randint(0, 10, (batch,), device="cuda")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _ = flow_matching_loss(forward, x0, t, y, noise)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
+    step, release = pytorch_training_step(cfg, batch, compile_model)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -101,6 +86,7 @@ def profile_pytorch(name, steps, compile_model, warmup=5):
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[ev.name] += ev.time_range.elapsed_us() * 1e3  # us -> ns
+    release()
     kind = "compile" if compile_model else "eager"
     return summarize(kernels, steps, f"PyTorch {kind} (bf16 autocast, SDPA), config {name}")
 

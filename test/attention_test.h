@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "layers/common.h"
 #include "test/compare.h"
 
 #define SKIP_WITHOUT_GPU()                                                          \
@@ -43,6 +44,21 @@ static void *dmalloc(size_t n) {
     CUDA_OK(cudaMalloc(&p, n));
     CUDA_OK(cudaMemset(p, 0xff, n));   // poison: NaN for fp32 and bf16
     return p;
+}
+
+// n random bf16 values N(0, gain²) (never zero: 0.5 instead), as floats in *host (allocated) and
+// on the device (returned).
+static inline uint16_t *random_bf16(Rng *rng, size_t n, float gain, float **host) {
+    uint16_t *bits = xmalloc(n * 2), *dev = dmalloc(n * 2);
+    *host = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        float x = rng_normal(rng) * gain;
+        bits[i] = to_bf16(x == 0.0f ? 0.5f : x);
+        (*host)[i] = from_bf16(bits[i]);
+    }
+    CUDA_OK(cudaMemcpy(dev, bits, n * 2, cudaMemcpyHostToDevice));
+    free(bits);
+    return dev;
 }
 
 static inline void compare(double *rel, double *cos, const float *x, const float *ref, size_t n) {

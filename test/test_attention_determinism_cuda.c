@@ -44,17 +44,7 @@ static Case make_case(Backward which, int B, int H, int N, int D, uint64_t seed)
     char err[DIT_ERR_LEN] = "";
     Rng rng;
     rng_seed(&rng, seed);
-    uint16_t *bits = xmalloc(c.n * 2);
-    for (int t = 0; t < 4; t++) {
-        c.host[t] = xmalloc(c.n * sizeof(float));
-        for (size_t i = 0; i < c.n; i++) {
-            bits[i] = to_bf16(rng_normal(&rng));
-            c.host[t][i] = from_bf16(bits[i]);
-        }
-        c.dev[t] = dmalloc(c.n * 2);
-        CUDA_OK(cudaMemcpy(c.dev[t], bits, c.n * 2, cudaMemcpyHostToDevice));
-    }
-    free(bits);
+    for (int t = 0; t < 4; t++) c.dev[t] = random_bf16(&rng, c.n, 1.0f, &c.host[t]);
     c.out = dmalloc(c.n * 2);
     c.lse = dmalloc(c.rows * sizeof(float));
     c.grads = dmalloc(3 * c.n * sizeof(float));
