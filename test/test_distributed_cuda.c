@@ -35,6 +35,7 @@
 #include "model/dit_gpu.h"
 #include "test/compare.h"
 #include "test/model_test.h"
+#include "test/ranks_test.h"
 
 #ifndef DIT_NCCL
 Test(data_parallel, needs_nccl) { cr_skip_test("this build has no NCCL (nccl.h not found)"); }
@@ -51,24 +52,6 @@ static const DitConfig config = {.image_size = 20, .channels = 3, .patch = 2, .h
                                  .depth = 2, .heads = 2, .num_classes = 5};
 enum { FULL_BATCH = 8, WORLD = 2 };
 static const float LR = 1e-2f, EPS = 1.0f, WEIGHT_DECAY = 0.1f;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-// GPUs, counted in a child so that this process does not initialize CUDA before its forks.
-static int gpu_count_in_child(void) {
-    pid_t pid = fork();
-    if (pid == 0) {
-        int n = 0;
-        _exit(cudaGetDeviceCount(&n) == cudaSuccess ? (n > 100 ? 100 : n) : 0);
-    }
-    int status;
-    waitpid(pid, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
-}
 
 #define REQUIRE_2_GPUS() do {                                                                  \
         if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");                   \
@@ -91,22 +74,6 @@ static void full_batch(FullBatch *b) {
 
 // What one step gives: the loss, the gradients before and after the all-reduce, the parameters.
 typedef struct { float loss; float *grads_local, *grads, *params_before, *params; size_t n; } StepResult;
-
-static int write_floats(const char *path, const float *x, size_t n) {
-    FILE *f = fopen(path, "wb");
-    int ok = f && fwrite(x, sizeof(float), n, f) == n;
-    if (f) ok = (fclose(f) == 0) && ok;
-    return ok ? 0 : -1;
-}
-
-static float *read_floats(const char *path, size_t n) {
-    float *x = malloc(n * sizeof(float));
-    FILE *f = fopen(path, "rb");
-    cr_assert(x && f, "%s: cannot read", path);
-    cr_assert_eq(fread(x, sizeof(float), n, f), n, "%s: short", path);
-    fclose(f);
-    return x;
-}
 
 // One step on the current device: images [first, first + B) of the full batch; with comm, the
 // gradients and loss are averaged over the ranks before the update (as train_dit). Fills r.

@@ -38,6 +38,7 @@
 #include "model/dit_gpu.h"
 #include "test/compare.h"
 #include "test/model_test.h"
+#include "test/ranks_test.h"
 
 #ifndef DIT_NCCL
 Test(sp_model, needs_nccl) { cr_skip_test("this build has no NCCL (nccl.h not found)"); }
@@ -71,39 +72,6 @@ static void make_batch(Batch *b) {
 
 // One step's results: loss, output (BATCH, C, S, S), gradients before and after the reduction.
 typedef struct { float loss; float *out, *grads_local, *grads; size_t n; } StepResult;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-static int gpu_count_in_child(void) {
-    pid_t pid = fork();
-    if (pid == 0) {
-        int n = 0;
-        _exit(cudaGetDeviceCount(&n) == cudaSuccess ? (n > 100 ? 100 : n) : 0);
-    }
-    int status;
-    waitpid(pid, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 0;
-}
-
-static int write_floats(const char *path, const float *x, size_t n) {
-    FILE *f = fopen(path, "wb");
-    int ok = f && fwrite(x, sizeof(float), n, f) == n;
-    if (f) ok = (fclose(f) == 0) && ok;
-    return ok ? 0 : -1;
-}
-
-static float *read_floats(const char *path, size_t n) {
-    float *x = malloc(n * sizeof(float));
-    FILE *f = fopen(path, "rb");
-    cr_assert(x && f, "%s: cannot read", path);
-    cr_assert_eq(fread(x, sizeof(float), n, f), n, "%s: short", path);
-    fclose(f);
-    return x;
-}
 
 // One step on the current device with the model sp (NULL: one GPU); with comm, the gradients are
 // summed and the loss averaged over the ranks before they are read (as train_dit). Fills r.
