@@ -117,7 +117,8 @@ PIC_OBJS     := $(patsubst $(BUILD)/%,$(BUILD)/pic/%,$(LIB_OBJS))
 PUBLIC_H     := layers/common.h layers/layers.h attention/attention.h attention/sequence_parallel.h \
                 dataloader/dataloader.h \
                 dataloader/image_grid.h model/dit.h model/safetensors.h model/checkpoint.h model/sample.h \
-                $(if $(NVCC),layers/layers_cuda.h attention/sage_cuda.h attention/flash_cuda.h model/dit_gpu.h) \
+                $(if $(NVCC),layers/layers_cuda.h attention/sage_cuda.h attention/flash_cuda.h attention/hadamard_cuda.h \
+                  model/dit_gpu.h) \
                 $(if $(NCCL_H),attention/sequence_parallel_cuda.h)
 PC_CFLAGS    := $(if $(NVCC),-DDIT_CUDA -I$(CUDA_HOME)/include)
 ,            := ,
