@@ -27,6 +27,11 @@ if [ "$what" = multi ]; then
     exit $status
 fi
 if [ "$what" != bench ]; then
+    if [ -x "$BIN/train_dit" ]; then   # train_dit on the GPU against PyTorch in fp32 on the GPU
+        cp "$BIN/train_dit" .
+        python3 dev/parity.py --gpu > "$LOGS/parity_gpu.log" 2>&1 || status=1
+        tail -1 "$LOGS/parity_gpu.log"
+    fi
     for t in "$BIN"/test_*_cuda; do
         echo "== $t" | tee -a "$LOGS/tests.log"
         "$t" --jobs 4 2>&1 | tee -a "$LOGS/tests.log" | grep -E "Synthesis|FAIL|Assertion" || status=1
@@ -36,6 +41,11 @@ fi
 if [ "$what" != tests ]; then
     [ -f "$BIN/libsage_bench.so" ] && python3 dev/bench_attention.py "$BIN/libsage_bench.so" 2>&1 | tee "$LOGS/bench_sage.log"
     [ -f "$BIN/libflash_bench.so" ] && python3 dev/bench_flash.py "$BIN/libflash_bench.so" 2>&1 | tee "$LOGS/bench_flash.log"
-    [ -x "$BIN/train_dit" ] && cp "$BIN/train_dit" . && python3 dev/bench_step.py --configs a,c 2>&1 | tee "$LOGS/bench_step.log"
+    if [ -x "$BIN/train_dit" ]; then
+        cp "$BIN/train_dit" .
+        python3 dev/bench_step.py --configs a,b,c,d --compile 2>&1 | tee "$LOGS/bench_step.log"
+        [ -f "$BIN/libkernel_times.so" ] && python3 dev/profile_step.py --configs c,a --steps 8 \
+            --lib "$BIN/libkernel_times.so" 2>&1 | tee "$LOGS/profile_step.log"
+    fi
 fi
 exit $status
