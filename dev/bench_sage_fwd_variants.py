@@ -5,7 +5,7 @@
 #   python3 dev/bench_sage_fwd_variants.py D:N,... name=lib.so [name=lib.so ...]
 # Each lib.so is the sage sources built as in dev/devrun_prepare.sh (libsage_bench.so), from
 # another commit (git show REV:attention/sage_forward_sm90.cu) or with other -D settings.
-import ctypes, os, sys, statistics
+import ctypes, os, sys
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
