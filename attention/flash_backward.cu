@@ -13,6 +13,8 @@ extern "C" int flash_backward_set_deterministic(int on) {
     return before;
 }
 
+extern "C" int flash_backward_deterministic(void) { return flash_deterministic; }
+
 extern "C" size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D) {
     (void)D;
     return attention_backward_workspace_bytes(B, H, N);

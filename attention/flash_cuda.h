@@ -49,6 +49,21 @@ int flash_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const 
 // order varies from run to run with more than two 128-key blocks. Process-wide; returns the
 // previous setting.
 int flash_backward_set_deterministic(int on);
+// The current setting of flash_backward_set_deterministic.
+int flash_backward_deterministic(void);
+
+// The Hopper backward (attention/flash_backward_sm90.cu): the same math and arguments as
+// flash_backward_cuda (dq, dk, dv overwritten; the same workspace; honours
+// flash_backward_set_deterministic), with wgmma fed by TMA: the structure of sage's Hopper backward
+// (sage_backward_sm90.cu) with Sᵀ = K·Qᵀ in bf16. B·H·N < 2^31. Available (1) on a compute
+// capability 9.0 device when the build has sm_90a machine code; flash_backward_sm90_cuda returns
+// -1 otherwise. NOT YET THE DEFAULT: flash_backward_cuda keeps the mma.sync kernel on every GPU
+// until a GPU run has validated this one (it was written and compiled without a GPU; command and
+// checklist in dev/notes_flash.md).
+int flash_backward_sm90_available(void);
+int flash_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
+                             const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                             const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err);
 
 #ifdef __cplusplus
 }

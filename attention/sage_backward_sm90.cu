@@ -25,14 +25,9 @@
 // At the end dV and dK/sqrt(D) are stored (rows < N). The shared memory tiles use the 128-byte
 // swizzle (64-byte for the D = 64 int8 rows and the D = 64 k - k_mean boxes), see wgmma.cuh.
 #include "attention/sage_cuda.h"
-#include "attention/attention_backward.cuh"
-#include "attention/wgmma.cuh"
+#include "attention/backward_sm90.cuh"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
-
-#define BWD90_THREADS 256   // two warpgroups
-#define BWD90_KEYS 128      // keys per CTA, 64 per warpgroup
-#define BWD90_QUERIES 64    // queries per step (= SAGE_CUDA_BLOCK: one q_scale per step)
 
 // Shared memory of one CTA (after aligning its start to 1024 bytes). bf16 tiles of D = 128 are
 // boxes of 64 columns (128-byte rows).
@@ -59,24 +54,6 @@ typedef struct {
     CUtensorMap k8, v, q8, q, dout, dq;
 } Bwd90Maps;
 
-// dq as a 3-D fp32 tensor map (D, N, BH) with boxes of 32 columns × 64 rows of one head.
-static int tma_map_dq(CUtensorMap *map, const float *dq, int D, int N, int BH, char *err) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
-    if (!encode) return -1;
-    cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)BH};
-    cuuint64_t strides[2] = {(cuuint64_t)D * 4, (cuuint64_t)N * D * 4};
-    cuuint32_t box[3] = {32, BWD90_QUERIES, 1}, elem_strides[3] = {1, 1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, (void *)dq, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        dit_set_error(err, "cuTensorMapEncodeTiled(sage_backward_sm90 dq: %d x %d x %d fp32) failed (%d)", D, N, BH,
-                      (int)r);
-        return -1;
-    }
-    return 0;
-}
-
 #ifdef SAGE_SM90_DEVICE
 // Thread 0: query block qb of head bh into the stage at st, completing on bar.
 template <int D>
@@ -89,54 +66,6 @@ __device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, con
         tma_load_2d(st + S::Q + b * BWD90_QUERIES * 128, &m.q, bar, 128 * b, row);
         tma_load_2d(st + S::DO + b * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, row);
     }
-}
-
-// Thread tid < 128: lse (tid < 64) or delta of query qb·64 + tid % 64 of head bh (0 past N).
-__device__ __forceinline__ float load_query_stat(const AttnBwdArgs &a, int bh, int qb, int tid) {
-    int q = qb * BWD90_QUERIES + tid % BWD90_QUERIES;
-    const float *src = tid < BWD90_QUERIES ? a.lse : a.delta;
-    return q < a.N ? src[(size_t)bh * a.N + q] : 0.0f;
-}
-
-// d += a·B for one k16 step of dV or dK (m64nDk16, B MN-major with 64-column atoms 8 KB apart).
-template <int D>
-__device__ __forceinline__ void dkv_wgmma(float (&d)[D / 2], const uint32_t a[4], uint64_t desc_b) {
-    if constexpr (D == 128) wgmma_bf16_m64n128k16_rs<1, 1>(d, a, desc_b);
-    else wgmma_bf16_m64n64k16_rs<1, 1>(d, a, desc_b);
-}
-
-// dq·scale (this warpgroup's D/2 columns, m64n(D/2) accumulator layout) into the shared-memory
-// dQ tile: box b = columns 32b..32b+31, 64 rows of 128 bytes, 128-byte swizzled as the TMA reads it.
-template <int D>
-__device__ __forceinline__ void store_dq_tile(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
-    int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int row = 16 * warp + g + 8 * h;
-#pragma unroll
-        for (int j = 0; j < D / 16; j++) {
-            int col = wg * (D / 2) + 8 * j + 2 * c;
-            uint32_t off = (col / 32) * (BWD90_QUERIES * 128) + swizzle_offset<128>(row * 128 + (col % 32) * 4);
-            *(float2 *)(tile + off) = make_float2(dq[4 * j + 2 * h] * scale, dq[4 * j + 2 * h + 1] * scale);
-        }
-    }
-}
-
-// global (fp32) += the box at smem, at columns x.., rows y.. of head z; completes in a bulk group.
-__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const void *smem, int x, int y, int z) {
-    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
-                 ::"l"(map), "r"(smem_addr(smem)), "r"(x), "r"(y), "r"(z) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Until this thread's bulk groups are complete (their writes performed).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
-// d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
-template <int D, int scale_d>
-__device__ __forceinline__ void dq_wgmma(float (&d)[D / 4], uint64_t desc_a, uint64_t desc_b) {
-    if constexpr (D == 128) wgmma_bf16_m64n64k16_ss<scale_d, 1, 1>(d, desc_a, desc_b);
-    else wgmma_bf16_m64n32k16_ss<scale_d, 1, 1>(d, desc_a, desc_b);
 }
 #endif
 
@@ -347,7 +276,7 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
         tma_map_2d_bytes(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "sage_backward_sm90 v", err) ||
         tma_map_2d_bytes(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 q", err) ||
         tma_map_2d_bytes(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 dout", err) ||
-        tma_map_dq(&m.dq, a.dq, D, N, BH, err))
+        tma_map_dq(&m.dq, a.dq, D, N, BH, "sage_backward_sm90 dq", err))
         return -1;
     int bytes = Bwd90Smem<D>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_backward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),

@@ -12,7 +12,8 @@ gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.
     attention/sage_quant.cu attention/sage_forward.cu attention/sage_forward_sm90.cu \
     attention/sage_backward.cu attention/sage_backward_sm90.cu build/common_pic.o
 [ -z "$(find attention layers -newer build/libflash_bench.so 2>/dev/null)" ] || $NVCC $FLAGS -shared -o build/libflash_bench.so \
-    attention/flash_forward.cu attention/flash_forward_sm90.cu attention/flash_backward.cu build/common_pic.o
+    attention/flash_forward.cu attention/flash_forward_sm90.cu attention/flash_backward.cu \
+    attention/flash_backward_sm90.cu build/common_pic.o
 gcc -O2 -Wall -shared -fPIC -I/usr/local/cuda/include dev/kernel_times.c -o build/libkernel_times.so \
     -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcupti -lstdc++
 rm -rf .devrun && mkdir -p .devrun .devlibs
