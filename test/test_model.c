@@ -130,39 +130,50 @@ Test(model, backward_accumulates) {
     dit_free(&m);
 }
 
-static void check_sage_close_to_exact(int head_dim) {
+// The model with sage attention (and, rotate = 1, its Hadamard rotation of q and k, as train_dit
+// runs it) against the model with exact attention on the same weights and batch.
+static void check_sage_close_to_exact(int head_dim, int rotate) {
     DitConfig cfg = {.image_size = 16, .channels = 1, .patch = 2, .hidden = 2 * head_dim,
                      .depth = 1, .heads = 2, .num_classes = 3};
-    Dit exact, sage;
+    Dit exact, sage, plain;
     char err[DIT_ERR_LEN];
     cr_assert_eq(dit_create(&exact, &cfg, MICRO_B, DIT_ATTN_EXACT, 1, err), 0, "%s", err);
     cr_assert_eq(dit_create(&sage, &cfg, MICRO_B, DIT_ATTN_SAGE, 1, err), 0, "%s", err);
+    cr_assert_eq(dit_create(&plain, &cfg, MICRO_B, DIT_ATTN_SAGE, 1, err), 0, "%s", err);
+    sage.sage.rotate = rotate;
     Rng rng;
     rng_seed(&rng, 21);
     rng_fill_normal(&rng, exact.params_memory, exact.num_params, 0.05f);
     memcpy(sage.params_memory, exact.params_memory, exact.num_params * sizeof(float));
+    memcpy(plain.params_memory, exact.params_memory, exact.num_params * sizeof(float));
     size_t n_out = MICRO_B * 16 * 16;
     float x[MICRO_B * 256], t[MICRO_B], w[MICRO_B * 256];
     int labels[MICRO_B];
     random_batch(&rng, &cfg, x, t, labels, MICRO_B);
     rng_fill_normal(&rng, w, n_out, 1.0f);
-    Dit *models[2] = {&exact, &sage};
-    for (int i = 0; i < 2; i++) {
+    Dit *models[3] = {&exact, &sage, &plain};
+    for (int i = 0; i < 3; i++) {
         dit_forward(models[i], &models[i]->params, x, t, labels, MICRO_B);
         dit_zero_grad(models[i]);
         dit_backward(models[i], w, labels, MICRO_B);
     }
     double out_cos = cosine(sage.acts.out, exact.acts.out, n_out);
     double grad_cos = cosine(sage.grads_memory, exact.grads_memory, exact.num_params);
-    cr_expect_gt(out_cos, 0.999, "head dim %d: output cosine %.6f", head_dim, out_cos);
-    cr_expect_gt(grad_cos, 0.99, "head dim %d: gradient cosine %.6f", head_dim, grad_cos);
+    cr_expect_gt(out_cos, 0.999, "head dim %d rotate %d: output cosine %.6f", head_dim, rotate, out_cos);
+    cr_expect_gt(grad_cos, 0.99, "head dim %d rotate %d: gradient cosine %.6f", head_dim, rotate, grad_cos);
     cr_expect_lt(out_cos, 1.0 - 1e-9, "head dim %d: sage gave exactly the exact output: is it quantizing?", head_dim);
+    if (rotate)   // the rotation changes what is quantized, so the result differs from unrotated sage
+        cr_expect_neq(memcmp(sage.acts.out, plain.acts.out, n_out * sizeof(float)), 0,
+                      "head dim %d: rotate = 1 gave the unrotated output: is the flag used?", head_dim);
     dit_free(&exact);
     dit_free(&sage);
+    dit_free(&plain);
 }
 
-Test(model, sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64); }
-Test(model, sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128); }
+Test(model, sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, 0); }
+Test(model, sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, 0); }
+Test(model, rotated_sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, 1); }
+Test(model, rotated_sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, 1); }
 
 // ---- checkpoints -------------------------------------------------------------------------
 
