@@ -3,7 +3,8 @@
 // 64-query blocks through shared-memory stages, form dV and dK from register A fragments and add
 // dQ through a shared-memory fp32 tile with a TMA reduce-add; they differ only in how Sᵀ is formed
 // (int8 K̂·Q̂ᵀ × scales vs bf16 K·Qᵀ) and in which K tile dQ uses (k - k_mean vs k).
-// Moved here unchanged from sage_backward_sm90.cu (tma_map_dq gained its `what` argument).
+// Moved here unchanged from sage_backward_sm90.cu (tma_map_dq gained its `what` argument; sage's
+// device code is byte-identical), plus store_dq_tile_folded (flash only, for now).
 #pragma once
 #include "attention/attention_backward.cuh"
 #include "attention/wgmma.cuh"
@@ -15,7 +16,7 @@
 
 // dq as a 3-D fp32 tensor map (D, N, BH) with boxes of 32 columns × 64 rows of one head, for the
 // TMA reduce-add (rows >= N of a box are dropped). `what` names the kernel in the error message.
-static int tma_map_dq(CUtensorMap *map, const float *dq, int D, int N, int BH, const char *what, char *err) {
+static inline int tma_map_dq(CUtensorMap *map, const float *dq, int D, int N, int BH, const char *what, char *err) {
     PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
     if (!encode) return -1;
     cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)N, (cuuint64_t)BH};
