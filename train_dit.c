@@ -866,7 +866,8 @@ int main(int argc, char **argv) {
     if (rank == 0) {
         printf("dit.c | device %s | attention %s%s | depth %d hidden %d heads %d (head dim %d) patch %d | "
                "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
-               a->device, a->attn, !strcmp(a->attn, "sage") && a->sage_rotate ? " (Hadamard-rotated q, k)" : "", cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
+               a->device, a->attn, !strcmp(a->attn, "sage") && a->sage_rotate ? " (Hadamard-rotated q, k)" : "",
+               cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);
         if (world > 1)
@@ -893,7 +894,8 @@ int main(int argc, char **argv) {
         dit_set_error(err, "%s: cannot open for writing: %s", log_path, strerror(errno));
         die(err);
     }
-    if (log && !a->resume) fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
+    if (log && fseek(log, 0, SEEK_END) == 0 && ftell(log) == 0)   // a new log (also a resume into a new --out)
+        fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
     if (a->save_init && !a->resume) save_checkpoint(&tr, a, dl, &rng, 0);
 
     for (int step = first_step; step <= a->steps; step++) {
