@@ -51,7 +51,23 @@ void attention_backward(float *dq, float *dk, float *dv,
 // P = exp2(s - lse); Dr_i = rowsum(dout∘out); dv += Pᵀ·dout; dP = dout·vᵀ; dS = P∘(dP - Dr);
 // dq += dS·ks/sqrt(D) (smoothed k: exact when rows of dS sum to 0, and robust to large k offsets
 // when the quantized forward makes them not quite 0); dk += dSᵀ·q/sqrt(D).
+// This is SAGE_BWD_FP32 (the default): P, dS, dout, q, ks enter the products in fp32 here (the
+// GPU kernels round them to bf16), each term added to dq, dk, dv in fp32 in the loop order.
+// SAGE_BWD_INT8 (SageBwd-style): the three gradient products in INT8 with per-block scales.
+// Per (b, h), query blocks I of q_block rows (outer loop) and key blocks J of k_block keys
+// (inner loop), in order; "to INT8" is step 2's rule: scale = amax/127, x8 = rintf(x·(127/amax)).
+//  a. dout of block I to INT8: do8, do_scale_I (amax over the block's q_block × D values).
+//  b. For block (I, J), fp32 as above: P_ij = exp2f(s_ij - lse_i), dP_ij = Σ_d dout_id·v_jd,
+//     dS_ij = P_ij·(dP_ij - Dr_i); then P and dS of the block to INT8: p8, p_scale_IJ (amax =
+//     max P) and ds8, ds_scale_IJ (amax = max|dS|), each over the block's q_block × k_block values.
+//  c. With r = 1/sqrtf(D) and u = r/c (c of step 2, so that q8·q_scale·u ≈ q/sqrt(D)):
+//     dv_jd += (float)(Σ_{i∈I} p8_ij·do8_id)  · (p_scale_IJ·do_scale_I)
+//     dq_id += (float)(Σ_{j∈J} ds8_ij·k8_jd)  · ((ds_scale_IJ·k_scale_J)·r)
+//     dk_jd += (float)(Σ_{i∈I} ds8_ij·q8_id)  · ((ds_scale_IJ·q_scale_I)·u)
+//     int32 sums (exact), fp32 products left to right, one fp32 add per block into the outputs.
+//  dP stays fp32 (INT8 dP loses the accuracy bar: dev/notes_attention_cpu.md).
 typedef enum { SAGE_PV_FP8 = 0, SAGE_PV_FP16 = 1 } SagePV;
+typedef enum { SAGE_BWD_FP32 = 0, SAGE_BWD_INT8 = 1, SAGE_BWD_INT8_P_FIXED = 2, SAGE_BWD_INT8_DP = 3, SAGE_BWD_INT8_TOKEN = 4 } SageBwd;
 typedef struct {
     int q_block;   // tokens per Q scale (default 64)
     int k_block;   // tokens per K scale, and the key-block size of the online softmax (default 64)
@@ -60,6 +76,8 @@ typedef struct {
                    // (hadamard_rotate; S = (qH)(kH)ᵀ is unchanged in exact arithmetic, and outlier
                    // channels are spread over all channels before INT8 quantization); the backward
                    // rotates dq and dk back. D a power of two. CPU definition only so far (default 0).
+    SageBwd bwd;   // precision of the backward's products (CPU definition only; default SAGE_BWD_FP32 = 0,
+                   // so initializers that stop after rotate keep today's backward)
 } SageConfig;
 #define SAGE_CONFIG_DEFAULT ((SageConfig){64, 64, SAGE_PV_FP8, 0})
 

@@ -219,6 +219,153 @@ void sage_forward_quantized(float *out, float *lse,
     free(p); free(block_pv); free(acc);
 }
 
+// Scratch of the INT8 backward: one (q_block × k_block) block of P and dS and their int8
+// codes, the int8 dout of one query block, and one int32 product tile.
+typedef struct {
+    float *p, *ds;          // (q_block, k_block)
+    int8_t *p8, *ds8;       // (q_block, k_block)
+    int8_t *do8, *v8;       // (q_block, D), (k_block, D)
+    int32_t *sum;           // (max(q_block, k_block), D)
+} Int8Scratch;
+
+// P fixed-scale variant: p8 = min(rintf(P·127), 127), scale 1/127.
+static float quantize_p_fixed(int8_t *p8, const float *p, int n) {
+    for (int t = 0; t < n; t++) p8[t] = (int8_t)fminf(rintf(p[t] * 127.0f), 127.0f);
+    return 1.0f / 127.0f;
+}
+
+// EXPERIMENT: per-token scales inside the block: P and dS per key column (dv, dk), dS per query row (dq).
+static void token_scaled_block(float *dq, float *dk, float *dv, Int8Scratch *w, int ni, int nj, int D,
+                               float do_scale, float qs, float ks, float r, float u,
+                               const int8_t *q8_blk, const int8_t *k8_blk, size_t q_at, size_t k_at) {
+    float pt[64 * 64], dst[64 * 64], dsr_scale[64], pc_scale[64], dsc_scale[64];
+    int8_t pt8[64 * 64], dst8[64 * 64], dsr8[64 * 64];
+    for (int i = 0; i < ni; i++)
+        for (int j = 0; j < nj; j++) { pt[j * ni + i] = w->p[i * nj + j]; dst[j * ni + i] = w->ds[i * nj + j]; }
+    for (int j = 0; j < nj; j++) {
+        pc_scale[j] = quantize_block(pt8 + j * ni, pt + j * ni, NULL, 1.0f, 1, ni);
+        dsc_scale[j] = quantize_block(dst8 + j * ni, dst + j * ni, NULL, 1.0f, 1, ni);
+    }
+    for (int i = 0; i < ni; i++) dsr_scale[i] = quantize_block(dsr8 + i * nj, w->ds + i * nj, NULL, 1.0f, 1, nj);
+    for (int j = 0; j < nj; j++)
+        for (int d = 0; d < D; d++) {
+            int32_t sv = 0, sk = 0;
+            for (int i = 0; i < ni; i++) {
+                sv += pt8[j * ni + i] * w->do8[(size_t)i * D + d];
+                sk += dst8[j * ni + i] * q8_blk[(size_t)i * D + d];
+            }
+            dv[k_at + (size_t)j * D + d] += (float)sv * (pc_scale[j] * do_scale);
+            dk[k_at + (size_t)j * D + d] += (float)sk * ((dsc_scale[j] * qs) * u);
+        }
+    for (int i = 0; i < ni; i++)
+        for (int d = 0; d < D; d++) {
+            int32_t sq = 0;
+            for (int j = 0; j < nj; j++) sq += dsr8[i * nj + j] * k8_blk[(size_t)j * D + d];
+            dq[q_at + (size_t)i * D + d] += (float)sq * ((dsr_scale[i] * ks) * r);
+        }
+}
+
+// The SAGE_BWD_INT8 backward of attention.h over the nk keys given. dout, out, dq: (B, H, nq, D);
+// lse (B, H, nq); v, dk, dv: (B, H, nk, D); q8/k8 and scales as sage_forward_quantized's.
+// Block (I, J): P, dS (n_i × n_j) in fp32, to int8 per block; dv_J += p8ᵀ·do8, dq_I += ds8·k8_J,
+// dk_J += ds8ᵀ·q8_I as int32 sums, each scaled once and added in fp32.
+static void backward_int8(float *dq, float *dk, float *dv,
+                          const float *dout, const float *v, const float *out, const float *lse,
+                          const int8_t *q8, const float *q_scale, const int8_t *k8, const float *k_scale,
+                          int B, int H, int nq, int nk, int D, SageConfig cfg) {
+    int qb = cfg.q_block, kb = cfg.k_block, nqb = ceil_div(nq, qb), nkb = ceil_div(nk, kb);
+    const float r = 1.0f / sqrtf((float)D);
+    const float u = r / (r * 1.44269504f);   // undoes sage_quantize_q's c = (1/sqrtf(D))·log2(e)
+    int rows = qb > kb ? qb : kb;
+    Int8Scratch w;
+    w.p = malloc((size_t)qb * kb * sizeof(float));
+    w.ds = malloc((size_t)qb * kb * sizeof(float));
+    w.p8 = malloc((size_t)qb * kb);
+    w.ds8 = malloc((size_t)qb * kb);
+    w.do8 = malloc((size_t)qb * D);
+    w.v8 = malloc((size_t)kb * D);
+    w.sum = malloc((size_t)rows * D * sizeof(int32_t));
+    float *dr = malloc((size_t)qb * sizeof(float));
+    if (!w.p || !w.ds || !w.p8 || !w.ds8 || !w.do8 || !w.v8 || !w.sum || !dr) {
+        size_t n_q = (size_t)B * H * nq * D, n_k = (size_t)B * H * nk * D;
+        fail_with_nan("sage_backward_quantized", dq, n_q, dk, n_k, dv, n_k, B, H, nq, D);
+        free(w.p); free(w.ds); free(w.p8); free(w.ds8); free(w.do8); free(w.v8); free(w.sum); free(dr);
+        return;
+    }
+    for (int bh = 0; bh < B * H; bh++) {
+        size_t q_head = (size_t)bh * nq * D, k_head = (size_t)bh * nk * D;
+        for (int bi = 0; bi < nqb; bi++) {
+            int i0 = bi * qb, ni = nq - i0 < qb ? nq - i0 : qb;
+            const float *do_blk = dout + q_head + (size_t)i0 * D;
+            const int8_t *q8_blk = q8 + q_head + (size_t)i0 * D;
+            float qs = q_scale[(size_t)bh * nqb + bi];
+            float do_scale = quantize_block(w.do8, do_blk, NULL, 1.0f, ni, D);
+            for (int i = 0; i < ni; i++) {
+                const float *oi = out + q_head + (size_t)(i0 + i) * D, *doi = do_blk + (size_t)i * D;
+                float sum = 0.0f;
+                for (int d = 0; d < D; d++) sum += doi[d] * oi[d];
+                dr[i] = sum;
+            }
+            for (int bj = 0; bj < nkb; bj++) {
+                int j0 = bj * kb, nj = nk - j0 < kb ? nk - j0 : kb;
+                const int8_t *k8_blk = k8 + k_head + (size_t)j0 * D;
+                const float *v_blk = v + k_head + (size_t)j0 * D;
+                float ks = k_scale[(size_t)bh * nkb + bj];
+                float v_scale = cfg.bwd == SAGE_BWD_INT8_DP ? quantize_block(w.v8, v_blk, NULL, 1.0f, nj, D) : 0.0f;
+                for (int i = 0; i < ni; i++) {
+                    const float *doi = do_blk + (size_t)i * D;
+                    float lse_i = lse[(size_t)bh * nq + i0 + i];
+                    for (int j = 0; j < nj; j++) {
+                        float s = (float)dot_i8(q8_blk + (size_t)i * D, k8_blk + (size_t)j * D, D) * (qs * ks);
+                        float p = exp2f(s - lse_i);
+                        float dp = 0.0f;
+                        if (cfg.bwd == SAGE_BWD_INT8_DP)
+                            dp = (float)dot_i8(w.do8 + (size_t)i * D, w.v8 + (size_t)j * D, D) * (do_scale * v_scale);
+                        else
+                            for (int d = 0; d < D; d++) dp += doi[d] * v_blk[(size_t)j * D + d];
+                        w.p[i * nj + j] = p;
+                        w.ds[i * nj + j] = p * (dp - dr[i]);
+                    }
+                }
+                if (cfg.bwd == SAGE_BWD_INT8_TOKEN) {
+                    token_scaled_block(dq, dk, dv, &w, ni, nj, D, do_scale, qs, ks, r, u, q8_blk, k8_blk,
+                                       q_head + (size_t)i0 * D, k_head + (size_t)j0 * D);
+                    continue;
+                }
+                float p_scale = cfg.bwd == SAGE_BWD_INT8_P_FIXED ? quantize_p_fixed(w.p8, w.p, ni * nj)
+                                                                 : quantize_block(w.p8, w.p, NULL, 1.0f, ni, nj);
+                float ds_scale = quantize_block(w.ds8, w.ds, NULL, 1.0f, ni, nj);
+                // dv_J += p8ᵀ·do8 and dk_J += ds8ᵀ·q8_I: sums over the ni queries
+                float f_v = p_scale * do_scale, f_k = (ds_scale * qs) * u;
+                memset(w.sum, 0, (size_t)nj * D * sizeof(int32_t));
+                for (int i = 0; i < ni; i++)
+                    for (int j = 0; j < nj; j++) {
+                        int32_t pij = w.p8[i * nj + j];
+                        for (int d = 0; d < D; d++) w.sum[(size_t)j * D + d] += pij * w.do8[(size_t)i * D + d];
+                    }
+                for (size_t t = 0; t < (size_t)nj * D; t++) dv[k_head + (size_t)j0 * D + t] += (float)w.sum[t] * f_v;
+                memset(w.sum, 0, (size_t)nj * D * sizeof(int32_t));
+                for (int i = 0; i < ni; i++)
+                    for (int j = 0; j < nj; j++) {
+                        int32_t dsij = w.ds8[i * nj + j];
+                        for (int d = 0; d < D; d++) w.sum[(size_t)j * D + d] += dsij * q8_blk[(size_t)i * D + d];
+                    }
+                for (size_t t = 0; t < (size_t)nj * D; t++) dk[k_head + (size_t)j0 * D + t] += (float)w.sum[t] * f_k;
+                // dq_I += ds8·k8_J: sums over the nj keys
+                float f_q = (ds_scale * ks) * r;
+                memset(w.sum, 0, (size_t)ni * D * sizeof(int32_t));
+                for (int i = 0; i < ni; i++)
+                    for (int j = 0; j < nj; j++) {
+                        int32_t dsij = w.ds8[i * nj + j];
+                        for (int d = 0; d < D; d++) w.sum[(size_t)i * D + d] += dsij * k8_blk[(size_t)j * D + d];
+                    }
+                for (size_t t = 0; t < (size_t)ni * D; t++) dq[q_head + (size_t)i0 * D + t] += (float)w.sum[t] * f_q;
+            }
+        }
+    }
+    free(w.p); free(w.ds); free(w.p8); free(w.ds8); free(w.do8); free(w.v8); free(w.sum); free(dr);
+}
+
 // s_ij recomputed from q8, k8 and their scales; P_ij = 2^(s_ij - lse_i);
 // Dr_i = Σ_d dout_id·out_id; dv_j += P_ij·dout_i; dS_ij = P_ij·(dout_i·v_j - Dr_i);
 // dq_i += dS_ij·(k_j - k_mean)/sqrt(D); dk_j += dS_ij·q_i/sqrt(D). Shapes in attention.h.
@@ -228,6 +375,10 @@ void sage_backward_quantized(float *dq, float *dk, float *dv,
                              const int8_t *q8, const float *q_scale,
                              const int8_t *k8, const float *k_scale, const float *k_mean,
                              int B, int H, int nq, int nk, int D, SageConfig cfg) {
+    if (cfg.bwd != SAGE_BWD_FP32) {
+        backward_int8(dq, dk, dv, dout, v, out, lse, q8, q_scale, k8, k_scale, B, H, nq, nk, D, cfg);
+        return;
+    }
     int nqb = ceil_div(nq, cfg.q_block), nkb = ceil_div(nk, cfg.k_block);
     const float scale = 1.0f / sqrtf((float)D);
     for (int bh = 0; bh < B * H; bh++) {
