@@ -2,7 +2,7 @@
 # Validation of the Hopper bf16 backward (attention/flash_backward_sm90.cu) in ONE device call.
 #   here (nvcc, no GPU):   bash dev/flash_bwd90_gpu.sh prepare
 #       builds .devrun_flashbwd90/ (git-ignored): test_flash_cuda, libflash_bench.so and two
-#       planted-bug test binaries (sed-modified copies of flash_backward_sm90.cu linked before
+#       planted-bug test binaries (sed-modified copies of the kernel's sources linked before
 #       libditc.a, never committed): "nodelta" drops delta (dSᵀ = Pᵀ∘dPᵀ), "unordered" ignores
 #       flash_backward_set_deterministic (dq by unordered adds).
 #   GPU machine (run tool, carry .devrun_flashbwd90 and .devlibs):   bash dev/flash_bwd90_gpu.sh run
@@ -25,15 +25,20 @@ prepare() {
     gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
     $NVCC $FLAGS -Xcompiler -fPIC -shared -o "$DIR/libflash_bench.so" attention/flash_forward.cu \
         attention/flash_forward_sm90.cu attention/flash_backward.cu attention/flash_backward_sm90.cu build/common_pic.o
-    # planted bugs: each sed must change the source (grep -c checks the pattern is there)
-    grep -q '(dp\[4 \* j + e\] - (e & 1 ? delta.y : delta.x))' attention/flash_backward_sm90.cu
-    sed 's/(dp\[4 \* j + e\] - (e & 1 ? delta.y : delta.x))/dp[4 * j + e]/' attention/flash_backward_sm90.cu \
-        > build/planted/flash_backward_sm90_nodelta.cu
+    # planted bugs: each sed must change the source (grep -q checks the pattern is there). The
+    # kernel body is attention/backward_sm90.cuh: "nodelta" edits a copy of it next to a copy of
+    # flash_backward_sm90.cu in build/planted/attention/ (found first through -Ibuild/planted).
+    rm -rf build/planted/attention && mkdir -p build/planted/attention
+    grep -q '(dp\[4 \* j + e\] - (e & 1 ? delta.y : delta.x))' attention/backward_sm90.cuh
+    sed 's/(dp\[4 \* j + e\] - (e & 1 ? delta.y : delta.x))/dp[4 * j + e]/' attention/backward_sm90.cuh \
+        > build/planted/attention/backward_sm90.cuh
+    cp attention/flash_backward_sm90.cu build/planted/attention/flash_backward_sm90_nodelta.cu
     grep -q 'flash_backward_deterministic(), stream' attention/flash_backward_sm90.cu
     sed 's/flash_backward_deterministic(), stream/0, stream/' attention/flash_backward_sm90.cu \
         > build/planted/flash_backward_sm90_unordered.cu
+    $NVCC -Ibuild/planted $FLAGS -c -o build/planted/nodelta.o build/planted/attention/flash_backward_sm90_nodelta.cu
+    $NVCC $FLAGS -c -o build/planted/unordered.o build/planted/flash_backward_sm90_unordered.cu
     for bug in nodelta unordered; do
-        $NVCC $FLAGS -c -o build/planted/$bug.o build/planted/flash_backward_sm90_$bug.cu
         cc $CFLAGS -o "$DIR/test_flash_cuda_$bug" test/test_flash_cuda.c build/planted/$bug.o build/libditc.a \
             $CUDA_LIBS -lcriterion
     done
