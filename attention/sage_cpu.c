@@ -219,56 +219,73 @@ void sage_forward_quantized(float *out, float *lse,
     free(p); free(block_pv); free(acc);
 }
 
-// Scratch of the INT8 backward: one (q_block × k_block) block of P and dS and their int8
-// codes, the int8 dout of one query block, and one int32 product tile.
+// x (n, m) to int8 with one scale per column j: amax_j = max_t |x_tj|, scale[j] = amax_j/127,
+// x8_tj = rintf(x_tj·(127/amax_j)) (amax_j = 0 gives 0): quantize_block's rule per column.
+static void quantize_columns(int8_t *x8, float *scale, const float *x, int n, int m) {
+    for (int j = 0; j < m; j++) {
+        float amax = 0.0f;
+        for (int t = 0; t < n; t++) amax = fmaxf(amax, fabsf(x[t * m + j]));
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int t = 0; t < n; t++) x8[t * m + j] = (int8_t)rintf(x[t * m + j] * inv);
+        scale[j] = amax / 127.0f;
+    }
+}
+
+// x (n, m) to int8 for a product that sums over columns (by_column 0: scale per row, n of them) or
+// over rows (by_column 1: scale per column, m of them). SAGE_BWD_INT8_TOKEN: those per-row or
+// per-column scales; SAGE_BWD_INT8_BLOCK: one scale for the whole tile, written into every entry.
+static void quantize_tile(int8_t *x8, float *scale, const float *x, int n, int m, int by_column, SageBwd bwd) {
+    int n_scale = by_column ? m : n;
+    if (bwd == SAGE_BWD_INT8_BLOCK) {
+        float s = quantize_block(x8, x, NULL, 1.0f, n, m);
+        for (int t = 0; t < n_scale; t++) scale[t] = s;
+    } else if (by_column) {
+        quantize_columns(x8, scale, x, n, m);
+    } else {
+        for (int t = 0; t < n; t++) scale[t] = quantize_block(x8 + t * m, x + t * m, NULL, 1.0f, 1, m);
+    }
+}
+
+// Scratch of the INT8 backward, for one block of q_block queries × k_block keys.
 typedef struct {
-    float *p, *ds;          // (q_block, k_block)
-    int8_t *p8, *ds8;       // (q_block, k_block)
-    int8_t *do8, *v8;       // (q_block, D), (k_block, D)
-    int32_t *sum;           // (max(q_block, k_block), D)
+    float *p, *ds, *dr;                 // P, dS (q_block, k_block); Dr of the block's rows (q_block)
+    int8_t *p8, *dsq8, *dsk8;   // (q_block, k_block)
+    float *p_scale, *dsk_scale;      // per key (k_block)
+    float *dsq_scale;                // per query (q_block)
+    int8_t *do8;                        // dout of the query block (q_block, D)
+    int32_t *sum;                       // one product tile (max(q_block, k_block), D)
 } Int8Scratch;
 
-// P fixed-scale variant: p8 = min(rintf(P·127), 127), scale 1/127.
-static float quantize_p_fixed(int8_t *p8, const float *p, int n) {
-    for (int t = 0; t < n; t++) p8[t] = (int8_t)fminf(rintf(p[t] * 127.0f), 127.0f);
-    return 1.0f / 127.0f;
+static void int8_scratch_free(Int8Scratch *w) {
+    free(w->p); free(w->ds); free(w->dr); free(w->p8); free(w->dsq8); free(w->dsk8);
+    free(w->p_scale); free(w->dsk_scale); free(w->dsq_scale); free(w->do8); free(w->sum);
 }
 
-// EXPERIMENT: per-token scales inside the block: P and dS per key column (dv, dk), dS per query row (dq).
-static void token_scaled_block(float *dq, float *dk, float *dv, Int8Scratch *w, int ni, int nj, int D,
-                               float do_scale, float qs, float ks, float r, float u,
-                               const int8_t *q8_blk, const int8_t *k8_blk, size_t q_at, size_t k_at) {
-    float pt[64 * 64], dst[64 * 64], dsr_scale[64], pc_scale[64], dsc_scale[64];
-    int8_t pt8[64 * 64], dst8[64 * 64], dsr8[64 * 64];
-    for (int i = 0; i < ni; i++)
-        for (int j = 0; j < nj; j++) { pt[j * ni + i] = w->p[i * nj + j]; dst[j * ni + i] = w->ds[i * nj + j]; }
-    for (int j = 0; j < nj; j++) {
-        pc_scale[j] = quantize_block(pt8 + j * ni, pt + j * ni, NULL, 1.0f, 1, ni);
-        dsc_scale[j] = quantize_block(dst8 + j * ni, dst + j * ni, NULL, 1.0f, 1, ni);
-    }
-    for (int i = 0; i < ni; i++) dsr_scale[i] = quantize_block(dsr8 + i * nj, w->ds + i * nj, NULL, 1.0f, 1, nj);
-    for (int j = 0; j < nj; j++)
-        for (int d = 0; d < D; d++) {
-            int32_t sv = 0, sk = 0;
-            for (int i = 0; i < ni; i++) {
-                sv += pt8[j * ni + i] * w->do8[(size_t)i * D + d];
-                sk += dst8[j * ni + i] * q8_blk[(size_t)i * D + d];
-            }
-            dv[k_at + (size_t)j * D + d] += (float)sv * (pc_scale[j] * do_scale);
-            dk[k_at + (size_t)j * D + d] += (float)sk * ((dsc_scale[j] * qs) * u);
-        }
-    for (int i = 0; i < ni; i++)
-        for (int d = 0; d < D; d++) {
-            int32_t sq = 0;
-            for (int j = 0; j < nj; j++) sq += dsr8[i * nj + j] * k8_blk[(size_t)j * D + d];
-            dq[q_at + (size_t)i * D + d] += (float)sq * ((dsr_scale[i] * ks) * r);
-        }
+// Returns 0, or -1 when malloc fails (then nothing stays allocated).
+static int int8_scratch_alloc(Int8Scratch *w, int qb, int kb, int D) {
+    size_t tile = (size_t)qb * kb, rows = qb > kb ? qb : kb;
+    w->p = malloc(tile * sizeof(float));
+    w->ds = malloc(tile * sizeof(float));
+    w->dr = malloc((size_t)qb * sizeof(float));
+    w->p8 = malloc(tile);
+    w->dsq8 = malloc(tile);
+    w->dsk8 = malloc(tile);
+    w->p_scale = malloc((size_t)kb * sizeof(float));
+    w->dsk_scale = malloc((size_t)kb * sizeof(float));
+    w->dsq_scale = malloc((size_t)qb * sizeof(float));
+    w->do8 = malloc((size_t)qb * D);
+    w->sum = malloc(rows * D * sizeof(int32_t));
+    if (w->p && w->ds && w->dr && w->p8 && w->dsq8 && w->dsk8 && w->p_scale && w->dsk_scale &&
+        w->dsq_scale && w->do8 && w->sum) return 0;
+    int8_scratch_free(w);
+    return -1;
 }
 
-// The SAGE_BWD_INT8 backward of attention.h over the nk keys given. dout, out, dq: (B, H, nq, D);
-// lse (B, H, nq); v, dk, dv: (B, H, nk, D); q8/k8 and scales as sage_forward_quantized's.
-// Block (I, J): P, dS (n_i × n_j) in fp32, to int8 per block; dv_J += p8ᵀ·do8, dq_I += ds8·k8_J,
-// dk_J += ds8ᵀ·q8_I as int32 sums, each scaled once and added in fp32.
+// The INT8 backward of attention.h (cfg.bwd BLOCK or TOKEN) over the nk keys given. dout, out, dq:
+// (B, H, nq, D); lse (B, H, nq); v, dk, dv: (B, H, nk, D); q8/k8 and scales as in
+// sage_forward_quantized. Block (I, J): P, dS (ni × nj) in fp32, then int8 with the scales of
+// cfg.bwd; dv_J += p8ᵀ·do8, dk_J += ds8ᵀ·q8_I, dq_I += ds8·k8_J as int32 sums, each scaled once
+// and added in fp32.
 static void backward_int8(float *dq, float *dk, float *dv,
                           const float *dout, const float *v, const float *out, const float *lse,
                           const int8_t *q8, const float *q_scale, const int8_t *k8, const float *k_scale,
@@ -276,20 +293,10 @@ static void backward_int8(float *dq, float *dk, float *dv,
     int qb = cfg.q_block, kb = cfg.k_block, nqb = ceil_div(nq, qb), nkb = ceil_div(nk, kb);
     const float r = 1.0f / sqrtf((float)D);
     const float u = r / (r * 1.44269504f);   // undoes sage_quantize_q's c = (1/sqrtf(D))·log2(e)
-    int rows = qb > kb ? qb : kb;
     Int8Scratch w;
-    w.p = malloc((size_t)qb * kb * sizeof(float));
-    w.ds = malloc((size_t)qb * kb * sizeof(float));
-    w.p8 = malloc((size_t)qb * kb);
-    w.ds8 = malloc((size_t)qb * kb);
-    w.do8 = malloc((size_t)qb * D);
-    w.v8 = malloc((size_t)kb * D);
-    w.sum = malloc((size_t)rows * D * sizeof(int32_t));
-    float *dr = malloc((size_t)qb * sizeof(float));
-    if (!w.p || !w.ds || !w.p8 || !w.ds8 || !w.do8 || !w.v8 || !w.sum || !dr) {
+    if (int8_scratch_alloc(&w, qb, kb, D) != 0) {
         size_t n_q = (size_t)B * H * nq * D, n_k = (size_t)B * H * nk * D;
         fail_with_nan("sage_backward_quantized", dq, n_q, dk, n_k, dv, n_k, B, H, nq, D);
-        free(w.p); free(w.ds); free(w.p8); free(w.ds8); free(w.do8); free(w.v8); free(w.sum); free(dr);
         return;
     }
     for (int bh = 0; bh < B * H; bh++) {
@@ -298,20 +305,21 @@ static void backward_int8(float *dq, float *dk, float *dv,
             int i0 = bi * qb, ni = nq - i0 < qb ? nq - i0 : qb;
             const float *do_blk = dout + q_head + (size_t)i0 * D;
             const int8_t *q8_blk = q8 + q_head + (size_t)i0 * D;
+            float *dq_blk = dq + q_head + (size_t)i0 * D;
             float qs = q_scale[(size_t)bh * nqb + bi];
             float do_scale = quantize_block(w.do8, do_blk, NULL, 1.0f, ni, D);
             for (int i = 0; i < ni; i++) {
                 const float *oi = out + q_head + (size_t)(i0 + i) * D, *doi = do_blk + (size_t)i * D;
                 float sum = 0.0f;
                 for (int d = 0; d < D; d++) sum += doi[d] * oi[d];
-                dr[i] = sum;
+                w.dr[i] = sum;
             }
             for (int bj = 0; bj < nkb; bj++) {
                 int j0 = bj * kb, nj = nk - j0 < kb ? nk - j0 : kb;
                 const int8_t *k8_blk = k8 + k_head + (size_t)j0 * D;
                 const float *v_blk = v + k_head + (size_t)j0 * D;
+                float *dk_blk = dk + k_head + (size_t)j0 * D, *dv_blk = dv + k_head + (size_t)j0 * D;
                 float ks = k_scale[(size_t)bh * nkb + bj];
-                float v_scale = cfg.bwd == SAGE_BWD_INT8_DP ? quantize_block(w.v8, v_blk, NULL, 1.0f, nj, D) : 0.0f;
                 for (int i = 0; i < ni; i++) {
                     const float *doi = do_blk + (size_t)i * D;
                     float lse_i = lse[(size_t)bh * nq + i0 + i];
@@ -319,51 +327,51 @@ static void backward_int8(float *dq, float *dk, float *dv,
                         float s = (float)dot_i8(q8_blk + (size_t)i * D, k8_blk + (size_t)j * D, D) * (qs * ks);
                         float p = exp2f(s - lse_i);
                         float dp = 0.0f;
-                        if (cfg.bwd == SAGE_BWD_INT8_DP)
-                            dp = (float)dot_i8(w.do8 + (size_t)i * D, w.v8 + (size_t)j * D, D) * (do_scale * v_scale);
-                        else
-                            for (int d = 0; d < D; d++) dp += doi[d] * v_blk[(size_t)j * D + d];
+                        for (int d = 0; d < D; d++) dp += doi[d] * v_blk[(size_t)j * D + d];
                         w.p[i * nj + j] = p;
-                        w.ds[i * nj + j] = p * (dp - dr[i]);
+                        w.ds[i * nj + j] = p * (dp - w.dr[i]);
                     }
                 }
-                if (cfg.bwd == SAGE_BWD_INT8_TOKEN) {
-                    token_scaled_block(dq, dk, dv, &w, ni, nj, D, do_scale, qs, ks, r, u, q8_blk, k8_blk,
-                                       q_head + (size_t)i0 * D, k_head + (size_t)j0 * D);
-                    continue;
-                }
-                float p_scale = cfg.bwd == SAGE_BWD_INT8_P_FIXED ? quantize_p_fixed(w.p8, w.p, ni * nj)
-                                                                 : quantize_block(w.p8, w.p, NULL, 1.0f, ni, nj);
-                float ds_scale = quantize_block(w.ds8, w.ds, NULL, 1.0f, ni, nj);
-                // dv_J += p8ᵀ·do8 and dk_J += ds8ᵀ·q8_I: sums over the ni queries
-                float f_v = p_scale * do_scale, f_k = (ds_scale * qs) * u;
+                quantize_tile(w.p8, w.p_scale, w.p, ni, nj, 1, cfg.bwd);
+                quantize_tile(w.dsq8, w.dsq_scale, w.ds, ni, nj, 0, cfg.bwd);
+                quantize_tile(w.dsk8, w.dsk_scale, w.ds, ni, nj, 1, cfg.bwd);
+                // dv_J += p8ᵀ·do8 (sums over the ni queries)
                 memset(w.sum, 0, (size_t)nj * D * sizeof(int32_t));
                 for (int i = 0; i < ni; i++)
                     for (int j = 0; j < nj; j++) {
                         int32_t pij = w.p8[i * nj + j];
                         for (int d = 0; d < D; d++) w.sum[(size_t)j * D + d] += pij * w.do8[(size_t)i * D + d];
                     }
-                for (size_t t = 0; t < (size_t)nj * D; t++) dv[k_head + (size_t)j0 * D + t] += (float)w.sum[t] * f_v;
+                for (int j = 0; j < nj; j++) {
+                    float f = w.p_scale[j] * do_scale;
+                    for (int d = 0; d < D; d++) dv_blk[(size_t)j * D + d] += (float)w.sum[(size_t)j * D + d] * f;
+                }
+                // dk_J += ds8ᵀ·q8_I (sums over the ni queries)
                 memset(w.sum, 0, (size_t)nj * D * sizeof(int32_t));
                 for (int i = 0; i < ni; i++)
                     for (int j = 0; j < nj; j++) {
-                        int32_t dsij = w.ds8[i * nj + j];
+                        int32_t dsij = w.dsk8[i * nj + j];
                         for (int d = 0; d < D; d++) w.sum[(size_t)j * D + d] += dsij * q8_blk[(size_t)i * D + d];
                     }
-                for (size_t t = 0; t < (size_t)nj * D; t++) dk[k_head + (size_t)j0 * D + t] += (float)w.sum[t] * f_k;
-                // dq_I += ds8·k8_J: sums over the nj keys
-                float f_q = (ds_scale * ks) * r;
+                for (int j = 0; j < nj; j++) {
+                    float f = (w.dsk_scale[j] * qs) * u;
+                    for (int d = 0; d < D; d++) dk_blk[(size_t)j * D + d] += (float)w.sum[(size_t)j * D + d] * f;
+                }
+                // dq_I += ds8·k8_J (sums over the nj keys)
                 memset(w.sum, 0, (size_t)ni * D * sizeof(int32_t));
                 for (int i = 0; i < ni; i++)
                     for (int j = 0; j < nj; j++) {
-                        int32_t dsij = w.ds8[i * nj + j];
+                        int32_t dsij = w.dsq8[i * nj + j];
                         for (int d = 0; d < D; d++) w.sum[(size_t)i * D + d] += dsij * k8_blk[(size_t)j * D + d];
                     }
-                for (size_t t = 0; t < (size_t)ni * D; t++) dq[q_head + (size_t)i0 * D + t] += (float)w.sum[t] * f_q;
+                for (int i = 0; i < ni; i++) {
+                    float f = (w.dsq_scale[i] * ks) * r;
+                    for (int d = 0; d < D; d++) dq_blk[(size_t)i * D + d] += (float)w.sum[(size_t)i * D + d] * f;
+                }
             }
         }
     }
-    free(w.p); free(w.ds); free(w.p8); free(w.ds8); free(w.do8); free(w.v8); free(w.sum); free(dr);
+    int8_scratch_free(&w);
 }
 
 // s_ij recomputed from q8, k8 and their scales; P_ij = 2^(s_ij - lse_i);

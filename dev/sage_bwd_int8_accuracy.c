@@ -21,14 +21,7 @@ static float *floats(size_t n) {
 }
 
 static const char *bwd_name(SageBwd bwd) {
-    switch (bwd) {
-    case SAGE_BWD_FP32: return "fp32";
-    case SAGE_BWD_INT8: return "INT8";
-    case SAGE_BWD_INT8_P_FIXED: return "INT8, P scale 1/127";
-    case SAGE_BWD_INT8_DP: return "INT8 + INT8 dP";
-    case SAGE_BWD_INT8_TOKEN: return "INT8, per-token scales";
-    }
-    return "?";
+    return bwd == SAGE_BWD_FP32 ? "fp32" : bwd == SAGE_BWD_INT8_BLOCK ? "INT8 block" : "INT8 token";
 }
 
 int main(int argc, char **argv) {
@@ -36,7 +29,7 @@ int main(int argc, char **argv) {
     int H = argc > 2 ? atoi(argv[2]) : 2;
     int D_only = argc > 3 ? atoi(argv[3]) : 0;
     const int B = 1, dims[2] = {64, 128};
-    const SageBwd bwds[5] = {SAGE_BWD_FP32, SAGE_BWD_INT8, SAGE_BWD_INT8_P_FIXED, SAGE_BWD_INT8_DP, SAGE_BWD_INT8_TOKEN};
+    const SageBwd bwds[3] = {SAGE_BWD_FP32, SAGE_BWD_INT8_BLOCK, SAGE_BWD_INT8_TOKEN};
     printf("sage backward vs exact attention's gradient, B=%d H=%d N=%d, blocks of 64, seed 1234+D\n\n", B, H, N);
     printf("| inputs | rotate | P·V | D | backward | dq cos | dq rel L2 | dk cos | dk rel L2 | dv cos | dv rel L2 |\n");
     printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -64,7 +57,7 @@ int main(int argc, char **argv) {
                 for (int pv = 0; pv < 2; pv++) {
                     SageConfig cfg = {64, 64, pv ? SAGE_PV_FP16 : SAGE_PV_FP8, rotate, SAGE_BWD_FP32};
                     sage_forward(s_out, s_lse, q, k, v, B, H, N, D, cfg);
-                    for (int b = 0; b < 5; b++) {
+                    for (int b = 0; b < 3; b++) {
                         cfg.bwd = bwds[b];
                         for (int t = 0; t < 3; t++) memset(g[t], 0, n * sizeof(float));
                         sage_backward(g[0], g[1], g[2], dout, q, k, v, s_out, s_lse, B, H, N, D, cfg);

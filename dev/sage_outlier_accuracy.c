@@ -46,7 +46,7 @@ int main(void) {
     for (int rotate = 0; rotate < 2; rotate++)
         for (int pv = 0; pv < 2; pv++)
             for (int b = 0; b < (rotate ? 1 : 4); b++) {
-                SageConfig cfg = {q_blocks[b], 64, pv ? SAGE_PV_FP16 : SAGE_PV_FP8, rotate};
+                SageConfig cfg = {q_blocks[b], 64, pv ? SAGE_PV_FP16 : SAGE_PV_FP8, rotate, SAGE_BWD_FP32};
                 sage_forward(out, lse, q, k, v, B, H, N, D, cfg);
                 for (int i = 0; i < 3; i++) memset(g[i], 0, n * sizeof(float));
                 sage_backward(g[0], g[1], g[2], dout, q, k, v, out, lse, B, H, N, D, cfg);
