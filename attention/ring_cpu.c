@@ -193,8 +193,9 @@ done:
 
 static int check_sage_shape(const SpComm *comm, int N, SageConfig cfg, const char *fn, char *err) {
     if (check_ring_shape(comm, N, fn, err) != 0) return -1;
-    if (cfg.rotate) {
-        dit_set_error(err, "%s: SageConfig.rotate is not supported by the ring yet", fn);
+    if (cfg.rotate || cfg.bwd != SAGE_BWD_FP32) {
+        dit_set_error(err, "%s: SageConfig.%s is not supported by the ring yet", fn,
+                      cfg.rotate ? "rotate" : "bwd (the INT8 backward)");
         return -1;
     }
     int n = N / comm->ranks;

@@ -101,7 +101,7 @@ static void cpu_reference(Backward which, const Case *c, float *ref) {
         for (size_t i = 0; i < c->n; i++) out[i] = from_bf16(bits[i]);
         free(bits);
         CUDA_OK(cudaMemcpy(lse, c->lse, c->rows * sizeof(float), cudaMemcpyDeviceToHost));
-        const SageConfig gpu_fp8 = {64, 64, SAGE_PV_FP8, 0};
+        const SageConfig gpu_fp8 = {64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
         sage_backward(ref, ref + c->n, ref + 2 * c->n, c->host[3], c->host[0], c->host[1], c->host[2], out, lse,
                       c->B, c->H, c->N, c->D, gpu_fp8);
     }

@@ -13,7 +13,8 @@
 #include "layers/common.h"
 #include "test/attention_test.h"
 
-static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8, 0}, GPU_FP16 = {64, 64, SAGE_PV_FP16, 0};
+static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32},
+                         GPU_FP16 = {64, 64, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
 
 static float from_e4m3(uint8_t b) {
     int e = (b >> 3) & 15, m = b & 7;

@@ -19,7 +19,7 @@
 #include "layers/common.h"
 #include "test/attention_test.h"
 
-static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8, 0};
+static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
 
 #define SKIP_WITHOUT_SM90()                                                                 \
     do {                                                                                    \

@@ -257,7 +257,7 @@ Test(ulysses_attention, exact_equals_single_process) {
 }
 
 Test(ulysses_attention, sage_equals_single_process) {
-    SageConfig fp8 = {16, 16, SAGE_PV_FP8, 0}, fp16 = {16, 16, SAGE_PV_FP16, 0};
+    SageConfig fp8 = {16, 16, SAGE_PV_FP8, 0, SAGE_BWD_FP32}, fp16 = {16, 16, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
     check_ulysses(2, &fp8);
     check_ulysses(4, &fp8);
     check_ulysses(4, &fp16);
@@ -392,7 +392,7 @@ static void run_ring_sage(Shards *s, int B, int H, int N, int D, SageConfig cfg,
 // and of ring sage to exact attention (the ring must not be less accurate).
 static void check_ring_sage(SagePV pv, int peaked, double tol) {
     const int B = 2, H = 2, N = 128, D = 32;
-    SageConfig cfg = {16, 16, pv, 0};
+    SageConfig cfg = {16, 16, pv, 0, SAGE_BWD_FP32};
     Problem p = make_problem(B, H, N, D, 50 + pv, 1, peaked, &cfg);
     float *exact_out = zero_floats(p.n), *exact_lse = zero_floats(p.nr);
     attention_forward(exact_out, exact_lse, p.q, p.k, p.v, B, H, N, D);
@@ -430,7 +430,7 @@ Test(ring_sage, fp8_peaked_matches_to_fp32_rounding) { check_ring_sage(SAGE_PV_F
 // different per-row constants, so the merge weights them wrongly.
 Test(ring_sage, per_shard_k_mean_differs_from_single_process) {
     const int B = 2, H = 2, N = 128, D = 32, R = 4, n = N / R;
-    SageConfig cfg = {16, 16, SAGE_PV_FP16, 0};
+    SageConfig cfg = {16, 16, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
     Problem p = make_problem(B, H, N, D, 60, 1, 0, &cfg);
     Shards global = make_shards(&p, R), local = make_shards(&p, R);
     run_ring_sage(&global, B, H, N, D, cfg, NULL);
@@ -460,7 +460,7 @@ Test(ring_sage, per_shard_k_mean_differs_from_single_process) {
 
 Test(ring_sage, misaligned_shards_are_an_error) {
     const int B = 1, H = 1, N = 48, D = 8, R = 2;   // shard of 24 tokens, k_block 16
-    SageConfig cfg = {8, 16, SAGE_PV_FP8, 0};
+    SageConfig cfg = {8, 16, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
     Problem p = make_problem(B, H, N, D, 70, 0, 0, NULL);
     Shards s = make_shards(&p, R);
     float **k_mean = rank_floats(R, (size_t)B * H * D);
@@ -472,10 +472,15 @@ Test(ring_sage, misaligned_shards_are_an_error) {
     err[0] = 0;
     cr_expect(ring_attention_forward(&three, s.out, s.lse, CP(s.q), CP(s.k), CP(s.v), B, H, 50, D, err) == -1);
     cr_expect(strstr(err, "N=50") != NULL, "message: %s", err);
-    SageConfig rotate = {8, 8, SAGE_PV_FP8, 1};   // the rotation is single-process only so far
+    SageConfig rotate = {8, 8, SAGE_PV_FP8, 1, SAGE_BWD_FP32};   // the rotation is single-process only so far
     err[0] = 0;
     cr_expect(ring_sage_forward(&comm, s.out, s.lse, CP(s.q), CP(s.k), CP(s.v), CP(k_mean), B, H, N, D, rotate, err) == -1);
     cr_expect(strstr(err, "rotate") != NULL, "message: %s", err);
+    SageConfig int8_bwd = {8, 8, SAGE_PV_FP8, 0, SAGE_BWD_INT8_TOKEN};   // single-process only so far
+    err[0] = 0;
+    cr_expect(ring_sage_forward(&comm, s.out, s.lse, CP(s.q), CP(s.k), CP(s.v), CP(k_mean), B, H, N, D, int8_bwd,
+                                err) == -1);
+    cr_expect(strstr(err, "INT8 backward") != NULL, "message: %s", err);
     free_ranks(k_mean, R); free_shards(&s); free_problem(&p);
 }
 
@@ -485,7 +490,7 @@ Test(ring_sage, misaligned_shards_are_an_error) {
 // dev/notes_sequence_parallel.md (fp32 everywhere here: 4 bytes; sage's k8 1 byte).
 Test(communication, volume_matches_the_formulas) {
     const int B = 2, H = 4, N = 64, D = 16;
-    SageConfig cfg = {16, 16, SAGE_PV_FP8, 0};
+    SageConfig cfg = {16, 16, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
     Problem p = make_problem(B, H, N, D, 80, 0, 0, NULL);
     for (int R = 2; R <= 4; R *= 2) {
         uint64_t T = (uint64_t)B * H * (N / R) * D, rows = (uint64_t)B * H * (N / R);
