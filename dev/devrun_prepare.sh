@@ -2,7 +2,8 @@
 # Prepares .devrun/ (binaries) and .devlibs/ (Criterion's runtime libraries) for the GPU machine,
 # which has CUDA and NCCL but no Criterion. Both folders are git-ignored and travel with the `carry`
 # option of the device tool; build/ itself is too big to carry. Then, on the GPU machine:
-#   BIN=.devrun LOGS=$OUT bash dev/gpu_suite.sh [tests|bench|all]
+#   BIN=.devrun LOGS=/tmp/logs bash dev/gpu_suite.sh [tests|bench|all|multi]; tar czf $OUT/logs.tgz -C /tmp/logs .
+# (the device tool returns at most 8 files from $OUT: one archive of all the logs)
 set -euo pipefail
 make -j2 train_dit build/libditc.so $(ls test/test_*_cuda.c | sed 's#test/\(.*\)\.c#build/\1#')
 NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}

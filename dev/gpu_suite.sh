@@ -4,6 +4,8 @@
 # ./gpu_logs). BIN holds the prebuilt binaries and benchmark libraries (default build/); the
 # machine has no Criterion, so its runtime libraries come in LIBS (default .devlibs).
 #   BIN=build LOGS=/tmp/logs bash dev/gpu_suite.sh [tests|bench|all]
+# The device tool brings back at most 8 files from $OUT: keep the logs elsewhere and pack them,
+#   BIN=.devrun LOGS=/tmp/logs bash dev/gpu_suite.sh all; tar czf $OUT/logs.tgz -C /tmp/logs .
 #   BIN=build LOGS=/tmp/logs bash dev/gpu_suite.sh multi     # on 2+ GPUs: the NCCL tests, one at a time
 # (One GPU: the multi-GPU tests skip. `multi` sets NCCL_NVLS_ENABLE=0 and finds libnccl in
 # PyTorch's nvidia-nccl wheel when the system has none.)
