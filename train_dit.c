@@ -56,9 +56,10 @@ static const char *usage_text =
     "model:\n"
     "  --model NAME          preset tiny | S | B | L | XL (default tiny)\n"
     "  --depth N --hidden N --heads N --patch N --image-size N --channels N   override the preset\n"
-    "  --attn KIND           CPU: exact (fp32) | sage (the bit-defined quantized attention);\n"
-    "                        GPU: sage | bf16 (exact attention in bf16, FlashAttention-2)\n"
-    "                        (default: sage on the GPU, exact on the CPU)\n"
+    "  --attn KIND           CPU: exact (fp32) | sage | sage-fp16 (the bit-defined quantized attention,\n"
+    "                        FP8 or FP16 P·V); GPU: sage | sage-fp16 | bf16 (exact attention in bf16,\n"
+    "                        FlashAttention) (default: sage on the GPU, exact on the CPU; on Hopper only\n"
+    "                        sage's FP8 P·V has the wgmma forward: sage-fp16 is more accurate, slower)\n"
     "  --sage-rotate 0|1     sage: multiply q and k by a Hadamard matrix before quantizing (exact\n"
     "                        attention unchanged; outlier channels cost far less INT8 precision) (default 1)\n"
     "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
@@ -217,9 +218,9 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     }
     int on_gpu = !strcmp(a->device, "gpu");
     if (!a->attn) a->attn = on_gpu ? "sage" : "exact";
-    if (strcmp(a->attn, on_gpu ? "bf16" : "exact") && strcmp(a->attn, "sage")) {
-        dit_set_error(err, "--attn: expected %s on the %s, got '%s'", on_gpu ? "sage or bf16" : "exact or sage",
-                      a->device, a->attn);
+    if (strcmp(a->attn, on_gpu ? "bf16" : "exact") && strcmp(a->attn, "sage") && strcmp(a->attn, "sage-fp16")) {
+        dit_set_error(err, "--attn: expected %s on the %s, got '%s'",
+                      on_gpu ? "sage, sage-fp16 or bf16" : "exact, sage or sage-fp16", a->device, a->attn);
         return -1;
     }
     if (strcmp(a->t_sampling, "logit-normal") && strcmp(a->t_sampling, "uniform")) {
@@ -331,7 +332,8 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
     tr->world = mesh->world;
     tr->mesh = *mesh;
     // exact attention: fp32 on the CPU, bf16 flash attention on the GPU (--attn bf16)
-    DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE : DIT_ATTN_EXACT;
+    DitAttention attention = !strcmp(a->attn, "sage") ? DIT_ATTN_SAGE
+                           : !strcmp(a->attn, "sage-fp16") ? DIT_ATTN_SAGE_FP16 : DIT_ATTN_EXACT;
     if (dit_create(&tr->cpu, cfg, tr->on_gpu ? 1 : batch, attention, a->seed, err) != 0) die(err);
     tr->cpu.sage.rotate = a->sage_rotate;
 #ifdef DIT_CUDA
@@ -866,7 +868,7 @@ int main(int argc, char **argv) {
     if (rank == 0) {
         printf("dit.c | device %s | attention %s%s | depth %d hidden %d heads %d (head dim %d) patch %d | "
                "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
-               a->device, a->attn, !strcmp(a->attn, "sage") && a->sage_rotate ? " (Hadamard-rotated q, k)" : "",
+               a->device, a->attn, strncmp(a->attn, "sage", 4) == 0 && a->sage_rotate ? " (Hadamard-rotated q, k)" : "",
                cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);

@@ -207,8 +207,9 @@ int dit_create(Dit *m, const DitConfig *cfg, int batch, DitAttention attention, 
     }
     m->cfg = *cfg;
     m->batch = batch;
-    m->attention = attention;
+    m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
     m->sage = SAGE_CONFIG_DEFAULT;
+    if (attention == DIT_ATTN_SAGE_FP16) m->sage.pv = SAGE_PV_FP16;
     m->num_params = dit_num_params(cfg);
     m->num_acts = activation_views(cfg, batch, NULL, &m->acts);
     size_t T = dit_tokens(cfg);

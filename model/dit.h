@@ -79,7 +79,10 @@ typedef struct {
     float *out;                      // (B, C, S, S): the predicted velocity
 } DitActivations;
 
-typedef enum { DIT_ATTN_EXACT = 0, DIT_ATTN_SAGE = 1 } DitAttention;
+// The attention of the blocks: exact, or sage with FP8 P·V (the fast one on Hopper) or with FP16
+// P·V (more accurate). A model stores DIT_ATTN_SAGE for both sage kinds and the P·V format in
+// its SageConfig (m->sage.pv).
+typedef enum { DIT_ATTN_EXACT = 0, DIT_ATTN_SAGE = 1, DIT_ATTN_SAGE_FP16 = 2 } DitAttention;
 
 typedef struct {
     DitConfig cfg;

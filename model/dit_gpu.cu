@@ -162,7 +162,7 @@ static int check_sequence_parallel(const DitConfig *cfg, DitAttention attention,
                       T, cfg->image_size, cfg->patch, U * R);
         return -1;
     }
-    if (R > 1 && attention == DIT_ATTN_SAGE && (T / R) % SAGE_CUDA_BLOCK) {
+    if (R > 1 && attention != DIT_ATTN_EXACT && (T / R) % SAGE_CUDA_BLOCK) {
         dit_set_error(err, "dit_gpu_create_sp: sage under ring needs shards of T/R tokens that are a multiple of "
                            "%d (T = %d, R = %d: %d)", SAGE_CUDA_BLOCK, T, R, T / R);
         return -1;
@@ -188,8 +188,9 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     if (!sp) sp = &one;
     TRY(check_sequence_parallel(cfg, attention, sp, err));
     int D = cfg->hidden / cfg->heads;
-    if (attention != DIT_ATTN_SAGE && attention != DIT_ATTN_EXACT) {
-        dit_set_error(err, "dit_gpu_create: unknown attention %d (expected DIT_ATTN_SAGE or DIT_ATTN_EXACT)", (int)attention);
+    if (attention != DIT_ATTN_SAGE && attention != DIT_ATTN_SAGE_FP16 && attention != DIT_ATTN_EXACT) {
+        dit_set_error(err, "dit_gpu_create: unknown attention %d (expected DIT_ATTN_EXACT, DIT_ATTN_SAGE or "
+                      "DIT_ATTN_SAGE_FP16)", (int)attention);
         return -1;
     }
     if (D != 64 && D != 128) {
@@ -207,8 +208,9 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->tokens = dit_tokens(cfg) / sp_size(m);
     m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
-    m->attention = attention;
-    m->sage = SAGE_CONFIG_DEFAULT;
+    m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
+    m->sage = SAGE_CONFIG_DEFAULT;   // the P·V format sizes the attention workspaces below
+    if (attention == DIT_ATTN_SAGE_FP16) m->sage.pv = SAGE_PV_FP16;
     m->num_params = dit_num_params(cfg);
     m->att_workspace_bytes = attention_forward_workspace_bytes(m, batch);
     m->att_workspace_bytes = (m->att_workspace_bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;

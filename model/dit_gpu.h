@@ -100,7 +100,8 @@ typedef struct {
     DitGpuSeqBuffers sp_bufs;
     cudaStream_t comm_stream;          // the ring's communication stream (R > 1)
     int batch;                         // activations are allocated for this batch size
-    DitAttention attention;            // DIT_ATTN_SAGE: sage kernels; DIT_ATTN_EXACT: bf16 flash attention
+    DitAttention attention;            // DIT_ATTN_SAGE: sage kernels (P·V format in sage.pv); DIT_ATTN_EXACT:
+                                       // bf16 flash attention
     SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is fixed at create
                                        // (workspace sizes); rotate (Hadamard of q, k) may be set any time
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
@@ -121,8 +122,9 @@ typedef struct {
     cudaStream_t stream;
 } DitGpu;
 
-// Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE (sage
-// kernels, attention/sage_cuda.h) or DIT_ATTN_EXACT (bf16 flash attention, attention/flash_cuda.h).
+// Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE or
+// DIT_ATTN_SAGE_FP16 (sage kernels with FP8 or FP16 P·V, attention/sage_cuda.h) or DIT_ATTN_EXACT
+// (bf16 flash attention, attention/flash_cuda.h).
 int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err);
 // The same for one rank of a sequence-parallel group (sp NULL: dit_gpu_create). Errors: no NCCL
 // in the build, heads % U, tokens % (U·R), sage under ring with T/R not a multiple of 64, a

@@ -151,7 +151,9 @@ static void check_one_step(DitAttention attention, int rotate) {
     OK(dit_gpu_download_grads(&gpu, gpu_grads, err));
 
     double e_out = rel_l2(gpu_out, cpu.acts.out, b.n), e_loss = fabs(gpu_loss - cpu_loss) / cpu_loss;
-    const char *name = attention == DIT_ATTN_SAGE ? (rotate ? "sage, rotated" : "sage") : "exact/flash";
+    const char *name = attention == DIT_ATTN_EXACT ? "exact/flash"
+                     : attention == DIT_ATTN_SAGE_FP16 ? (rotate ? "sage fp16, rotated" : "sage fp16")
+                     : (rotate ? "sage, rotated" : "sage");
     fprintf(stderr, "one step (%s): output rel L2 %.3e, loss %.6f vs %.6f (rel %.3e)\n", name, e_out, gpu_loss, cpu_loss, e_loss);
     cr_expect(e_out < TOL_OUT, "output: rel L2 %.3e >= %g", e_out, TOL_OUT);
     cr_expect(e_loss < TOL_LOSS, "loss: %g vs %g, rel %.3e >= %g", gpu_loss, cpu_loss, e_loss, TOL_LOSS);
@@ -185,6 +187,12 @@ Test(dit_gpu, one_step_output_loss_and_every_gradient_match_the_cpu) {
 Test(dit_gpu, one_step_with_rotated_sage_matches_the_cpu) {
     REQUIRE_GPU();
     check_one_step(DIT_ATTN_SAGE, 1);
+}
+
+// FP16 P·V (train_dit --attn sage-fp16): the mma.sync forward on every GPU, with the rotation.
+Test(dit_gpu, one_step_with_fp16_sage_matches_the_cpu) {
+    REQUIRE_GPU();
+    check_one_step(DIT_ATTN_SAGE_FP16, 1);
 }
 
 Test(dit_gpu, one_step_with_flash_attention_matches_the_cpu_exact_attention) {

@@ -130,15 +130,19 @@ Test(model, backward_accumulates) {
     dit_free(&m);
 }
 
-// The model with sage attention (and, rotate = 1, its Hadamard rotation of q and k, as train_dit
-// runs it) against the model with exact attention on the same weights and batch.
-static void check_sage_close_to_exact(int head_dim, int rotate) {
+// The model with sage attention (kind DIT_ATTN_SAGE: FP8 P·V, or DIT_ATTN_SAGE_FP16; rotate = 1:
+// the Hadamard rotation of q and k, as train_dit runs it) against the model with exact attention
+// on the same weights and batch, and against plain sage (FP8, unrotated): a variant must change
+// the result, and FP16 P·V must come closer to exact.
+static void check_sage_close_to_exact(int head_dim, DitAttention kind, int rotate) {
     DitConfig cfg = {.image_size = 16, .channels = 1, .patch = 2, .hidden = 2 * head_dim,
                      .depth = 1, .heads = 2, .num_classes = 3};
     Dit exact, sage, plain;
     char err[DIT_ERR_LEN];
     cr_assert_eq(dit_create(&exact, &cfg, MICRO_B, DIT_ATTN_EXACT, 1, err), 0, "%s", err);
-    cr_assert_eq(dit_create(&sage, &cfg, MICRO_B, DIT_ATTN_SAGE, 1, err), 0, "%s", err);
+    cr_assert_eq(dit_create(&sage, &cfg, MICRO_B, kind, 1, err), 0, "%s", err);
+    cr_assert_eq(sage.attention, DIT_ATTN_SAGE);
+    cr_assert_eq(sage.sage.pv, kind == DIT_ATTN_SAGE_FP16 ? SAGE_PV_FP16 : SAGE_PV_FP8);
     cr_assert_eq(dit_create(&plain, &cfg, MICRO_B, DIT_ATTN_SAGE, 1, err), 0, "%s", err);
     sage.sage.rotate = rotate;
     Rng rng;
@@ -161,19 +165,27 @@ static void check_sage_close_to_exact(int head_dim, int rotate) {
     double grad_cos = cosine(sage.grads_memory, exact.grads_memory, exact.num_params);
     cr_expect_gt(out_cos, 0.999, "head dim %d rotate %d: output cosine %.6f", head_dim, rotate, out_cos);
     cr_expect_gt(grad_cos, 0.99, "head dim %d rotate %d: gradient cosine %.6f", head_dim, rotate, grad_cos);
-    cr_expect_lt(out_cos, 1.0 - 1e-9, "head dim %d: sage gave exactly the exact output: is it quantizing?", head_dim);
-    if (rotate)   // the rotation changes what is quantized, so the result differs from unrotated sage
+    cr_expect_neq(memcmp(sage.acts.out, exact.acts.out, n_out * sizeof(float)), 0,
+                  "head dim %d: sage gave exactly the exact output: is it quantizing?", head_dim);
+    if (rotate || kind == DIT_ATTN_SAGE_FP16)   // what is quantized changed: so must the result
         cr_expect_neq(memcmp(sage.acts.out, plain.acts.out, n_out * sizeof(float)), 0,
-                      "head dim %d: rotate = 1 gave the unrotated output: is the flag used?", head_dim);
+                      "head dim %d: the variant gave plain sage's output: is it used?", head_dim);
+    if (kind == DIT_ATTN_SAGE_FP16) {
+        double plain_cos = cosine(plain.acts.out, exact.acts.out, n_out);
+        cr_expect_gt(out_cos, plain_cos, "head dim %d: FP16 P·V (cosine %.7f) not closer to exact than FP8 (%.7f)",
+                     head_dim, out_cos, plain_cos);
+    }
     dit_free(&exact);
     dit_free(&sage);
     dit_free(&plain);
 }
 
-Test(model, sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, 0); }
-Test(model, sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, 0); }
-Test(model, rotated_sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, 1); }
-Test(model, rotated_sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, 1); }
+Test(model, sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, DIT_ATTN_SAGE, 0); }
+Test(model, sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, DIT_ATTN_SAGE, 0); }
+Test(model, rotated_sage_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, DIT_ATTN_SAGE, 1); }
+Test(model, rotated_sage_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, DIT_ATTN_SAGE, 1); }
+Test(model, sage_fp16_close_to_exact_head_dim_64) { check_sage_close_to_exact(64, DIT_ATTN_SAGE_FP16, 0); }
+Test(model, sage_fp16_close_to_exact_head_dim_128) { check_sage_close_to_exact(128, DIT_ATTN_SAGE_FP16, 1); }
 
 // ---- checkpoints -------------------------------------------------------------------------
 
