@@ -15,10 +15,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import I, P, check, err, median_ms  # noqa: E402
+from bench_common import I, P, check, err, median_ms, time_sdpa  # noqa: E402
 
 # "sage_fp8"/"sage_fp16" time the mma.sync kernel (sage_forward.cu), "sm90" the wgmma kernel
 # (sage_forward_sm90.cu, FP8 P·V), which sage_forward_cuda otherwise picks on an sm_90 device.
@@ -108,19 +107,13 @@ def main():
                 t["sm90_bwd"] = median_ms(bwd_sm90, iters)
                 bwd_diff = max(((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref_g))
                 del ref_g
-            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                with sdpa_kernel(backend):
-                    t[name] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), iters)
-                    o = F.scaled_dot_product_attention(qg, kg, vg)
-                    t[name + "_bwd"] = median_ms(
-                        lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True), iters)
+            t.update(time_sdpa(q, k, v, do, iters))
             tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
             rows.append((D, N, B, t, tops, cos))
             print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
                   + f" cos(sage_fp8, fp32 sdpa)={cos:.6f} cos(sm90, fp32 sdpa)={cos90:.6f}"
                   + f" rel(sm90 bwd, sage bwd)={bwd_diff:.2e}", flush=True)
-            del q, k, v, do, out, lse, ws, bws, dq, dk, dv, qg, kg, vg, o
+            del q, k, v, do, out, lse, ws, bws, dq, dk, dv
             torch.cuda.empty_cache()
     print("\n| D | N | B | sm90 fwd | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd "
           "| sm90/cuDNN | fp8/cuDNN | sage bwd | sm90 bwd | cuDNN bwd | flash bwd | bwd/cuDNN | sm90 bwd/cuDNN |")

@@ -20,10 +20,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import I, P, check, err, median_ms  # noqa: E402
+from bench_common import I, P, check, err, median_ms, time_sdpa  # noqa: E402
 
 
 def load(path):
@@ -105,25 +104,19 @@ def main():
             lse_ref = torch.logsumexp((q1 @ k1.transpose(-1, -2)) / D ** 0.5, dim=-1) / torch.log(torch.tensor(2.0))
             lse_err = (lse[:1, :1] - lse_ref).abs().max().item()
             del q1, k1, v1, ref, lse_ref
-            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                with sdpa_kernel(backend):
-                    t[name] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v), iters)
-                    o = F.scaled_dot_product_attention(qg, kg, vg)
-                    t[name + "_bwd"] = median_ms(
-                        lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True), iters)
+            t.update(time_sdpa(q, k, v, do, iters))
             flops = 4 * B * H * N * N * D
             tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
             rows.append((D, N, B, tops))
             print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
                   + f" cos vs fp32 sdpa, head 0: out {out_cos:.6f}, dq,dk,dv "
                   + " ".join(f"{n} {a}" for n, a in acc.items()) + f" lse max diff {lse_err:.2e}", flush=True)
-            del q, k, v, do, out, lse, dq, dk, dv, qg, kg, vg, o, ws
+            del q, k, v, do, out, lse, dq, dk, dv, ws
             torch.cuda.empty_cache()
     extra = [n for n, _ in libs[1:]]
     sm90_head = " sm90 bwd | sm90/cuDNN | sm90 det |" if sm90 else ""
-    print(f"\n| D | N | B | ours fwd | cuDNN fwd | flash fwd | ours/cuDNN | ours bwd | cuDNN bwd | flash bwd "
-          f"| ours/cuDNN |" + sm90_head + "".join(f" {n} fwd | {n} bwd |" for n in extra))
+    print("\n| D | N | B | ours fwd | cuDNN fwd | flash fwd | ours/cuDNN | ours bwd | cuDNN bwd | flash bwd "
+          "| ours/cuDNN |" + sm90_head + "".join(f" {n} fwd | {n} bwd |" for n in extra))
     print("|---" * (11 + 3 * sm90 + 2 * len(extra)) + "|")
     for D, N, B, tops in rows:
         sm90_cols = (f" {tops[main_name + '_sm90_bwd']:.0f} | {tops[main_name + '_sm90_bwd'] / tops['cudnn_bwd']:.2f} "

@@ -9,21 +9,9 @@
 #include "attention/attention.h"
 #include "layers/common.h"
 #include "test/compare.h"
+#include "test/cpu_arrays_test.h"
 
 // ---- helpers -------------------------------------------------------------------------------
-
-static float *normal_floats(Rng *rng, size_t n, float std) {
-    float *x = malloc(n * sizeof(float));
-    cr_assert(x != NULL, "malloc of %zu floats", n);
-    rng_fill_normal(rng, x, n, std);
-    return x;
-}
-
-static float *zero_floats(size_t n) {
-    float *x = calloc(n, sizeof(float));
-    cr_assert(x != NULL, "calloc of %zu floats", n);
-    return x;
-}
 
 static double *zero_doubles(size_t n) {
     double *x = calloc(n, sizeof(double));

@@ -12,21 +12,9 @@
 #include "attention/sequence_parallel.h"
 #include "layers/common.h"
 #include "test/compare.h"
+#include "test/cpu_arrays_test.h"
 
 // ---- helpers -------------------------------------------------------------------------------
-
-static float *normal_floats(Rng *rng, size_t n, float std) {
-    float *x = malloc(n * sizeof(float));
-    cr_assert(x != NULL, "malloc of %zu floats", n);
-    rng_fill_normal(rng, x, n, std);
-    return x;
-}
-
-static float *zero_floats(size_t n) {
-    float *x = calloc(n, sizeof(float));
-    cr_assert(x != NULL, "calloc of %zu floats", n);
-    return x;
-}
 
 // R per-rank buffers of `count` floats, zeroed; free with free_ranks.
 static float **rank_floats(int R, size_t count) {
