@@ -1,6 +1,8 @@
 // BF16 flash attention recompute backward (FlashAttention-2): the API of flash_cuda.h over the
 // backward shared with sage attention (attention/attention_backward.cuh, SCORES_BF16: Sᵀ = K·Qᵀ in
 // bf16, dQ from K). delta = rowsum(dO∘O) from the bf16 O, computed here with dq = 0.
+#include <limits.h>
+#include <stdlib.h>
 #include "attention/flash_cuda.h"
 #include "attention/attention_backward.cuh"
 #include "layers/cuda_args.h"
@@ -31,6 +33,9 @@ extern "C" int flash_backward_cuda(float *dq, float *dk, float *dv, void *worksp
     CHECK_DEVICE_ARGS("flash_backward_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
                       DEVICE_ARG(workspace, 4), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
                       DEVICE_ARG(v, 16), DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4));
+    // Hopper: the wgmma kernel (flash_backward_sm90.cu); DIT_FLASH_MMA_SYNC=1 keeps this one.
+    if (!getenv("DIT_FLASH_MMA_SYNC") && (long long)B * H * N <= INT_MAX && flash_backward_sm90_available())
+        return flash_backward_sm90_cuda(dq, dk, dv, workspace, dout, q, k, v, out, lse, B, H, N, D, stream, err);
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, NULL, {}, N, NULL};
     if (attention_backward_prepare(&a, workspace, out, B * H, D, flash_deterministic, stream, err) != 0) return -1;

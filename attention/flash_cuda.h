@@ -57,9 +57,8 @@ int flash_backward_deterministic(void);
 // flash_backward_set_deterministic), with wgmma fed by TMA: the structure of sage's Hopper backward
 // (sage_backward_sm90.cu) with Sᵀ = K·Qᵀ in bf16. B·H·N < 2^31. Available (1) on a compute
 // capability 9.0 device when the build has sm_90a machine code; flash_backward_sm90_cuda returns
-// -1 otherwise. NOT YET THE DEFAULT: flash_backward_cuda keeps the mma.sync kernel on every GPU
-// until a GPU run has validated this one (it was written and compiled without a GPU; command and
-// checklist in dev/notes_flash.md).
+// -1 otherwise. flash_backward_cuda dispatches to it on such a device (DIT_FLASH_MMA_SYNC=1 keeps
+// the mma.sync kernel); validated on the H200 (dev/notes_flash.md).
 int flash_backward_sm90_available(void);
 int flash_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
                              const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,

@@ -142,9 +142,9 @@ Test(flash_cuda, long_sequence, .timeout = 300) {
     check_case(1, 1, 2100, 64, 1.0f, 11);
 }
 
-// On Hopper flash_forward_cuda runs the wgmma kernel (flash_forward_sm90.cu); the mma.sync
-// kernel, which other GPUs run, must pass the same checks there too.
-Test(flash_cuda, mma_sync_forward_too, .timeout = 120) {
+// On Hopper flash_forward_cuda and flash_backward_cuda run the wgmma kernels (flash_*_sm90.cu);
+// the mma.sync kernels, which other GPUs run, must pass the same checks there too.
+Test(flash_cuda, mma_sync_kernels_too, .timeout = 120) {
     SKIP_WITHOUT_GPU();
     setenv("DIT_FLASH_MMA_SYNC", "1", 1);
     check_case(2, 1, 333, 128, 1.0f, 3);
@@ -152,7 +152,7 @@ Test(flash_cuda, mma_sync_forward_too, .timeout = 120) {
     check_case(1, 2, 520, 64, 4.0f, 8);
 }
 
-// ---- the Hopper backward (flash_backward_sm90.cu), called directly: not yet the default ---------
+// ---- the Hopper backward (flash_backward_sm90.cu), called directly -------------------------------
 #define SKIP_WITHOUT_SM90_BACKWARD()                                                        \
     do {                                                                                    \
         SKIP_WITHOUT_GPU();                                                                 \
@@ -202,10 +202,12 @@ static void check_deterministic_sm90(int B, int H, int N, int D, uint64_t seed) 
     float *grads[RUNS + 1];   // RUNS Hopper backwards, then the mma.sync one
     for (int r = 0; r <= RUNS; r++) {
         FlashBackward backward = r < RUNS ? flash_backward_sm90_cuda : flash_backward_cuda;
+        if (r == RUNS) setenv("DIT_FLASH_MMA_SYNC", "1", 1);   // the reference: the mma.sync kernel
         CUDA_OK(cudaMemset(grads_dev, 0xff, 3 * n * 4));
         rc = backward(grads_dev, grads_dev + n, grads_dev + 2 * n, ws, dev[3], dev[0], dev[1], dev[2], out_dev, lse_dev,
                       B, H, N, D, 0, err);
         cr_assert_eq(rc, 0, "%s: %s", r < RUNS ? "flash_backward_sm90_cuda" : "flash_backward_cuda", err);
+        if (r == RUNS) unsetenv("DIT_FLASH_MMA_SYNC");
         CUDA_OK(cudaDeviceSynchronize());
         grads[r] = xmalloc(3 * n * 4);
         CUDA_OK(cudaMemcpy(grads[r], grads_dev, 3 * n * 4, cudaMemcpyDeviceToHost));
