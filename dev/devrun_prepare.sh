@@ -17,8 +17,12 @@ gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.
     attention/flash_backward_sm90.cu build/common_pic.o
 gcc -O2 -Wall -shared -fPIC -I/usr/local/cuda/include dev/kernel_times.c -o build/libkernel_times.so \
     -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcupti -lstdc++
+CUDA_LINK="-lm -lpthread -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublasLt -lcublas -lcudart -lstdc++"
+[ -f /usr/local/cuda/include/nccl.h ] && CUDA_LINK="$CUDA_LINK -lnccl"
+cc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA -I/usr/local/cuda/include \
+    -o build/sanitize_attention dev/sanitize_attention.c build/libditc.a $CUDA_LINK
 rm -rf .devrun && mkdir -p .devrun .devlibs
-cp train_dit build/test_*_cuda build/libsage_bench.so build/libflash_bench.so build/libkernel_times.so .devrun/
+cp train_dit build/test_*_cuda build/sanitize_attention build/libsage_bench.so build/libflash_bench.so build/libkernel_times.so .devrun/
 cp build/libditc.so .devrun/libditc.so
 for b in build/test_*_cuda; do
     cp -n $(ldd "$b" | awk '/criterion|git2|nanomsg|ffi|http_parser|mbed|ssh|pcre|gomp|krb5|k5crypto|com_err|keyutils|gssapi|crypto|libz/{print $3}') .devlibs/ 2>/dev/null || true
