@@ -81,7 +81,9 @@ typedef struct {
     int rotate;    // 1: q and k are first multiplied by the normalized Walsh-Hadamard matrix H
                    // (hadamard_rotate; S = (qH)(kH)ᵀ is unchanged in exact arithmetic, and outlier
                    // channels are spread over all channels before INT8 quantization); the backward
-                   // rotates dq and dk back. D a power of two. CPU definition only so far (default 0).
+                   // rotates dq and dk back. D a power of two. Default 0 here; on the GPU the
+                   // rotation is attention/hadamard_cuda.h, applied by the model (train_dit
+                   // --sage-rotate, default 1).
     SageBwd bwd;   // precision of the backward's products (CPU definition only so far; default
                    // SAGE_BWD_FP32 = 0, so a zero-initialized or designated initializer keeps it)
 } SageConfig;
