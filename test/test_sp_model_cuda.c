@@ -121,24 +121,34 @@ static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention at
     return rc ? -1 : 0;
 }
 
-static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttention attention, int rotate) {
-    char err[DIT_ERR_LEN], path[512];
+// Rank `rank` of a WORLD-rank test run (files in dir): its communicator, mesh position and the
+// sequence-parallel communicators of a Ulysses × ring mesh. Exits the rank on failure.
+static DistComm *join_mesh(int rank, const char *dir, const char *run, int ulysses, int ring, DistMesh *mesh,
+                           DitGpuSeqParallel *sp) {
+    char err[DIT_ERR_LEN];
     DistEnv env = {.rank = rank, .world_size = WORLD, .local_rank = rank, .local_world_size = WORLD,
                    .master_port = DIST_DEFAULT_PORT};
     snprintf(env.launcher, sizeof(env.launcher), "test");
-    snprintf(env.run_id, sizeof(env.run_id), "spm-%d", (int)getppid());
+    snprintf(env.run_id, sizeof(env.run_id), "%s-%d", run, (int)getppid());
     DistComm *comm;
-    DistMesh mesh;
-    StepResult r;
-    DitGpuSeqParallel sp = {.ulysses = ulysses, .ring = ring};
-    if (dist_mesh_make(&mesh, WORLD, rank, ulysses, ring, err) != 0 ||
+    *sp = (DitGpuSeqParallel){.ulysses = ulysses, .ring = ring};
+    if (dist_mesh_make(mesh, WORLD, rank, ulysses, ring, err) != 0 ||
         dist_comm_create(&comm, &env, dir, 60.0, err) != 0 ||
-        dist_comm_split_mesh(comm, &mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err) != 0) {
+        dist_comm_split_mesh(comm, mesh, &sp->sp_comm, &sp->ulysses_comm, &sp->ring_comm, err) != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
         _exit(1);
     }
-    sp.ulysses_rank = mesh.ulysses_rank;
-    sp.ring_rank = mesh.ring_rank;
+    sp->ulysses_rank = mesh->ulysses_rank;
+    sp->ring_rank = mesh->ring_rank;
+    return comm;
+}
+
+static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttention attention, int rotate) {
+    char err[DIT_ERR_LEN], path[512];
+    DistMesh mesh;
+    DitGpuSeqParallel sp;
+    StepResult r;
+    DistComm *comm = join_mesh(rank, dir, "spm", ulysses, ring, &mesh, &sp);
     if (one_step(comm, &sp, attention, rotate, &r, err) != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
         _exit(1);
@@ -290,21 +300,9 @@ static int reduced_step(DitGpu *g, DistComm *comm, int B, float grad_scale, int 
 // writes loss and gradients of each, its own gradients, and the floats handed to dist_grads_ready.
 static void overlap_rank(int rank, const char *dir, int ulysses, int ring) {
     char err[DIT_ERR_LEN], path[512];
-    DistEnv env = {.rank = rank, .world_size = WORLD, .local_rank = rank, .local_world_size = WORLD,
-                   .master_port = DIST_DEFAULT_PORT};
-    snprintf(env.launcher, sizeof(env.launcher), "test");
-    snprintf(env.run_id, sizeof(env.run_id), "ovl-%d", (int)getppid());
-    DistComm *comm;
     DistMesh mesh;
-    DitGpuSeqParallel sp = {.ulysses = ulysses, .ring = ring};
-    if (dist_mesh_make(&mesh, WORLD, rank, ulysses, ring, err) != 0 ||
-        dist_comm_create(&comm, &env, dir, 60.0, err) != 0 ||
-        dist_comm_split_mesh(comm, &mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err) != 0) {
-        fprintf(stderr, "rank %d: %s\n", rank, err);
-        _exit(1);
-    }
-    sp.ulysses_rank = mesh.ulysses_rank;
-    sp.ring_rank = mesh.ring_rank;
+    DitGpuSeqParallel sp;
+    DistComm *comm = join_mesh(rank, dir, "ovl", ulysses, ring, &mesh, &sp);
     sage_backward_set_deterministic(1);
     flash_backward_set_deterministic(1);
     static Batch b;
