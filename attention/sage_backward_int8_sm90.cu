@@ -210,6 +210,17 @@ __device__ __forceinline__ uint32_t pack_s8x4(int x0, int x1, int x2, int x3) {
     return __byte_perm(__byte_perm(x0, x1, 0x0040), __byte_perm(x2, x3, 0x0040), 0x5410);
 }
 
+// k_scale of key block kb64 (64 keys) of head bh, 0 past N (nb = ceil(N/64) blocks per head).
+__device__ __forceinline__ float k_scale_of(const AttnBwdArgs &a, int bh, int nb, int kb64) {
+    return 64 * kb64 < a.N ? a.qv.k_scale[(size_t)bh * nb + kb64] : 0.0f;
+}
+
+// 4 bytes from global src to shared dst by cp.async (zeros when !valid; src must still be a valid address).
+__device__ __forceinline__ void cp_async4(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
 // Thread 0: query block qb of head bh into the stage at st, completing on bar.
 template <int D>
 __device__ __forceinline__ void load_int8_stage(uint8_t *st, uint64_t *bar, const Int8BwdMaps &m, int bh, int N, int qb) {
@@ -260,13 +271,9 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         ((float *)(sm + S::STAGE0 + S::LSE))[tid] = load_query_stat(a, bh, 0, tid);
     __syncthreads();
 
-    // k_scale of the CTA's two key blocks (0 past N); this warpgroup's is the one of its Sᵀ
-    float k_scale_of[2];
-    for (int J = 0; J < 2; J++) k_scale_of[J] = k0 + 64 * J < N ? a.qv.k_scale[(size_t)bh * nqb + 2 * kb + J] : 0.0f;
-    const float k_scale = wg ? k_scale_of[1] : k_scale_of[0];
+    const float k_scale = k_scale_of(a, bh, nqb, 2 * kb + wg);   // of this warpgroup's key block (Sᵀ)
     const int kr = 64 * wg + 16 * warp + g;   // CTA key rows kr and kr + 8 of this thread
     const bool key_valid[2] = {k0 + kr < N, k0 + kr + 8 < N};
-    const uint64_t desc_k8 = smem_desc<D>(sm + S::K8 + 64 * wg * D);
     float *red = (float *)(sm + S::RED), *q_inv = (float *)(sm + S::QINV), *q_scale_dsq = (float *)(sm + S::QSCALE);
     float dv[D / 2] = {}, dk[D / 2] = {};   // m64nD accumulators: keys × D
     mbar_wait(&bar_kv, 0);
@@ -279,8 +286,13 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         asm volatile("" : "+r"(opaque_zero));
         uint8_t *sp = sm + opaque_zero;
         uint8_t *st = sp + S::STAGE0 + stage * S::STAGE_BYTES;
-        float next_stat = 0.0f;   // lse or delta of block qb + 1, stored into the other stage below
-        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb) next_stat = load_query_stat(a, bh, qb + 1, tid);
+        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb) {   // lse | delta of block qb + 1 into the other stage,
+            // last read in step qb - 1 (cp.async: no register holds it; complete before barrier A)
+            int q = q0 + BWD90_QUERIES + tid % BWD90_QUERIES;
+            const float *src = (tid < BWD90_QUERIES ? a.lse : a.delta) + (size_t)bh * N + (q < N ? q : 0);
+            cp_async4(sm + S::STAGE0 + (stage ^ 1) * S::STAGE_BYTES + S::LSE + 4 * tid, src, q < N);
+            cp_async_commit();
+        }
         int seen_turn = turn && tid == 0 ? ld_acquire_gpu(turn + qb) : 0;   // checked at the end of the step
         const float q_scale = a.qv.q_scale[(size_t)bh * nqb + qb], do_scale = x.do_scale[(size_t)bh * nqb + qb];
         mbar_wait(&bar_q[stage], (qb >> 1) & 1);
@@ -289,7 +301,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         // Sᵀ = K̂·Q̂ᵀ (int8) and dPᵀ = V·dOᵀ (bf16), 64 keys × 64 queries each, one batch
         int s_acc[32];
         float p[32], dp[32];
-        const uint64_t desc_q8 = smem_desc<D>(st + S::Q8), desc_v = smem_desc<128>(sp + S::V + 64 * wg * 128);
+        const uint64_t desc_k8 = smem_desc<D>(sp + S::K8 + 64 * wg * D), desc_q8 = smem_desc<D>(st + S::Q8), desc_v = smem_desc<128>(sp + S::V + 64 * wg * 128);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 32; ks++) {
@@ -400,19 +412,18 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             }
         }
         fence_proxy_async();
-        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb)   // the other stage's statistics were last read in step qb - 1
-            ((float *)(sm + S::STAGE0 + (stage ^ 1) * S::STAGE_BYTES + S::LSE))[tid] = next_stat;
+        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb) cp_async_wait<0>();   // the next block's lse, delta
 
         // dV += p8ᵀ·dÔᵀ, dK += dsk8ᵀ·Q̂ᵀ in 64-column halves (int32 tiles, then scaled per key and added)
         int tv[32], tk[32];
-        const uint64_t desc_dot = smem_desc<64>(st + S::DOT);
+        const uint64_t desc_dot = smem_desc<64>(st + S::DOT), desc_qt = smem_desc<64>(st + S::QT);
 #pragma unroll
         for (int hf = 0; hf < D / 64; hf++) {
             wgmma_fence();
 #pragma unroll
             for (int t = 0; t < 2; t++) {
                 uint64_t dv_b = desc_advance(desc_dot, hf * 64 * I8BWD_BLOCK + 32 * t);
-                uint64_t dk_b = desc_advance(desc_dot, S::QT - S::DOT + hf * 64 * I8BWD_BLOCK + 32 * t);
+                uint64_t dk_b = desc_advance(desc_qt, hf * 64 * I8BWD_BLOCK + 32 * t);
                 if (t == 0) {
                     wgmma_s8_m64n64k32_rs<0>(tv, pa[t], dv_b);
                     wgmma_s8_m64n64k32_rs<0>(tk, dsa[t], dk_b);
@@ -469,7 +480,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
         for (int J = 0; J < 2; J++)
 #pragma unroll
             for (int h = 0; h < 2; h++)
-                dq_factor[J][h] = __fmul_rn(__fmul_rn(q_scale_dsq[J * BWD90_QUERIES + 16 * warp + g + 8 * h], k_scale_of[J]), x.r);
+                dq_factor[J][h] = __fmul_rn(__fmul_rn(q_scale_dsq[J * BWD90_QUERIES + 16 * warp + g + 8 * h], k_scale_of(a, bh, nqb, 2 * kb + J)), x.r);
         float dq[D / 4];
 #pragma unroll
         for (int i = 0; i < D / 4; i++)
@@ -550,9 +561,9 @@ extern "C" int sage_backward_int8_sm90_cuda(float *dq, float *dk, float *dv, voi
     (void)q;   // the definition's gradient products use the forward's Q̂, K̂ instead of q, k
     (void)k;
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
-        (long long)B * H * N >= (1ll << 31)) {
+        (long long)B * H * (N + BWD90_KEYS) * D / 64 >= (1ll << 31)) {   // the transposed operands' TMA rows
         dit_set_error(err, "sage_backward_int8_sm90_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535, "
-                           "B·H·N < 2^31 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
+                           "B·H·(N + 128)·D/64 < 2^31 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
     CHECK_DEVICE_ARGS("sage_backward_int8_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16),
