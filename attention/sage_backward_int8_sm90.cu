@@ -28,9 +28,9 @@
 // zero for tokens >= N. Per step, per warpgroup:
 //   Sᵀ (int8) and dPᵀ (bf16) as the sage kernel; Pᵀ, dSᵀ (fp32, masked past N);
 //   per-key amax of P and |dS| (a row of the accumulators: 16 values and 2 shuffles) -> p8, dsk8
-//   packed as int8 A fragments; per-query amax of |dS| over the 64 keys (a column: a halving
-//   shuffle butterfly over the 8 rows of a warp, then the 4 warps through shared memory and two
-//   named barriers) -> dsq8 into shared memory (rows = queries, K-major);
+//   packed as int8 A fragments; per-query amax of |dS| over the 64 keys (a column: 3 shuffles
+//   over the 8 rows of a warp, then the 4 warps through shared memory and two named barriers)
+//   -> dsq8 into shared memory (rows = queries, K-major);
 //   dV += p8ᵀ·dÔᵀ and dK += dsk8ᵀ·Q̂ᵀ: int8 m64n64k32, A from registers, into int32 tiles that
 //   are scaled and added to the fp32 accumulators (D = 128: two 64-column halves one after the
 //   other, which keeps the int32 tiles at 64 registers);
@@ -376,16 +376,15 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             }
 
         // Per query over the warpgroup's 64 keys: max |dS| of this thread's 2 rows, then over the warp's
-        // 8 rows (the 8 lanes with this c; |dS| >= 0 orders like its bits as an unsigned integer), then
-        // over the 4 warps in shared memory
-        const unsigned same_c = 0x11111111u << c;
+        // 8 rows (the 8 lanes with this c: xor of lane bits 2-4), then over the 4 warps in shared memory
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             float mx[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                unsigned bits = max(__float_as_uint(fabsf(dp[4 * j + e])), __float_as_uint(fabsf(dp[4 * j + 2 + e])));
-                mx[e] = __uint_as_float(__reduce_max_sync(same_c, bits));
+                mx[e] = fmaxf(fabsf(dp[4 * j + e]), fabsf(dp[4 * j + 2 + e]));
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], o));
             }
             if (g == j) *(float2 *)(red + (wg * 4 + warp) * BWD90_QUERIES + 8 * j + 2 * c) = make_float2(mx[0], mx[1]);
         }
