@@ -50,10 +50,12 @@ run() {
         > "$L/gpu.txt" 2>&1
     timeout -k 5 90 "$DIR/test_sage_int8_bwd_cuda" --verbose --jobs 8 > "$L/test.log" 2>&1
     echo "test_sage_int8_bwd_cuda rc=$? (want 0): $(grep Synthesis "$L/test.log")" >> "$O/summary.txt"
+    grep -h 'int8 bwd' "$L/test.log" | sed 's/^/    /' >> "$O/summary.txt"
     for bug in nodsqscale p127; do
         timeout -k 5 35 "$DIR/test_sage_int8_bwd_cuda_$bug" --verbose \
             --filter 'sage_int8_bwd_cuda/tails_match_definition_and_exact' > "$L/planted_$bug.log" 2>&1
         echo "planted $bug rc=$? (want != 0): $(grep Synthesis "$L/planted_$bug.log")" >> "$O/summary.txt"
+        grep -h -m 3 'vs definition' "$L/planted_$bug.log" | sed 's/^/    /' >> "$O/summary.txt"
     done
     timeout -k 5 80 python3 dev/bench_sage_int8_bwd.py "$DIR/libsage_int8_bench.so" > "$L/bench.log" 2>&1
     echo "bench rc=$?" >> "$O/summary.txt"
