@@ -7,9 +7,8 @@
 // host does the rest (data, RNG, logging, checkpoints) the same way for both.
 // Data parallel on several GPUs (--gpus N, mpirun, srun; model/distributed.h): every rank runs
 // the same step on its own share of the batch; between backward and update the gradients and
-// the loss become their means over the ranks (one NCCL all-reduce after the backward; with
-// --overlap-reduce 1 each block's starts as soon as the backward has made its gradients), so every
-// rank applies the same update. Rank 0 logs and writes checkpoints and samples.
+// the loss become their means over the ranks (one NCCL all-reduce), so every rank applies the
+// same update. Rank 0 logs and writes checkpoints and samples.
 // Sequence parallelism (--sp-ulysses U --sp-ring R): groups of U·R ranks share each image, every
 // rank of a group holding T/(U·R) of its tokens (model/dit_gpu.h); the group reads one data
 // stream (its data-parallel rank's) and data parallel runs over the world / (U·R) groups.
@@ -48,7 +47,6 @@ typedef struct {
     int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
-    int overlap_reduce;                                       // gradient all-reduce behind the backward
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -106,11 +104,7 @@ static const char *usage_text =
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
-    "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n"
-    "  --overlap-reduce 0|1  1: each block's gradient all-reduce starts as soon as the backward has made\n"
-    "                        them, behind the rest of the backward; 0: one all-reduce after the backward\n"
-    "                        (bitwise the same result with 2 ranks; default 0: no clear gain measured\n"
-    "                        yet, see dev/notes_sequence_parallel.md)\n";
+    "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
 
 // ---- command line ------------------------------------------------------------------------
 
@@ -154,8 +148,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
-                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1,
-                     .overlap_reduce = 0};
+                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -183,13 +176,6 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
             rc = parse_int(f, v, 0, &a->sage_rotate, err);
             if (!rc && a->sage_rotate > 1) {
                 dit_set_error(err, "--sage-rotate: expected 0 or 1, got '%s'", v);
-                rc = -1;
-            }
-        }
-        else if (!strcmp(f, "--overlap-reduce")) {
-            rc = parse_int(f, v, 0, &a->overlap_reduce, err);
-            if (!rc && a->overlap_reduce > 1) {
-                dit_set_error(err, "--overlap-reduce: expected 0 or 1, got '%s'", v);
                 rc = -1;
             }
         }
@@ -332,7 +318,6 @@ typedef struct {
 #ifdef DIT_CUDA
     DitGpu gpu;
     DistComm *dist;                 // NULL for one process
-    int overlap_reduce;             // --overlap-reduce
 #endif
 } Trainer;
 
@@ -353,7 +338,6 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
     tr->cpu.sage.rotate = a->sage_rotate;
 #ifdef DIT_CUDA
     tr->dist = dist;
-    tr->overlap_reduce = a->overlap_reduce;
     if (tr->on_gpu) {
         DitGpuSeqParallel sp = {.ulysses = mesh->ulysses, .ring = mesh->ring, .ulysses_rank = mesh->ulysses_rank,
                                 .ring_rank = mesh->ring_rank};
@@ -405,40 +389,23 @@ static void trainer_to_host(Trainer *tr) {
 }
 
 #ifdef DIT_CUDA
-// The backward, and with several ranks the reduction over them, waited for. The loss becomes the
-// mean over the ranks (each rank's is the mean over its images, the same on every rank of a
-// sequence-parallel group, so this is the global batch's). The gradients are summed over the
-// ranks and scaled by 1/dp: the sum over a sequence-parallel group completes each image's
-// gradient (every rank back-propagated its tokens' share of the global loss), the 1/dp averages
-// the data-parallel groups' images (dp = world without sequence parallelism: the mean).
-// Overlapped (--overlap-reduce 1): the scheme of llm.c's multi-GPU backward. The backward hands
-// each set of gradients to dist_grads_ready as soon as they are final (the final layer's, then
-// block by block from the last, then the rest: dit_gpu_backward_hooked), which starts their
-// all-reduce on the communicator's reduction stream after an event on the model's stream; the
-// transfers run while the model's stream goes on with the blocks below. The loss follows, and
-// dist_all_reduce_finish waits for all of it before the optimizer. Not overlapped (the default):
-// one grouped all-reduce of all gradients and the loss after the backward. Each element is
-// reduced alike either way (with 2 ranks s·a + s·b, in either order): bitwise the same gradients.
-static int backward_and_reduce(Trainer *tr, int B, char *err) {
-    DitGpu *g = &tr->gpu;
-    if (!tr->dist) return dit_gpu_backward(g, B, err);
-    float grad_scale = 1.0f / tr->mesh.dp, loss_scale = 1.0f / tr->mesh.world;
-    if (!tr->overlap_reduce) {
-        float *buffers[2] = {g->grads_memory, g->acts.loss};
-        size_t counts[2] = {g->num_params, 1};
-        float scales[2] = {grad_scale, loss_scale};
-        return dit_gpu_backward(g, B, err) || dist_all_reduce_scaled(tr->dist, buffers, counts, scales, 2, g->stream, err);
-    }
-    DistGradReduce reduce = {tr->dist, grad_scale};
-    size_t one = 1;
-    return dit_gpu_backward_hooked(g, B, dist_grads_ready, &reduce, err) ||
-           dist_all_reduce_start(tr->dist, &g->acts.loss, &one, &loss_scale, 1, g->stream, err) ||
-           dist_all_reduce_finish(tr->dist, g->stream, err);
+// Several ranks: one NCCL group of two in-place all-reduces. The loss becomes the mean over the
+// ranks (each rank's is the mean over its images, the same on every rank of a sequence-parallel
+// group, so this is the global batch's). The gradients are summed over the ranks and scaled by
+// 1/dp: the sum over a sequence-parallel group completes each image's gradient (every rank
+// back-propagated its tokens' share of the global loss), the 1/dp averages the data-parallel
+// groups' images (dp = world without sequence parallelism: the mean). Waits for it.
+static int reduce_over_ranks(Trainer *tr, char *err) {
+    if (!tr->dist) return 0;
+    float *buffers[2] = {tr->gpu.grads_memory, tr->gpu.acts.loss};
+    size_t counts[2] = {tr->gpu.num_params, 1};
+    float scales[2] = {1.0f / tr->mesh.dp, 1.0f / tr->mesh.world};
+    return dist_all_reduce_scaled(tr->dist, buffers, counts, scales, 2, tr->gpu.stream, err);
 }
 #endif
 
 // x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward; with
-// several ranks, the gradients and loss reduced over the ranks. Returns the loss.
+// several ranks, the mean over the ranks of the gradients and loss. Returns the loss.
 static float step_gradients(Trainer *tr, const float *x0, const float *noise, const float *t,
                             const int *labels, int B) {
     const DitConfig *c = &tr->cpu.cfg;
@@ -449,8 +416,8 @@ static float step_gradients(Trainer *tr, const float *x0, const float *noise, co
         float loss;
         DitGpu *g = &tr->gpu;
         if (dit_gpu_set_flow_batch(g, x0, noise, t, labels, B, err) || dit_gpu_forward(g, &g->weights, B, err) ||
-            dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) || backward_and_reduce(tr, B, err) ||
-            dit_gpu_read_scalars(g, &loss, NULL, err))
+            dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) || dit_gpu_backward(g, B, err) ||
+            reduce_over_ranks(tr, err) || dit_gpu_read_scalars(g, &loss, NULL, err))
             die(err);
         return loss;
     }
@@ -907,8 +874,7 @@ int main(int argc, char **argv) {
                model->num_params / 1e6);
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
-                   "stream from seed %" PRIu64 " mixed with g; gradient all-reduce %s\n", mesh.dp, mesh.sp,
-                   dist.launcher, B, a->seed, a->overlap_reduce ? "overlapped with the backward" : "after the backward");
+                   "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);
         if (mesh.sp > 1)
             printf("sequence parallel: Ulysses %d x ring %d, %d of the %d tokens of every image per rank\n",
                    mesh.ulysses, mesh.ring, dit_tokens(&cfg) / mesh.sp, dit_tokens(&cfg));
@@ -945,8 +911,7 @@ int main(int argc, char **argv) {
         flow_matching_sample(&rng, labels, t, noise, B, img, a->label_dropout, cfg.num_classes,
                              !strcmp(a->t_sampling, "uniform"));
 
-        // 3. forward, loss, backward (several ranks: then the gradients and loss reduced over the
-        //    ranks; --overlap-reduce 1: each block's all-reduce starts during the backward)
+        // 3. forward, loss, backward (several ranks: then the mean gradients and loss over the ranks)
         float loss = step_gradients(&tr, x0, noise, t, labels, B);
 
         // 4. clip by the global gradient norm, AdamW, EMA

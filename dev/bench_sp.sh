@@ -6,14 +6,12 @@
 # few hundred per step) beside the formulas of dev/notes_sequence_parallel.md.
 #
 #   BIN=.devrun_h4 LOGS=$OUT bash dev/bench_sp.sh        (on a machine with 2 GPUs and NCCL)
-#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu ulysses2_overlap ring2_overlap" STEPS=8 ATTN=sage|bf16,
+#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu" STEPS=8 ATTN=sage|bf16,
 #             DEADLINE=<epoch seconds> (runs that would start later than 5 s before it are skipped)
 #
 # Image sizes: 256 (patch 2: 128² = 16,384 tokens) and 352 (176² = 30,976 tokens: 32,768 is no
 # square, and sage under ring needs T/2 to be a multiple of 64, so the side a multiple of 16).
 # Time per step: the median of train_log.csv's ms over steps 4..STEPS (the first are warm-up).
-# ulysses2_overlap and ring2_overlap run with --overlap-reduce 1 (each block's gradient all-reduce
-# started during the backward), with the same NCCL logging as the default runs.
 set -uo pipefail
 BIN=${BIN:-.}
 LOGS=${LOGS:-bench_sp_out}
@@ -42,10 +40,6 @@ for size in $SIZES; do
                       run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
             ring2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ring2.nccl.%p \
                    run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
-            ulysses2_overlap) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ulysses2_overlap.nccl.%p \
-                              run "t${size}_ulysses2_overlap" "$size" --gpus 2 --sp-ulysses 2 --overlap-reduce 1 ;;
-            ring2_overlap) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ring2_overlap.nccl.%p \
-                           run "t${size}_ring2_overlap" "$size" --gpus 2 --sp-ring 2 --overlap-reduce 1 ;;
         esac
     done
 done
@@ -62,24 +56,20 @@ def ms_per_step(name):
     return statistics.median(float(r["ms"]) for r in rows)
 
 print(f"## throughput ({attn} attention, hidden 2048, 16 heads, depth 4, batch 1; median ms/step of steps 4..{steps})")
-print("(2 GPUs: gradient all-reduce after the backward; 'overlapped': --overlap-reduce 1)")
-print("| tokens | 1 GPU ms | Ulysses 2 ms | speed-up | ring 2 ms | speed-up | Ulysses 2 overlapped ms | ring 2 overlapped ms |")
-print("|---|---|---|---|---|---|---|---|")
+print("| tokens | 1 GPU ms | Ulysses 2 ms | speed-up | ring 2 ms | speed-up |")
+print("|---|---|---|---|---|---|")
 for size in (256, 352):
     T = (size // 2) ** 2
-    one, uly, ring, uly_ovl, ring_ovl = (ms_per_step(f"t{size}_{k}") for k in
-                                         ("1gpu", "ulysses2", "ring2", "ulysses2_overlap", "ring2_overlap"))
+    one, uly, ring = (ms_per_step(f"t{size}_{k}") for k in ("1gpu", "ulysses2", "ring2"))
     f = lambda x: f"{x:.1f}" if x else "not run"
     s = lambda x: f"{one / x:.2f}x" if (one and x) else "-"
-    print(f"| {T:,} | {f(one)} | {f(uly)} | {s(uly)} | {f(ring)} | {s(ring)} | {f(uly_ovl)} | {f(ring_ovl)} |")
+    print(f"| {T:,} | {f(one)} | {f(uly)} | {s(uly)} | {f(ring)} | {s(ring)} |")
 
 # Bytes sent per rank in one step, from NCCL's log: Send (not to itself), AllGather (n-1)·count,
-# AllReduce 2(n-1)/n·count (ring algorithm), by operation. The gradient and loss all-reduces are the
-# ones with a user-defined operation (ncclRedOpCreatePreMulSum: op >= 5, NCCL's built-in ops are
-# 0..4); overlapped, the gradients come in many calls (8 per block and 2 more).
+# AllReduce 2(n-1)/n·count (ring algorithm), by operation.
 size_of = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
 line_re = re.compile(r"\[(\d+)\] NCCL INFO (\w+): opCount \S+ sendbuff \S+ recvbuff \S+ count (\d+) "
-                     r"datatype (\d+) op (\d+) root (-?\d+) comm \S+ \[nranks=(\d+)\]")
+                     r"datatype (\d+) op \d+ root (-?\d+) comm \S+ \[nranks=(\d+)\]")
 B, H, D, depth, h, P = 1, 16, 128, 4, 2048, 4
 params = None
 for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
@@ -88,22 +78,21 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
     Te = B * H * n * D               # elements of one (B, H, T/2, D) shard
     paths = glob.glob(os.path.join(logs, f"t{size}_{kind}2.nccl.*"))   # one file per rank (NCCL_DEBUG_FILE)
     if not paths or not ms_per_step(f"t{size}_{kind}2"): continue
-    sent, grad_floats = {}, {}
+    sent = {}
     for line in (l for p in paths for l in open(p, errors="replace")):
         m = line_re.search(line)
         if not m: continue
-        dev, op, count, dtype, red, root, nranks = int(m[1]), m[2], int(m[3]), int(m[4]), int(m[5]), int(m[6]), int(m[7])
+        dev, op, count, dtype, root, nranks = int(m[1]), m[2], int(m[3]), int(m[4]), int(m[5]), int(m[6])
         b = count * size_of.get(dtype, 1)
         if op == "Send": b = 0 if root == dev else b
         elif op == "AllGather": b *= nranks - 1
         elif op == "AllReduce":
-            if red >= 5 and count > 1: grad_floats[dev] = grad_floats.get(dev, 0) + count
-            op = "AllReduce (gradients)" if red >= 5 else "AllReduce (small)"
+            if count > 1e6: params = count
+            op = "AllReduce (gradients)" if count > 1e6 else "AllReduce (small)"
             b = b * 2 * (nranks - 1) / nranks
         else: continue
         sent.setdefault(dev, {}).setdefault(op, 0)
         sent[dev][op] += b / steps
-    if grad_floats: params = round(grad_floats[min(grad_floats)] / steps)
     if kind == "ulysses":   # a2a q, k, v, out (bf16); backward dout (bf16), dq, dk, dv (fp32)
         fwd, bwd = 4 * 2 * Te / 2, (2 + 3 * 4) * Te / 2
     else:                   # sage ring FP8: passes of k8, v e4m3, k_scale + 2 stats all-reduces;

@@ -403,12 +403,6 @@ struct DistComm {
     cudaStream_t stream;   // for dist_all_gather_u64
     ncclComm_t children[3];// dist_comm_split_mesh's communicators (aborted and destroyed with comm)
     int n_children;
-    // dist_all_reduce_start/finish: the reduction stream; `queued` marks the caller's stream at
-    // each start, `reduced` the reduction stream at finish; the calls and floats started since
-    cudaStream_t reduce_stream;
-    cudaEvent_t queued, reduced;
-    int started_calls;
-    size_t started_floats;
 };
 
 // Aborts the communicator (every later collective of this rank fails at once) and writes err.
@@ -467,15 +461,6 @@ static int wait_stream(DistComm *c, cudaStream_t stream, const char *what, char 
     }
 }
 
-// The communicator's streams and events (those created: the others are 0), then c itself.
-static void destroy_cuda_objects(DistComm *c) {
-    if (c->stream) cudaStreamDestroy(c->stream);
-    if (c->reduce_stream) cudaStreamDestroy(c->reduce_stream);
-    if (c->queued) cudaEventDestroy(c->queued);
-    if (c->reduced) cudaEventDestroy(c->reduced);
-    free(c);
-}
-
 // The unique id: made by rank 0 and sent by TCP or published in the file; fetched by the others.
 static int exchange_id(const DistEnv *env, const char *id_dir, ncclUniqueId *id, double timeout_s, char *err) {
     char path[4096];
@@ -517,18 +502,15 @@ int dist_comm_create(DistComm **comm, const DistEnv *env, const char *id_dir, do
     }
     *c = (DistComm){.rank = env->rank, .world_size = env->world_size, .device = env->local_rank, .timeout_s = timeout_s};
     if ((ce = cudaSetDevice(c->device)) != cudaSuccess ||
-        (ce = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
-        (ce = cudaStreamCreateWithFlags(&c->reduce_stream, cudaStreamNonBlocking)) != cudaSuccess ||
-        (ce = cudaEventCreateWithFlags(&c->queued, cudaEventDisableTiming)) != cudaSuccess ||
-        (ce = cudaEventCreateWithFlags(&c->reduced, cudaEventDisableTiming)) != cudaSuccess) {
-        dit_set_error(err, "rank %d: cudaSetDevice(%d) / cudaStreamCreate / cudaEventCreate: %s", c->rank, c->device,
-                      cudaGetErrorString(ce));
-        destroy_cuda_objects(c);
+        (ce = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        dit_set_error(err, "rank %d: cudaSetDevice(%d) / cudaStreamCreate: %s", c->rank, c->device, cudaGetErrorString(ce));
+        free(c);
         return -1;
     }
     ncclUniqueId id;
     if (exchange_id(env, id_dir, &id, timeout_s, err) != 0) {
-        destroy_cuda_objects(c);
+        cudaStreamDestroy(c->stream);
+        free(c);
         return -1;
     }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -537,7 +519,8 @@ int dist_comm_create(DistComm **comm, const DistEnv *env, const char *id_dir, do
     snprintf(what, sizeof(what), "ncclCommInitRankConfig (%d ranks)", c->world_size);
     ncclResult_t r = ncclCommInitRankConfig(&c->comm, c->world_size, id, c->rank, &config);
     if (settle(c, r, what, err) != 0) {
-        destroy_cuda_objects(c);
+        cudaStreamDestroy(c->stream);
+        free(c);
         return -1;
     }
     if (env->rank == 0 && !env->master_addr[0]) {   // every rank has joined: the id file is spent
@@ -563,13 +546,15 @@ int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *count
     return wait_stream(c, stream, what, err);
 }
 
-// Queues buffers[i] = scales[i]·Σ over the ranks (ncclSum with a pre-multiplied scale), all in
-// one NCCL group, on stream; waits only until NCCL has taken the calls (non-blocking communicator).
-static int enqueue_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
-                          int n_buffers, cudaStream_t stream, const char *what, char *err) {
+int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                           int n_buffers, cudaStream_t stream, char *err) {
     enum { MAX_BUFFERS = 8 };
+    char what[128];
+    size_t total = 0;
+    for (int i = 0; i < n_buffers; i++) total += counts[i];
+    snprintf(what, sizeof(what), "ncclAllReduce (scaled sum) of %d buffers, %zu floats", n_buffers, total);
     if (n_buffers > MAX_BUFFERS) {
-        dit_set_error(err, "%s: %d buffers, at most %d in one call", what, n_buffers, MAX_BUFFERS);
+        dit_set_error(err, "dist_all_reduce_scaled: %d buffers, at most %d", n_buffers, MAX_BUFFERS);
         return -1;
     }
     if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
@@ -586,66 +571,7 @@ static int enqueue_scaled(DistComm *c, float *const *buffers, const size_t *coun
     ncclResult_t end = ncclGroupEnd();
     if (settle(c, r != ncclSuccess ? r : end, what, err) != 0) return -1;
     for (int i = 0; i < n_buffers; i++) ncclRedOpDestroy(ops[i], c->comm);
-    return 0;
-}
-
-static size_t total_floats(const size_t *counts, int n) {
-    size_t total = 0;
-    for (int i = 0; i < n; i++) total += counts[i];
-    return total;
-}
-
-int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
-                           int n_buffers, cudaStream_t stream, char *err) {
-    char what[128];
-    snprintf(what, sizeof(what), "ncclAllReduce (scaled sum) of %d buffers, %zu floats", n_buffers,
-             total_floats(counts, n_buffers));
-    if (enqueue_scaled(c, buffers, counts, scales, n_buffers, stream, what, err) != 0) return -1;
     return wait_stream(c, stream, what, err);
-}
-
-// The reduction stream waits for the caller's stream (event `queued`), then runs the group.
-int dist_all_reduce_start(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
-                          int n_buffers, cudaStream_t stream, char *err) {
-    char what[160];
-    snprintf(what, sizeof(what), "overlapped ncclAllReduce (scaled sum) number %d, %d buffers, %zu floats",
-             c->started_calls + 1, n_buffers, total_floats(counts, n_buffers));
-    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
-    cudaError_t ce = cudaEventRecord(c->queued, stream);
-    if (ce == cudaSuccess) ce = cudaStreamWaitEvent(c->reduce_stream, c->queued, 0);
-    if (ce != cudaSuccess) return fail(c, err, "%s: %s", what, cudaGetErrorString(ce));
-    if (enqueue_scaled(c, buffers, counts, scales, n_buffers, c->reduce_stream, what, err) != 0) return -1;
-    c->started_calls++;
-    c->started_floats += total_floats(counts, n_buffers);
-    return 0;
-}
-
-// The host polls the reduction stream (wait_stream: errors, timeout, abort); then `stream` waits
-// for it on the device too (event `reduced`), so the order holds without the host as well.
-int dist_all_reduce_finish(DistComm *c, cudaStream_t stream, char *err) {
-    char what[160];
-    snprintf(what, sizeof(what), "overlapped ncclAllReduce (scaled sum): %d calls, %zu floats", c->started_calls,
-             c->started_floats);
-    c->started_calls = 0;
-    c->started_floats = 0;
-    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
-    if (wait_stream(c, c->reduce_stream, what, err) != 0) return -1;
-    cudaError_t ce = cudaEventRecord(c->reduced, c->reduce_stream);
-    if (ce == cudaSuccess) ce = cudaStreamWaitEvent(stream, c->reduced, 0);
-    if (ce != cudaSuccess) return fail(c, err, "%s: %s", what, cudaGetErrorString(ce));
-    return 0;
-}
-
-int dist_grads_ready(void *reduce, float *const *grads, const size_t *counts, int n, cudaStream_t stream, char *err) {
-    enum { MAX_RANGES = 8 };
-    const DistGradReduce *r = (const DistGradReduce *)reduce;
-    float scales[MAX_RANGES];
-    if (n > MAX_RANGES) {
-        dit_set_error(err, "dist_grads_ready: %d gradient ranges, at most %d", n, MAX_RANGES);
-        return -1;
-    }
-    for (int i = 0; i < n; i++) scales[i] = r->scale;
-    return dist_all_reduce_start(r->comm, grads, counts, scales, n, stream, err);
 }
 
 // One ncclCommSplit into a blocking communicator; NULL (and no split) for a group of one rank,
@@ -735,7 +661,8 @@ void dist_comm_destroy(DistComm *c) {
         ncclCommFinalize(c->children[i]);
         ncclCommDestroy(c->children[i]);
     }
-    destroy_cuda_objects(c);
+    cudaStreamDestroy(c->stream);
+    free(c);
 }
 
 #else   // CUDA without NCCL
@@ -761,25 +688,6 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
                            int n_buffers, cudaStream_t stream, char *err) {
     (void)c; (void)buffers; (void)counts; (void)scales; (void)n_buffers; (void)stream;
     dit_set_error(err, "dist_all_reduce_scaled: this build has no NCCL");
-    return -1;
-}
-
-int dist_all_reduce_start(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
-                          int n_buffers, cudaStream_t stream, char *err) {
-    (void)c; (void)buffers; (void)counts; (void)scales; (void)n_buffers; (void)stream;
-    dit_set_error(err, "dist_all_reduce_start: this build has no NCCL");
-    return -1;
-}
-
-int dist_all_reduce_finish(DistComm *c, cudaStream_t stream, char *err) {
-    (void)c; (void)stream;
-    dit_set_error(err, "dist_all_reduce_finish: this build has no NCCL");
-    return -1;
-}
-
-int dist_grads_ready(void *reduce, float *const *grads, const size_t *counts, int n, cudaStream_t stream, char *err) {
-    (void)reduce; (void)grads; (void)counts; (void)n; (void)stream;
-    dit_set_error(err, "dist_grads_ready: this build has no NCCL");
     return -1;
 }
 

@@ -98,19 +98,6 @@ int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *count
 // them over data parallel: scale 1/dp.
 int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
                            int n_buffers, cudaStream_t stream, char *err);
-// Overlapped reduction (train_dit: the gradient all-reduce behind the backward). Start queues the
-// grouped all-reduce of dist_all_reduce_scaled on the communicator's own reduction stream, after
-// the work queued so far on `stream` (an event), and returns without waiting, so the reduction
-// runs while `stream` goes on; nothing on `stream` may write the buffers until finish. Finish
-// waits for every started reduction as dist_all_reduce_scaled waits (polling NCCL's errors, the
-// timeout, the abort naming the rank) and makes `stream` wait for them too.
-int dist_all_reduce_start(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
-                          int n_buffers, cudaStream_t stream, char *err);
-int dist_all_reduce_finish(DistComm *c, cudaStream_t stream, char *err);
-// dit_gpu_backward_hooked's callback (model/dit_gpu.h, DitGpuGradsReady) with ctx a DistGradReduce:
-// starts the all-reduce of the n gradient ranges grads[i][0..counts[i]), each scaled by `scale`.
-typedef struct { DistComm *comm; float scale; } DistGradReduce;
-int dist_grads_ready(void *reduce, float *const *grads, const size_t *counts, int n, cudaStream_t stream, char *err);
 // all[r·n .. r·n + n) = rank r's mine[0..n) on every rank (host arrays), with the same waiting.
 int dist_all_gather_u64(DistComm *c, const uint64_t *mine, size_t n, uint64_t *all, char *err);
 // NCCL's communicator type (ncclComm_t is `struct ncclComm *`), opaque outside the NCCL files.

@@ -646,35 +646,7 @@ static int zero_range(DitGpu *m, const void *first, const void *end, char *err) 
     return 0;
 }
 
-// dit_gpu_backward_hooked's three kinds of final gradients (its comment in dit_gpu.h): the final
-// layer's, block l's, and the rest. Nothing to do without a callback.
-static int final_layer_grads_ready(DitGpu *m, DitGpuGradsReady ready, void *ready_ctx, char *err) {
-    if (!ready) return 0;
-    float *first = m->grads.final_ada_w;
-    size_t count = m->num_params - (size_t)(first - m->grads_memory);
-    return ready(ready_ctx, &first, &count, 1, m->stream, err);
-}
-
-static int block_grads_ready(DitGpu *m, int l, DitGpuGradsReady ready, void *ready_ctx, char *err) {
-    if (!ready) return 0;
-    const DitParams *dw = &m->grads;
-    size_t h = m->cfg.hidden;
-    float *grads[8] = {dw->qkv_w + l * 3 * h * h, dw->qkv_b + l * 3 * h, dw->proj_w + l * h * h, dw->proj_b + l * h,
-                       dw->fc1_w + l * 4 * h * h, dw->fc1_b + l * 4 * h, dw->fc2_w + l * 4 * h * h, dw->fc2_b + l * h};
-    size_t counts[8] = {3 * h * h, 3 * h, h * h, h, 4 * h * h, 4 * h, 4 * h * h, h};
-    return ready(ready_ctx, grads, counts, 8, m->stream, err);
-}
-
-static int other_grads_ready(DitGpu *m, DitGpuGradsReady ready, void *ready_ctx, char *err) {
-    if (!ready) return 0;
-    float *first = m->grads_memory;
-    size_t count = (size_t)(m->grads.qkv_w - first);   // patch_w .. ada_b (model/dit.h's order)
-    return ready(ready_ctx, &first, &count, 1, m->stream, err);
-}
-
-int dit_gpu_backward(DitGpu *m, int B, char *err) { return dit_gpu_backward_hooked(m, B, NULL, NULL, err); }
-
-int dit_gpu_backward_hooked(DitGpu *m, int B, DitGpuGradsReady ready, void *ready_ctx, char *err) {
+int dit_gpu_backward(DitGpu *m, int B, char *err) {
     TRY(check_batch(m, B, "dit_gpu_backward", err));
     const DitConfig *c = &m->cfg;
     const DitGpuActivations *a = &m->acts;
@@ -705,7 +677,6 @@ int dit_gpu_backward_hooked(DitGpu *m, int B, DitGpuGradsReady ready, void *read
     TRY(cast_float_to_bf16_cuda(g->final_ada_bf16, g->final_ada, (size_t)B * 2 * h, s, err));
     TRY(linear_backward_cuda(g->c_silu, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
                              w->final_ada_w, B, h, 2 * h, ctx, s, err));
-    TRY(final_layer_grads_ready(m, ready, ready_ctx, err));
 
     // The blocks. g->residual holds dL/dx_next on entry and dL/dx on exit: the residual adds of
     // x_next = x_mid + … and x_mid = x + … pass the gradient through unchanged (dres = NULL),
@@ -752,7 +723,6 @@ int dit_gpu_backward_hooked(DitGpu *m, int B, DitGpuGradsReady ready, void *read
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));
-        TRY(block_grads_ready(m, l, ready, ready_ctx, err));
     }
 
     // conditioning: c_silu feeds every adaLN; c = t_emb + y_emb passes its gradient to both
@@ -765,8 +735,7 @@ int dit_gpu_backward_hooked(DitGpu *m, int B, DitGpuGradsReady ready, void *read
     TRY(linear_backward_cuda(NULL, dw->t_w1, dw->t_b1, g->t_h, a->t_freq, w->t_w1, B, TIMESTEP_FREQ_DIM, h, ctx, s, err));
 
     // patch embedding (the positions are fixed)
-    TRY(linear_backward_cuda(NULL, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h, ctx, s, err));
-    return other_grads_ready(m, ready, ready_ctx, err);
+    return linear_backward_cuda(NULL, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h, ctx, s, err);
 }
 
 // ---- optimizer ---------------------------------------------------------------------------

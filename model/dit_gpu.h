@@ -157,18 +157,6 @@ int dit_gpu_zero_grad(DitGpu *m, char *err);
 // Backward of the last forward (with m->weights) from grad_acts.out; parameter gradients
 // accumulate into m->grads.
 int dit_gpu_backward(DitGpu *m, int B, char *err);
-// The same, calling ready(ready_ctx, grads, counts, n, m->stream, err) each time parameter gradients
-// are final (the work that writes them queued on m->stream), so that a caller can start their
-// reduction over ranks while the backward goes on (train_dit: model/distributed.h's
-// dist_grads_ready). n ranges grads[i][0..counts[i]) of m->grads_memory: after the final layer
-// its 4 tensors (one range, the end of the buffer); after block l its 8 tensors (qkv, proj, fc1,
-// fc2 weights and biases: slices l of the per-block stacks); at the end the rest (one range from
-// the start: patch embedding, timestep and label embeddings, every block's adaLN, whose
-// gradients come from one GEMM after the blocks). The calls cover every gradient exactly once.
-// A non-zero return of ready ends the backward with that error.
-typedef int (*DitGpuGradsReady)(void *ctx, float *const *grads, const size_t *counts, int n, cudaStream_t stream,
-                                char *err);
-int dit_gpu_backward_hooked(DitGpu *m, int B, DitGpuGradsReady ready, void *ready_ctx, char *err);
 // The optimizer step: acts.grad_norm = ‖grads‖₂; AdamW (weight decay on tensors with ndim ≥ 2)
 // with the clip scale min(1, grad_clip/(norm + 1e-6)) read on the device (grad_clip 0: off);
 // the bf16 weights; then ema = ema_decay·ema + (1 - ema_decay)·params.

@@ -17,9 +17,7 @@
 //    from the full batch's by more than 0.1, so the comparison can tell (a missing all-reduce or a
 //    sum without the 1/world also fail: the gradients would be off by ~0.7 and 1.0).
 // 2. A rank that exits after joining makes the other's all-reduce fail within the timeout, with
-//    an error naming the rank (the all-reduce after the backward, and the overlapped one:
-//    dist_all_reduce_start + finish); a rank that never starts makes the other's communicator
-//    creation fail.
+//    an error naming the rank; a rank that never starts makes the other's communicator creation fail.
 #include <criterion/criterion.h>
 #include <math.h>
 #include <signal.h>
@@ -218,7 +216,6 @@ Test(data_parallel, two_half_batches_equal_one_full_batch, .timeout = 300) {
 
 // Exit codes of the surviving rank: 2 = failed as expected with an error naming it, 3 = failed
 // with another message, 4 = succeeded (it should not have), 1 = setup failed.
-// do_all_reduce: 0 none, 1 dist_all_reduce_mean, 2 the overlapped dist_all_reduce_start + finish.
 static void survivor(int rank, const char *dir, const char *run_id, double timeout_s, int do_all_reduce) {
     char err[DIT_ERR_LEN] = "";
     DistEnv env = rank_env(rank, run_id);
@@ -231,10 +228,7 @@ static void survivor(int rank, const char *dir, const char *run_id, double timeo
             cudaStreamCreate(&s) != cudaSuccess || cudaMemset(x, 0, (1 << 20) * sizeof(float)) != cudaSuccess)
             _exit(1);
         size_t count = 1 << 20;
-        float scale = 0.5f;
-        rc = do_all_reduce == 1 ? dist_all_reduce_mean(comm, &x, &count, 1, s, err)
-                                : dist_all_reduce_start(comm, &x, &count, &scale, 1, s, err) ||
-                                  dist_all_reduce_finish(comm, s, err);
+        rc = dist_all_reduce_mean(comm, &x, &count, 1, s, err);
     }
     fprintf(stderr, "surviving rank %d: %s\n", rank, rc ? err : "(no error)");
     char expect[32];
@@ -242,15 +236,14 @@ static void survivor(int rank, const char *dir, const char *run_id, double timeo
     _exit(rc == 0 ? 4 : strstr(err, expect) ? 2 : 3);
 }
 
-// Rank 1 joins and exits; rank 0's all-reduce (do_all_reduce as survivor's) must fail, naming it.
-static void check_exit_after_joining(const char *tag, int do_all_reduce, double timeout_s) {
+Test(faults, a_rank_that_exits_after_joining_fails_the_other_within_the_timeout, .timeout = 200) {
     REQUIRE_2_GPUS();
     char dir[] = "/tmp/test_distributed_cuda_XXXXXX", run_id[64];
     cr_assert(mkdtemp(dir));
-    snprintf(run_id, sizeof(run_id), "%s-%d", tag, (int)getpid());
+    snprintf(run_id, sizeof(run_id), "exit-%d", (int)getpid());
     fflush(NULL);
     pid_t pids[WORLD];
-    if ((pids[0] = fork()) == 0) survivor(0, dir, run_id, timeout_s, do_all_reduce);
+    if ((pids[0] = fork()) == 0) survivor(0, dir, run_id, 20.0, 1);
     if ((pids[1] = fork()) == 0) {
         char err[DIT_ERR_LEN];
         DistEnv env = rank_env(1, run_id);
@@ -259,19 +252,11 @@ static void check_exit_after_joining(const char *tag, int do_all_reduce, double 
     }
     int statuses[WORLD];
     double took = wait_children(pids, WORLD, 150.0, statuses);
-    fprintf(stderr, "rank 0 ended %.1f s after the start (timeout %g s)\n", took, timeout_s);
+    fprintf(stderr, "rank 0 ended %.1f s after the start (timeout 20 s)\n", took);
     cr_assert_eq(statuses[1], 0, "rank 1 did not join (status %d)", statuses[1]);
     cr_assert_eq(statuses[0], 2, "rank 0: status %d (2: failed naming the rank; 3: other message; 4: no error; "
                  "-1: killed after 150 s, a hang)", statuses[0]);
     cr_assert(took < 100.0, "took %.1f s", took);
-}
-
-Test(faults, a_rank_that_exits_after_joining_fails_the_other_within_the_timeout, .timeout = 200) {
-    check_exit_after_joining("exit", 1, 20.0);
-}
-
-Test(faults, a_rank_that_exits_after_joining_fails_the_overlapped_all_reduce, .timeout = 200) {
-    check_exit_after_joining("exit-overlapped", 2, 10.0);
 }
 
 Test(faults, a_rank_that_never_starts_fails_the_other_within_the_timeout, .timeout = 200) {

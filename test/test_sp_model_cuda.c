@@ -21,18 +21,6 @@
 //   running max (dev/notes_sequence_parallel.md: out 1.6e-2 in FP8 against single-GPU sage):
 //   TOL_OUT_SAGE_RING 5e-2, TOL_GRAD_SAGE_RING 1e-1 per tensor.
 // - NEGATIVE_CONTROL 0.2: half of the tokens' gradient is ~0.7 away (overall).
-//
-// The overlapped gradient all-reduce (train_dit --overlap-reduce 1; tests overlap/*):
-// on each rank one step three times: backward then one all-reduce of all gradients and the loss
-// (dist_all_reduce_scaled, --overlap-reduce 0), the backward with each block's all-reduce started
-// as soon as its gradients are final (dit_gpu_backward_hooked + dist_grads_ready, then the loss,
-// dist_all_reduce_finish: train_dit's backward_and_reduce), and the first again. With 2 ranks
-// every element is s·a + s·b either way, and the attention backwards run deterministic, so the
-// reduced gradients and loss must be BITWISE equal (the repeat of the first shows the step itself
-// is; the ranges handed to dist_grads_ready must cover the parameters once: their floats are
-// counted). Data parallel (each rank its half of the batch, scale 1/2), Ulysses 2 and ring 2
-// (scale 1), sage with the rotation as train_dit's default. Negative control: the reduced
-// gradients differ from rank 0's own.
 #include <criterion/criterion.h>
 #include <math.h>
 #include <signal.h>
@@ -43,8 +31,6 @@
 #include <time.h>
 #include <unistd.h>
 #include <cuda_runtime_api.h>
-#include "attention/flash_cuda.h"
-#include "attention/sage_cuda.h"
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "model/distributed.h"
@@ -121,34 +107,24 @@ static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention at
     return rc ? -1 : 0;
 }
 
-// Rank `rank` of a WORLD-rank test run (files in dir): its communicator, mesh position and the
-// sequence-parallel communicators of a Ulysses × ring mesh. Exits the rank on failure.
-static DistComm *join_mesh(int rank, const char *dir, const char *run, int ulysses, int ring, DistMesh *mesh,
-                           DitGpuSeqParallel *sp) {
-    char err[DIT_ERR_LEN];
+static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttention attention, int rotate) {
+    char err[DIT_ERR_LEN], path[512];
     DistEnv env = {.rank = rank, .world_size = WORLD, .local_rank = rank, .local_world_size = WORLD,
                    .master_port = DIST_DEFAULT_PORT};
     snprintf(env.launcher, sizeof(env.launcher), "test");
-    snprintf(env.run_id, sizeof(env.run_id), "%s-%d", run, (int)getppid());
+    snprintf(env.run_id, sizeof(env.run_id), "spm-%d", (int)getppid());
     DistComm *comm;
-    *sp = (DitGpuSeqParallel){.ulysses = ulysses, .ring = ring};
-    if (dist_mesh_make(mesh, WORLD, rank, ulysses, ring, err) != 0 ||
+    DistMesh mesh;
+    StepResult r;
+    DitGpuSeqParallel sp = {.ulysses = ulysses, .ring = ring};
+    if (dist_mesh_make(&mesh, WORLD, rank, ulysses, ring, err) != 0 ||
         dist_comm_create(&comm, &env, dir, 60.0, err) != 0 ||
-        dist_comm_split_mesh(comm, mesh, &sp->sp_comm, &sp->ulysses_comm, &sp->ring_comm, err) != 0) {
+        dist_comm_split_mesh(comm, &mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err) != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
         _exit(1);
     }
-    sp->ulysses_rank = mesh->ulysses_rank;
-    sp->ring_rank = mesh->ring_rank;
-    return comm;
-}
-
-static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttention attention, int rotate) {
-    char err[DIT_ERR_LEN], path[512];
-    DistMesh mesh;
-    DitGpuSeqParallel sp;
-    StepResult r;
-    DistComm *comm = join_mesh(rank, dir, "spm", ulysses, ring, &mesh, &sp);
+    sp.ulysses_rank = mesh.ulysses_rank;
+    sp.ring_rank = mesh.ring_rank;
     if (one_step(comm, &sp, attention, rotate, &r, err) != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
         _exit(1);
@@ -163,12 +139,20 @@ static void sp_rank(int rank, const char *dir, int ulysses, int ring, DitAttenti
     _exit(0);
 }
 
-// Waits for the WORLD forked ranks (a hang shows as a kill after 150 s); each must exit 0.
-static void wait_ranks(const char *name, const pid_t *pids) {
+// Runs the two ranks, then the single-GPU reference, and compares.
+static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAttention attention, int rotate,
+                                  double tol_out, double tol_grad) {
+    if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");
+    char dir[] = "/tmp/test_sp_model_cuda_XXXXXX", path[512], err[DIT_ERR_LEN];
+    cr_assert(mkdtemp(dir));
+    fflush(NULL);
+    pid_t pids[WORLD];
+    for (int r = 0; r < WORLD; r++)
+        if ((pids[r] = fork()) == 0) sp_rank(r, dir, ulysses, ring, attention, rotate);
     double start = now_s();
     int statuses[WORLD], left = WORLD;
     for (int r = 0; r < WORLD; r++) statuses[r] = -2;
-    while (left > 0) {
+    while (left > 0) {   // a hang shows as a kill after 150 s
         for (int r = 0; r < WORLD; r++) {
             int st;
             if (statuses[r] != -2 || waitpid(pids[r], &st, WNOHANG) != pids[r]) continue;
@@ -181,19 +165,6 @@ static void wait_ranks(const char *name, const pid_t *pids) {
     }
     for (int r = 0; r < WORLD; r++)
         cr_assert_eq(statuses[r], 0, "%s: rank %d exited with %d (see its stderr)", name, r, statuses[r]);
-}
-
-// Runs the two ranks, then the single-GPU reference, and compares.
-static void check_against_one_gpu(const char *name, int ulysses, int ring, DitAttention attention, int rotate,
-                                  double tol_out, double tol_grad) {
-    if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");
-    char dir[] = "/tmp/test_sp_model_cuda_XXXXXX", path[512], err[DIT_ERR_LEN];
-    cr_assert(mkdtemp(dir));
-    fflush(NULL);
-    pid_t pids[WORLD];
-    for (int r = 0; r < WORLD; r++)
-        if ((pids[r] = fork()) == 0) sp_rank(r, dir, ulysses, ring, attention, rotate);
-    wait_ranks(name, pids);
 
     StepResult ref;
     cr_assert_eq(cudaSetDevice(0), cudaSuccess);
@@ -256,132 +227,6 @@ Test(sp_model, ulysses2_rotated_sage_equals_one_gpu, .timeout = 300) {
 Test(sp_model, ring2_rotated_sage_equals_one_gpu, .timeout = 300) {
     check_against_one_gpu("ring 2, sage rotated", 1, 2, DIT_ATTN_SAGE, 1, TOL_OUT_SAGE_RING, TOL_GRAD_SAGE_RING);
 }
-
-// ---- the overlapped gradient all-reduce: bitwise the same as the all-reduce after the backward ----
-
-// dist_grads_ready, counting the floats handed to it (each range once: they must sum to the parameters).
-typedef struct { DistGradReduce reduce; size_t floats; } CountingReduce;
-
-static int counting_grads_ready(void *ctx, float *const *grads, const size_t *counts, int n, cudaStream_t stream,
-                                char *err) {
-    CountingReduce *c = (CountingReduce *)ctx;
-    for (int i = 0; i < n; i++) c->floats += counts[i];
-    return dist_grads_ready(&c->reduce, grads, counts, n, stream, err);
-}
-
-// One step of this rank on images [first, first + B) of the batch (the model's inputs are set
-// already), the gradients reduced over the 2 ranks and scaled by grad_scale, the loss averaged:
-// overlapped (train_dit's backward_and_reduce) or not. Reads the loss, the reduced gradients and
-// (not overlapped) this rank's own gradients before the reduction into the given arrays.
-static int reduced_step(DitGpu *g, DistComm *comm, int B, float grad_scale, int overlapped, float *loss,
-                        float *grads, float *grads_local, size_t *floats_handed, char *err) {
-    float loss_scale = 1.0f / WORLD;
-    if (dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err)) return -1;
-    if (overlapped) {
-        CountingReduce counting = {{comm, grad_scale}, 0};
-        size_t one = 1;
-        if (dit_gpu_backward_hooked(g, B, counting_grads_ready, &counting, err) ||
-            dist_all_reduce_start(comm, &g->acts.loss, &one, &loss_scale, 1, g->stream, err) ||
-            dist_all_reduce_finish(comm, g->stream, err))
-            return -1;
-        *floats_handed = counting.floats;
-    } else {
-        float *buffers[2] = {g->grads_memory, g->acts.loss};
-        size_t counts[2] = {g->num_params, 1};
-        float scales[2] = {grad_scale, loss_scale};
-        if (dit_gpu_backward(g, B, err) || (grads_local && dit_gpu_download_grads(g, grads_local, err)) ||
-            dist_all_reduce_scaled(comm, buffers, counts, scales, 2, g->stream, err))
-            return -1;
-    }
-    return dit_gpu_read_scalars(g, loss, NULL, err) || dit_gpu_download_grads(g, grads, err);
-}
-
-// Rank `rank` of the test: the three steps (not overlapped, overlapped, not overlapped again);
-// writes loss and gradients of each, its own gradients, and the floats handed to dist_grads_ready.
-static void overlap_rank(int rank, const char *dir, int ulysses, int ring) {
-    char err[DIT_ERR_LEN], path[512];
-    DistMesh mesh;
-    DitGpuSeqParallel sp;
-    DistComm *comm = join_mesh(rank, dir, "ovl", ulysses, ring, &mesh, &sp);
-    sage_backward_set_deterministic(1);
-    flash_backward_set_deterministic(1);
-    static Batch b;
-    make_batch(&b);
-    int B = BATCH / mesh.dp, first = mesh.dp_rank * B;   // data parallel: this rank's images
-    Dit cpu;
-    DitGpu gpu;
-    if (dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err) != 0) _exit(1);
-    randomize_params(&cpu, 7);
-    size_t n = cpu.num_params, handed = 0;
-    float loss[3], *grads[3], *grads_local = malloc(n * sizeof(float));
-    for (int k = 0; k < 3; k++) grads[k] = malloc(n * sizeof(float));
-    int rc = dit_gpu_create_sp(&gpu, &config, B, DIT_ATTN_SAGE, &sp, err);
-    gpu.sage.rotate = 1;
-    rc = rc || dit_gpu_upload(&gpu, &cpu, err) ||
-         dit_gpu_set_flow_batch(&gpu, b.x0 + first * IMG, b.noise + first * IMG, b.t + first, b.labels + first, B, err);
-    for (int k = 0; k < 3 && rc == 0; k++)
-        rc = reduced_step(&gpu, comm, B, 1.0f / mesh.dp, k == 1, &loss[k], grads[k], k == 0 ? grads_local : NULL,
-                          &handed, err);
-    if (rc != 0) {
-        fprintf(stderr, "rank %d: %s\n", rank, err);
-        _exit(1);
-    }
-    float floats_handed = (float)handed;   // exact below 2^24
-    const struct { const char *name; const float *x; size_t n; } out[] = {
-        {"loss", loss, 3}, {"grads0", grads[0], n}, {"grads1", grads[1], n}, {"grads2", grads[2], n},
-        {"grads_local", grads_local, n}, {"handed", &floats_handed, 1}};
-    for (int i = 0; i < 6; i++) {
-        snprintf(path, sizeof(path), "%s/rank%d_%s", dir, rank, out[i].name);
-        if (write_floats(path, out[i].x, out[i].n) != 0) _exit(1);
-    }
-    dit_gpu_free(&gpu);
-    dit_free(&cpu);
-    dist_comm_destroy(comm);
-    _exit(0);
-}
-
-static void check_overlap_bitwise(const char *name, int ulysses, int ring) {
-    if (gpu_count_in_child() < 2) cr_skip_test("fewer than 2 CUDA GPUs");
-    char dir[] = "/tmp/test_sp_model_cuda_XXXXXX", path[512];
-    cr_assert(mkdtemp(dir));
-    fflush(NULL);
-    pid_t pids[WORLD];
-    for (int r = 0; r < WORLD; r++)
-        if ((pids[r] = fork()) == 0) overlap_rank(r, dir, ulysses, ring);
-    wait_ranks(name, pids);
-    size_t n = dit_num_params(&config);
-    for (int r = 0; r < WORLD; r++) {
-        const char *names[6] = {"loss", "grads0", "grads1", "grads2", "grads_local", "handed"};
-        size_t counts[6] = {3, n, n, n, n, 1};
-        float *x[6];
-        for (int i = 0; i < 6; i++) {
-            snprintf(path, sizeof(path), "%s/rank%d_%s", dir, r, names[i]);
-            x[i] = read_floats(path, counts[i]);
-        }
-        double e_new = rel_l2(x[2], x[1], n), e_local = rel_l2(x[4], x[1], n);
-        fprintf(stderr, "%s, rank %d: loss %.9g / %.9g overlapped / %.9g again; gradients overlapped vs not %.3g "
-                "(relative L2), not vs again %.3g; %.0f of %zu floats handed to dist_grads_ready; own gradients vs "
-                "reduced %.3g (negative control)\n", name, r, x[0][0], x[0][1], x[0][2], e_new, rel_l2(x[3], x[1], n),
-                x[5][0], n, e_local);
-        cr_assert_eq(memcmp(x[1], x[3], n * sizeof(float)), 0, "%s, rank %d: the step itself is not deterministic "
-                     "(the not-overlapped gradients differ between two runs): the bitwise check cannot tell", name, r);
-        cr_expect_eq((size_t)x[5][0], n, "%s, rank %d: the ranges handed over cover %.0f floats, not the %zu "
-                     "parameters", name, r, x[5][0], n);
-        cr_expect_eq(memcmp(&x[0][0], &x[0][1], sizeof(float)), 0, "%s, rank %d: the losses differ", name, r);
-        cr_expect_eq(memcmp(x[1], x[2], n * sizeof(float)), 0, "%s, rank %d: overlapped gradients differ from "
-                     "the not-overlapped ones (relative L2 %.3g)", name, r, e_new);
-        cr_expect(e_local > 0.1, "%s, rank %d: the own gradients are within %.3g of the reduced ones: no reduction?",
-                  name, r, e_local);
-        for (int i = 0; i < 6; i++) free(x[i]);
-    }
-    char cmd[600];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    system(cmd);
-}
-
-Test(overlap, data_parallel_bitwise, .timeout = 300) { check_overlap_bitwise("overlap, data parallel 2", 1, 1); }
-Test(overlap, ulysses2_bitwise, .timeout = 300) { check_overlap_bitwise("overlap, Ulysses 2", 2, 1); }
-Test(overlap, ring2_bitwise, .timeout = 300) { check_overlap_bitwise("overlap, ring 2", 1, 2); }
 
 // The model's checks of the sequence-parallel sizes (no GPU needed: they come first).
 Test(sp_model, sizes_that_do_not_split_are_errors) {
