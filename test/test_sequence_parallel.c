@@ -2,6 +2,7 @@
 // the Ulysses all-to-all (round trip, layout, adjoint), Ulysses and ring attention against the
 // single-process attention_* / sage_* functions (out, lse, dq, dk, dv), a ring backward without
 // the dk/dv return trip and a sage ring with per-shard k_mean (both must be visibly wrong), the
+// Ulysses × ring mesh (U, R > 1: bitwise the R-rank ring), the
 // counted communication volume against the formulas of dev/notes_sequence_parallel.md, and the
 // error returns.
 #include <criterion/criterion.h>
@@ -470,6 +471,102 @@ Test(ring_sage, misaligned_shards_are_an_error) {
                                 err) == -1);
     cr_expect(strstr(err, "INT8 backward") != NULL, "message: %s", err);
     free_ranks(k_mean, R); free_shards(&s); free_problem(&p);
+}
+
+// ---- Ulysses × ring: the mesh of --sp-ulysses U --sp-ring R ------------------------------------
+// U·R ranks; rank i = r·U + u (ring rank r, Ulysses rank u, as dist_mesh_make numbers them) holds
+// the token chunk i of N/(U·R) tokens (dit_gpu's token_offset). The model's attention: an
+// all-to-all inside each Ulysses group r (its U ranks hold the N/R tokens r·N/R..) gives rank
+// (r, u) the H/U heads u·H/U.. of those N/R tokens; ring attention over the R ranks of the same u
+// (per head it is the R-rank ring of the tests above); the inverse all-to-all brings out, lse and
+// then dq, dk, dv back to token chunks. Every head's arithmetic is the R-rank ring's, so the result
+// must equal the plain ring's on R ranks BIT FOR BIT (and that one is checked against one process
+// above). With 2 GPUs the NCCL version runs U = 2 or R = 2 only; this is the spec of U, R > 1.
+
+// The mesh's forward and backward with simulated ranks (sage when cfg != NULL); results into the
+// U·R token shards of s.
+static void run_ulysses_ring(Shards *s, int U, int R, int B, int H, int N, int D, const SageConfig *cfg) {
+    char err[DIT_ERR_LEN] = "";
+    SpComm group = {U, NULL}, ring = {R, NULL};
+    int hu = H / U, nr = N / R;
+    size_t head_shard = (size_t)B * hu * nr * D, head_rows = (size_t)B * hu * nr;
+    // per (r, u), head-sharded: q, k, v, dout, out, lse, dq, dk, dv (index r·U + u)
+    float **t[9];
+    for (int j = 0; j < 9; j++) t[j] = rank_floats(U * R, j == 5 ? head_rows : head_shard);
+    float **out = t[4], **lse = t[5], **dq = t[6], **dk = t[7], **dv = t[8];
+    float **seq[4] = {s->q, s->k, s->v, s->dout};
+    for (int r = 0; r < R; r++)          // the all-to-alls of each Ulysses group
+        for (int j = 0; j < 4; j++)
+            cr_assert(ulysses_all_to_all(&group, t[j] + r * U, CP(seq[j] + r * U), B, H, nr, D, err) == 0, "%s", err);
+    float *ring_ptrs[9][4];              // the R ranks of one u, for each tensor (R <= 4)
+    cr_assert(R <= 4);
+    for (int u = 0; u < U; u++) {        // the rings, one per Ulysses rank
+        for (int j = 0; j < 9; j++)
+            for (int r = 0; r < R; r++) ring_ptrs[j][r] = t[j][r * U + u];
+        float *const *rq = ring_ptrs[0], *const *rk = ring_ptrs[1], *const *rv = ring_ptrs[2];
+        float *const *rdout = ring_ptrs[3], *const *rout = ring_ptrs[4], *const *rlse = ring_ptrs[5];
+        if (!cfg) {
+            cr_assert(ring_attention_forward(&ring, rout, rlse, CP(rq), CP(rk), CP(rv), B, hu, N, D, err) == 0, "%s", err);
+            cr_assert(ring_attention_backward(&ring, ring_ptrs[6], ring_ptrs[7], ring_ptrs[8], CP(rdout), CP(rq), CP(rk),
+                                              CP(rv), CP(rout), CP(rlse), B, hu, N, D, err) == 0, "%s", err);
+        } else {
+            float **k_mean = rank_floats(R, (size_t)B * hu * D);
+            cr_assert(ring_sage_k_mean(&ring, k_mean, CP(rk), B, hu, N, D, err) == 0, "%s", err);
+            cr_assert(ring_sage_forward(&ring, rout, rlse, CP(rq), CP(rk), CP(rv), CP(k_mean), B, hu, N, D, *cfg,
+                                        err) == 0, "%s", err);
+            cr_assert(ring_sage_backward(&ring, ring_ptrs[6], ring_ptrs[7], ring_ptrs[8], CP(rdout), CP(rq), CP(rk),
+                                         CP(rv), CP(rout), CP(rlse), CP(k_mean), B, hu, N, D, *cfg, err) == 0,
+                      "%s", err);
+            free_ranks(k_mean, R);
+        }
+    }
+    float **back_src[5] = {out, lse, dq, dk, dv}, **back_dst[5] = {s->out, s->lse, s->dq, s->dk, s->dv};
+    for (int r = 0; r < R; r++)          // the inverse all-to-alls: back to token chunks
+        for (int j = 0; j < 5; j++)
+            cr_assert(ulysses_all_to_all_inverse(&group, back_dst[j] + r * U, CP(back_src[j] + r * U), B, H, nr,
+                                                 j == 1 ? 1 : D, err) == 0, "%s", err);
+    for (int j = 0; j < 9; j++) free_ranks(t[j], U * R);
+}
+
+// U × R against the plain R-rank ring on the same problem: bitwise; and against one process.
+static void check_ulysses_ring(int U, int R, const SageConfig *cfg, double tol) {
+    const int B = 2, H = 4, N = 128, D = 16;
+    Problem p = make_problem(B, H, N, D, 60 + U * R, 1, 0, cfg);
+    Shards mesh = make_shards(&p, U * R), ring = make_shards(&p, R);
+    run_ulysses_ring(&mesh, U, R, B, H, N, D, cfg);
+    if (cfg) run_ring_sage(&ring, B, H, N, D, *cfg, NULL);
+    else run_ring_exact(&ring, B, H, N, D);
+    double e[5];
+    compare(&p, &mesh, e);
+    char what[64];
+    snprintf(what, sizeof what, "Ulysses %d x ring %d %s", U, R, cfg ? "sage" : "exact");
+    printf("%s: rel L2 vs one process: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n", what, e[0], e[1], e[2], e[3], e[4]);
+    expect_errors_below(e, tol, what);
+    float **got[5] = {mesh.out, mesh.lse, mesh.dq, mesh.dk, mesh.dv}, **ref[5] = {ring.out, ring.lse, ring.dq, ring.dk,
+                                                                                    ring.dv};
+    for (int j = 0; j < 5; j++) {
+        int d = j == 1 ? 1 : D;
+        float *a = gather_sequence(got[j], U * R, B * H, N, d), *b = gather_sequence(ref[j], R, B * H, N, d);
+        size_t count = (size_t)B * H * N * d;
+        cr_expect(memcmp(a, b, count * sizeof(float)) == 0, "%s: %s differs from the %d-rank ring (rel L2 %.3g)",
+                  what, NAMES[j], R, rel_l2(a, b, count));
+        free(a); free(b);
+    }
+    free_shards(&mesh); free_shards(&ring); free_problem(&p);
+}
+
+Test(ulysses_ring, exact_equals_the_ring_and_one_process) {
+    // vs one process: the ring's fp32 rounding of the merge and the split sums (measured <= 1.1e-6)
+    check_ulysses_ring(2, 2, NULL, 3e-6);
+    check_ulysses_ring(2, 4, NULL, 3e-6);
+    check_ulysses_ring(4, 2, NULL, 3e-6);
+}
+
+Test(ulysses_ring, sage_equals_the_ring) {
+    SageConfig fp8 = {16, 16, SAGE_PV_FP8, 0, SAGE_BWD_FP32}, fp16 = {16, 16, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
+    // vs one process: the ring sage tolerances above (measured 8.4e-3 FP8 R = 2, 7.4e-5 FP16 R = 4)
+    check_ulysses_ring(2, 2, &fp8, 2e-2);
+    check_ulysses_ring(2, 4, &fp16, 1e-3);
 }
 
 // ---- communication volume --------------------------------------------------------------------
