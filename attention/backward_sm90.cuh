@@ -165,6 +165,29 @@ __device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, con
         tma_load_2d(st + S::DO + b * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, row);
     }
 }
+
+// After the last query block: thread 0 waits for the last dQ reduce and hands on its turn (turn
+// NULL: unordered dQ); then every thread stores its two key rows k0 + kr and k0 + kr + 8 of dv and
+// of dk·dk_scale (rows < N: key_valid), from the m64nD accumulator fragments.
+template <int D>
+__device__ __forceinline__ void finish_dv_dk(const AttnBwdArgs &a, int tid, int *turn, int nqb, size_t head, int k0,
+                                             int kr, int c, const bool (&key_valid)[2], const float (&dv)[D / 2],
+                                             const float (&dk)[D / 2], float dk_scale) {
+    if (tid == 0) {
+        bulk_wait_all();
+        if (turn) hand_on_dq_turn(turn + nqb - 1);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (!key_valid[h]) continue;
+        size_t at = head + (size_t)(k0 + kr + 8 * h) * D + 2 * c;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            *(float2 *)(a.dv + at + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * h] * dk_scale, dk[4 * j + 2 * h + 1] * dk_scale);
+        }
+    }
+}
 #endif
 
 // Grid (ceil(N/128), B·H), BWD90_THREADS threads, Bwd90Smem<D, SCORES>::TOTAL bytes of dynamic
@@ -366,21 +389,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             if (qb + 2 < nqb) load_query_stage<D, SCORES>(st, &bar_q[stage], maps, bh, N, qb + 2);
         }
     }
-    if (tid == 0) {
-        bulk_wait_all();
-        if (turn) hand_on_dq_turn(turn + nqb - 1);
-    }
-
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (!key_valid[h]) continue;
-        size_t at = head + (size_t)(k0 + kr + 8 * h) * D + 2 * c;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *(float2 *)(a.dv + at + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * h] * inv_sqrt_d, dk[4 * j + 2 * h + 1] * inv_sqrt_d);
-        }
-    }
+    finish_dv_dk<D>(a, tid, turn, nqb, head, k0, kr, c, key_valid, dv, dk, inv_sqrt_d);
 #else
     __trap();   // built without sm_90a code: *_backward_sm90_available() says 0
 #endif

@@ -495,22 +495,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             if (qb + 2 < nqb) load_int8_stage<D>(st, &bar_q[stage], maps, bh, N, qb + 2);
         }
     }
-    if (tid == 0) {
-        bulk_wait_all();
-        if (turn) hand_on_dq_turn(turn + nqb - 1);
-    }
-
-    // dv and dk (fully scaled already), rows < N
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (!key_valid[h]) continue;
-        size_t at = head + (size_t)(k0 + kr + 8 * h) * D + 2 * c;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *(float2 *)(a.dv + at + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
-        }
-    }
+    finish_dv_dk<D>(a, tid, turn, nqb, head, k0, kr, c, key_valid, dv, dk, 1.0f);   // dv, dk fully scaled already
 #else
     __trap();   // built without sm_90a code: sage_backward_int8_sm90_available() says 0
 #endif

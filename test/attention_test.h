@@ -46,6 +46,14 @@ static void *dmalloc(size_t n) {
     return p;
 }
 
+// n bf16 values on the device to floats in host memory dst.
+static inline void bf16_to_host_floats(float *dst, const uint16_t *dev, size_t n) {
+    uint16_t *bits = xmalloc(n * 2);
+    CUDA_OK(cudaMemcpy(bits, dev, n * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) dst[i] = from_bf16(bits[i]);
+    free(bits);
+}
+
 // n random bf16 values N(0, gain²) (never zero: 0.5 instead), as floats in *host (allocated) and
 // on the device (returned).
 static inline uint16_t *random_bf16(Rng *rng, size_t n, float gain, float **host) {

@@ -96,10 +96,7 @@ static void cpu_reference(Backward which, const Case *c, float *ref) {
         attention_backward(ref, ref + c->n, ref + 2 * c->n, c->host[3], c->host[0], c->host[1], c->host[2], out, lse,
                            c->B, c->H, c->N, c->D);
     } else {
-        uint16_t *bits = xmalloc(c->n * 2);
-        CUDA_OK(cudaMemcpy(bits, c->out, c->n * 2, cudaMemcpyDeviceToHost));
-        for (size_t i = 0; i < c->n; i++) out[i] = from_bf16(bits[i]);
-        free(bits);
+        bf16_to_host_floats(out, c->out, c->n);
         CUDA_OK(cudaMemcpy(lse, c->lse, c->rows * sizeof(float), cudaMemcpyDeviceToHost));
         const SageConfig gpu_fp8 = {64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
         sage_backward(ref, ref + c->n, ref + 2 * c->n, c->host[3], c->host[0], c->host[1], c->host[2], out, lse,

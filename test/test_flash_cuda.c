@@ -68,10 +68,8 @@ static void check_case_with(FlashBackward backward, const char *backward_name, i
     cr_assert_eq(rc, 0, "%s: %s", backward_name, err);
     CUDA_OK(cudaDeviceSynchronize());
 
-    uint16_t *bits = xmalloc(c.n * 2);
     float *out = xmalloc(c.n * 4), *lse = xmalloc(rows * 4), *grads = xmalloc(3 * c.n * 4);
-    CUDA_OK(cudaMemcpy(bits, out_dev, c.n * 2, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < c.n; i++) out[i] = from_bf16(bits[i]);
+    bf16_to_host_floats(out, out_dev, c.n);
     CUDA_OK(cudaMemcpy(lse, lse_dev, rows * 4, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(grads, grads_dev, 3 * c.n * 4, cudaMemcpyDeviceToHost));
 
@@ -102,7 +100,7 @@ static void check_case_with(FlashBackward backward, const char *backward_name, i
     printf("\n");
     fflush(stdout);
 
-    free(bits); free(out); free(lse); free(grads); free(ref_out); free(ref_lse); free(ref_grads);
+    free(out); free(lse); free(grads); free(ref_out); free(ref_lse); free(ref_grads);
     cudaFree(out_dev); cudaFree(lse_dev); cudaFree(grads_dev); cudaFree(ws);
     free_case(&c);
 }

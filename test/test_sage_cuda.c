@@ -84,11 +84,8 @@ static Fwd gpu_forward(const Case *c, SagePV pv) {
                                pv, 0, err);
     cr_assert_eq(rc, 0, "sage_forward_cuda: %s", err);
     CUDA_OK(cudaDeviceSynchronize());
-    uint16_t *bits = xmalloc(c->n * 2);
-    CUDA_OK(cudaMemcpy(bits, f.out_dev, c->n * 2, cudaMemcpyDeviceToHost));
     f.out = xmalloc(c->n * sizeof(float));
-    for (size_t i = 0; i < c->n; i++) f.out[i] = from_bf16(bits[i]);
-    free(bits);
+    bf16_to_host_floats(f.out, f.out_dev, c->n);
     f.lse = xmalloc(rows * 4);
     CUDA_OK(cudaMemcpy(f.lse, f.lse_dev, rows * 4, cudaMemcpyDeviceToHost));
     return f;
@@ -474,11 +471,8 @@ static Fwd gpu_forward_sm90(const Case *c) {
     int rc = sage_forward_sm90_cuda(f.out_dev, f.lse_dev, f.ws, c->dq_, c->dk_, c->dv_, c->B, c->H, c->N, c->D, 0, err);
     cr_assert_eq(rc, 0, "sage_forward_sm90_cuda: %s", err);
     CUDA_OK(cudaDeviceSynchronize());
-    uint16_t *bits = xmalloc(c->n * 2);
-    CUDA_OK(cudaMemcpy(bits, f.out_dev, c->n * 2, cudaMemcpyDeviceToHost));
     f.out = xmalloc(c->n * sizeof(float));
-    for (size_t i = 0; i < c->n; i++) f.out[i] = from_bf16(bits[i]);
-    free(bits);
+    bf16_to_host_floats(f.out, f.out_dev, c->n);
     f.lse = xmalloc(rows * 4);
     CUDA_OK(cudaMemcpy(f.lse, f.lse_dev, rows * 4, cudaMemcpyDeviceToHost));
     return f;

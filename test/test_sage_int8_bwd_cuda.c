@@ -89,11 +89,8 @@ static Fwd gpu_forward(const Case *c) {
                                SAGE_PV_FP8, 0, err);
     cr_assert_eq(rc, 0, "sage_forward_cuda: %s", err);
     CUDA_OK(cudaDeviceSynchronize());
-    uint16_t *bits = xmalloc(c->n * 2);
-    CUDA_OK(cudaMemcpy(bits, f.out_dev, c->n * 2, cudaMemcpyDeviceToHost));
     f.out = xmalloc(c->n * sizeof(float));
-    for (size_t i = 0; i < c->n; i++) f.out[i] = from_bf16(bits[i]);
-    free(bits);
+    bf16_to_host_floats(f.out, f.out_dev, c->n);
     f.lse = xmalloc(rows * 4);
     CUDA_OK(cudaMemcpy(f.lse, f.lse_dev, rows * 4, cudaMemcpyDeviceToHost));
     f.ws_host = xmalloc(ws_bytes);
