@@ -124,26 +124,6 @@ int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, co
                             const float *delta, int B, int H, int N, int D, SagePV pv,
                             cudaStream_t stream, char *err);
 
-// The Hopper backward with INT8 gradient products (attention/sage_backward_int8_sm90.cu): the
-// definition's SAGE_BWD_INT8_TOKEN (attention.h; sage_cpu.c with q_block = k_block = 64), i.e.
-// P per key, dS per key (for dk) and per query (for dq), dout per 64-query block to INT8, and
-// dv += p8ᵀ·do8, dk += dsk8ᵀ·q8, dq += dsq8·k8 as int32 sums of int8 wgmma, each scaled once and
-// added in fp32 (dP = dout·vᵀ stays bf16 with fp32 accumulation). Same arguments and outputs as
-// sage_backward_sm90_cuda except: `workspace` must hold sage_backward_int8_workspace_size bytes
-// (128-byte aligned: the backward workspace plus the transposed INT8 operands), and q, k are
-// unused (the products use the forward's q8, k8; they may be NULL). Honours
-// sage_backward_set_deterministic. Available (1) on a compute capability 9.0 device when the
-// build has sm_90a machine code.
-// COMPILED BUT NOT YET RUN ON A GPU (dev/notes_sage_int8_bwd.md): neither sage_backward_cuda nor
-// train_dit uses it until a GPU run validates it (dev/sage_int8_bwd_gpu.sh).
-size_t sage_backward_int8_workspace_size(int B, int H, int N, int D);
-int sage_backward_int8_sm90_available(void);
-int sage_backward_int8_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
-                                 const uint16_t *dout, const uint16_t *q, const uint16_t *k,
-                                 const uint16_t *v, const uint16_t *out, const float *lse,
-                                 const float *delta, int B, int H, int N, int D, SagePV pv,
-                                 cudaStream_t stream, char *err);
-
 #ifdef __cplusplus
 }
 #endif
