@@ -72,7 +72,7 @@ train_dit: train_dit.c $(LIB)
 lib: $(LIB)
 $(LIB): $(LIB_OBJS)
 	@mkdir -p $(@D)
-	ar rcs $@ $^
+	rm -f $@ && ar rcs $@ $^   # from scratch: a deleted source leaves no stale member
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(@D)
