@@ -1,42 +1,13 @@
 // The Hadamard rotation of rows of D values (attention/hadamard_cuda.h): a fast Walsh-Hadamard
-// transform in registers, one warp per row. Lane l holds the E = D/32 contiguous values
-// l·E .. l·E + E - 1. Butterfly stage h pairs positions j and j + h (bit h of j clear):
-//   v[j] = a + b,  v[j + h] = a - b   (a = v[j], b = v[j + h])
-// For h < E both are in the same lane; for h >= E they are in lanes l and l ^ (h/E), and the
-// lane with that bit set holds v[j + h]. Then every value is multiplied by 1/sqrt(D).
+// transform in registers (attention/hadamard.cuh), one warp per row.
 #include <cuda_bf16.h>
+#include "attention/hadamard.cuh"
 #include "attention/hadamard_cuda.h"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 #include "layers/cuda_check.h"
 
 #define ROWS_PER_BLOCK 8   // one warp per row
-
-template <int E>
-__device__ __forceinline__ void walsh_hadamard(float (&v)[E], float norm) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int h = 1; h < E; h *= 2)
-#pragma unroll
-        for (int j = 0; j < E; j++)
-            if (!(j & h)) {
-                float a = v[j], b = v[j + h];
-                v[j] = a + b;
-                v[j + h] = a - b;
-            }
-#pragma unroll
-    for (int h = E; h < 32 * E; h *= 2) {
-        const int partner_bit = h / E;
-        const bool high = lane & partner_bit;   // this lane holds the v[j + h] of the pairs
-#pragma unroll
-        for (int j = 0; j < E; j++) {
-            float other = __shfl_xor_sync(0xffffffffu, v[j], partner_bit);
-            v[j] = high ? other - v[j] : v[j] + other;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < E; j++) v[j] *= norm;
-}
 
 // A row's values as fp32 and back: bf16 rounds to nearest even, fp32 is kept as is.
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "attention/flash_cuda.h"
-#include "attention/hadamard_cuda.h"
+#include "attention/hadamard.cuh"
 #include "attention/sage_cuda.h"
 #include "layers/cuda_common.cuh"
 #include "layers/layers.h"
@@ -462,10 +462,6 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
     float *lse = a->att_lse + (size_t)l * B * H * T;
     const uint16_t *q = (const uint16_t *)(a->q + l * blk), *k = (const uint16_t *)(a->k + l * blk);
     const uint16_t *v = (const uint16_t *)(a->v + l * blk);
-    if (m->attention == DIT_ATTN_SAGE && m->sage.rotate) {   // q, k <- qH, kH in place (the backward reads them)
-        TRY(hadamard_rotate_bf16_cuda((uint16_t *)q, (size_t)B * H * T, D, m->stream, err));
-        TRY(hadamard_rotate_bf16_cuda((uint16_t *)k, (size_t)B * H * T, D, m->stream, err));
-    }
     if (m->sp.ring > 1)
         return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                             m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
@@ -498,10 +494,6 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, float *dq, float *dk,
         TRY(sage_backward_cuda(dq, dk, dv, g->att_workspace, fwd_ws, (const uint16_t *)dout, q, k, v, out, lse,
                                NULL, B, H, T, D, m->sage.pv, m->stream, err));
     }
-    if (m->attention == DIT_ATTN_SAGE && m->sage.rotate) {   // q = q'H: dq = dq'H (H is symmetric), dk alike
-        TRY(hadamard_rotate_f32_cuda(dq, (size_t)B * H * T, D, m->stream, err));
-        TRY(hadamard_rotate_f32_cuda(dk, (size_t)B * H * T, D, m->stream, err));
-    }
     return 0;
 }
 
@@ -515,22 +507,87 @@ __global__ void add_positions_kernel(bf16 *x, const bf16 *pos, int T, int C, siz
     x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(pos[j]));
 }
 
+// The attention's head split and its adjoint, fused with sage's Hadamard rotation of q and k
+// (attention/hadamard.cuh; on with rotate = sage with sage.rotate). One warp per row (b, t, which,
+// h) of D = 32·E channels, lane l holding channels l·E .. l·E + E - 1; rows = B·T·3·H, in qkv's
+// order (row r is qkv[r·D .. r·D + D - 1]). q = q'·H with H symmetric and orthogonal, so the
+// gradient comes back as dq' = dq·H: the same transform.
+
+// q, k, v (B, H, T, D) from qkv (B, T, 3·H·D): split_heads_forward (layers/reshape.c), q and k then
+// multiplied by H when rotate: the values of split_heads_forward_cuda followed by
+// hadamard_rotate_bf16_cuda on q and k (one rounding to bf16), in one pass.
+template <int E>
+__global__ void split_qkv_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int T, int H, bool rotate,
+                                 float norm, size_t rows) {
+    size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (row >= rows) return;   // whole warps: the transform's shuffles need all 32 lanes
+    const int D = 32 * E, lane = threadIdx.x % 32, h = row % H, which = (row / H) % 3;
+    size_t bt = row / (3 * H), b = bt / T, t = bt % T;
+    const __nv_bfloat162 *src = (const __nv_bfloat162 *)(qkv + row * D + lane * E);
+    __nv_bfloat162 *dst = (__nv_bfloat162 *)((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + lane * E);
+    float x[E];
+#pragma unroll
+    for (int j = 0; j < E / 2; j++) {
+        float2 f = __bfloat1622float2(src[j]);
+        x[2 * j] = f.x;
+        x[2 * j + 1] = f.y;
+    }
+    if (rotate && which < 2) walsh_hadamard<E>(x, norm);
+#pragma unroll
+    for (int j = 0; j < E / 2; j++) dst[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+}
+
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32: split_heads_backward
-// (layers/reshape.c) into a zeroed dqkv, fused with the rounding to bf16 (one rounding). Each
-// thread moves 8 consecutive channels of one head (D is 64 or 128): two 16-byte loads, one
-// 16-byte store. n8 = B·T·3·H·D / 8.
-__global__ void qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *dk, const float *dv,
-                                int T, int H, int D, size_t n8) {
-    size_t i8 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i8 >= n8) return;
-    size_t i = 8 * i8;
-    int C = H * D, j = i % (3 * C), which = j / C, h = (j % C) / D, d = j % D;
-    size_t bt = i / (3 * C), b = bt / T, t = bt % T;
-    const float *src = (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + d;
-    float4 lo = *(const float4 *)src, hi = *(const float4 *)(src + 4);
-    __nv_bfloat162 packed[4] = {__floats2bfloat162_rn(lo.x, lo.y), __floats2bfloat162_rn(lo.z, lo.w),
-                                __floats2bfloat162_rn(hi.x, hi.y), __floats2bfloat162_rn(hi.z, hi.w)};
-    *(uint4 *)(dqkv + i) = *(const uint4 *)packed;
+// (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when rotate, rounded to bf16
+// once.
+template <int E>
+__global__ void merge_qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *dk, const float *dv, int T, int H,
+                                      bool rotate, float norm, size_t rows) {
+    size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (row >= rows) return;
+    const int D = 32 * E, lane = threadIdx.x % 32, h = row % H, which = (row / H) % 3;
+    size_t bt = row / (3 * H), b = bt / T, t = bt % T;
+    const float *src = (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + lane * E;
+    __nv_bfloat162 *dst = (__nv_bfloat162 *)(dqkv + row * D + lane * E);
+    float x[E];
+    if constexpr (E == 4) {   // one 16-byte load (D = 128) or one 8-byte load (D = 64) per lane
+        float4 f = *(const float4 *)src;
+        x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+    } else {
+        float2 f = *(const float2 *)src;
+        x[0] = f.x, x[1] = f.y;
+    }
+    if (rotate && which < 2) walsh_hadamard<E>(x, norm);
+#pragma unroll
+    for (int j = 0; j < E / 2; j++) dst[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+}
+
+// Launches either kernel over the B·T·3·H rows (D is 64 or 128: dit_gpu_create).
+#define HEAD_ROWS_PER_BLOCK 8
+#define LAUNCH_HEAD_ROWS(kernel, D, rows, s, ...)                                                        \
+    do {                                                                                               \
+        unsigned blocks_ = (unsigned)(((rows) + HEAD_ROWS_PER_BLOCK - 1) / HEAD_ROWS_PER_BLOCK);       \
+        if ((D) == 128) kernel<4><<<blocks_, 32 * HEAD_ROWS_PER_BLOCK, 0, s>>>(__VA_ARGS__, rows);    \
+        else kernel<2><<<blocks_, 32 * HEAD_ROWS_PER_BLOCK, 0, s>>>(__VA_ARGS__, rows);               \
+    } while (0)
+
+static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, char *err) {
+    int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
+    size_t rows = (size_t)B * T * 3 * H;
+    bool rotate = m->attention == DIT_ATTN_SAGE && m->sage.rotate;
+    LAUNCH_HEAD_ROWS(split_qkv_kernel, D, rows, m->stream, q, k, v, qkv, T, H, rotate, 1.0f / sqrtf((float)D));
+    LAUNCH_CHECK(err, "split_qkv_kernel", "B·T=%d H=%d D=%d", B * T, H, D);
+    return 0;
+}
+
+static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const float *dq, const float *dk, const float *dv, int B,
+                          char *err) {
+    int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
+    size_t rows = (size_t)B * T * 3 * H;
+    bool rotate = m->attention == DIT_ATTN_SAGE && m->sage.rotate;
+    LAUNCH_HEAD_ROWS(merge_qkv_grad_kernel, D, rows, m->stream, dqkv, dq, dk, dv, T, H, rotate, 1.0f / sqrtf((float)D));
+    LAUNCH_CHECK(err, "merge_qkv_grad_kernel", "B·T=%d H=%d D=%d", B * T, H, D);
+    return 0;
 }
 
 // ---- forward -----------------------------------------------------------------------------
@@ -586,12 +643,12 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
                                 BT, h, 3 * h, ctx, s, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
         if (ulysses) {
-            TRY(split_heads_forward_cuda(sb->q_local, sb->k_local, sb->v_local, qkv, B, T, H, D, s, err));
+            TRY(split_qkv(m, sb->q_local, sb->k_local, sb->v_local, qkv, B, err));
             TRY(ulysses_move(m, a->q + l * blk, sb->q_local, sizeof(bf16), 1, B, err));
             TRY(ulysses_move(m, a->k + l * blk, sb->k_local, sizeof(bf16), 1, B, err));
             TRY(ulysses_move(m, a->v + l * blk, sb->v_local, sizeof(bf16), 1, B, err));
         } else {
-            TRY(split_heads_forward_cuda(a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, T, H, D, s, err));
+            TRY(split_qkv(m, a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, err));
         }
         TRY(attention_forward_gpu(m, l, B, err));
         if (ulysses) TRY(ulysses_move(m, sb->att_local, att, sizeof(bf16), 0, B, err));
@@ -714,10 +771,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         } else {
             TRY(attention_backward_gpu(m, l, B, g->dq, g->dk, g->dv, g->att, err));
         }
-        size_t n_qkv8 = 3 * blk / 8;   // D is 64 or 128 (dit_gpu_create), so rows of 8 never cross a head
-        qkv_grad_kernel<<<blocks_for(n_qkv8, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(g->qkv, g->dq, g->dk, g->dv, T, H, D,
-                                                                            n_qkv8);
-        LAUNCH_CHECK(err, "qkv_grad_kernel", "B·T=%d H=%d D=%d", BT, H, D);
+        TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, B, err));
         TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
                                  g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, ctx, s, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
