@@ -101,26 +101,10 @@ __device__ __forceinline__ void dkv_wgmma(float (&d)[D / 2], const uint32_t a[4]
 
 // dq·scale (this warpgroup's D/2 columns, m64n(D/2) accumulator layout) into the shared-memory
 // dQ tile: box b = columns 32b..32b+31, 64 rows of 128 bytes, 128-byte swizzled as the TMA reads it.
-template <int D>
-__device__ __forceinline__ void store_dq_tile(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
-    int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int row = 16 * warp + g + 8 * h;
-#pragma unroll
-        for (int j = 0; j < D / 16; j++) {
-            int col = wg * (D / 2) + 8 * j + 2 * c;
-            uint32_t off = (col / 32) * (BWD90_QUERIES * 128) + swizzle_offset<128>(row * 128 + (col % 32) * 4);
-            *(float2 *)(tile + off) = make_float2(dq[4 * j + 2 * h] * scale, dq[4 * j + 2 * h + 1] * scale);
-        }
-    }
-}
-
-// store_dq_tile with the swizzle folded into one per-thread base, for register-tight kernels (flash
-// at D = 128): the same addresses, 4 per-thread offsets instead of 16. Row 16·warp + g + 8h has
-// row % 8 = g; column 8j + 2c of the warpgroup's half is box wg·D/64 + j/4, byte 32(j % 4) + 8c of
-// the row, i.e. 16-byte chunk 2(j % 4) + c/2 (XOR g) and byte 8(c % 2) in it: XOR-ing 32(j % 4)
-// into the base (which holds chunk c/2 XOR g) gives the swizzled chunk.
+// The swizzle is folded into one per-thread base (few live addresses: no spill at D = 128). Row
+// 16·warp + g + 8h has row % 8 = g; column 8j + 2c of the warpgroup's half is box wg·D/64 + j/4,
+// byte 32(j % 4) + 8c of the row, i.e. 16-byte chunk 2(j % 4) + c/2 (XOR g) and byte 8(c % 2) in
+// it: XOR-ing 32(j % 4) into the base (which holds chunk c/2 XOR g) gives the swizzled chunk.
 template <int D>
 __device__ __forceinline__ void store_dq_tile_folded(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
     int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
@@ -232,21 +216,34 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     }
     if constexpr (SAGE) {
         // k - k_mean in bf16 (zero rows past N), as the mma.sync path: box b holds columns b·D/2..
-        // of the 128 keys in rows of D bytes, swizzled as wgmma reads MN-major B.
-        const float *mean = a.qv.k_mean + (size_t)bh * D;
-        for (int i = tid; i < BWD90_KEYS * D / 8; i += BWD90_THREADS) {
-            int r = i / (D / 8), col = (i % (D / 8)) * 8;
-            uint4 u = make_uint4(0, 0, 0, 0);
+        // of the 128 keys in rows of D bytes, swizzled as wgmma reads MN-major B. Each thread owns
+        // the same 8 columns in KS_ROWS rows: all its global loads are issued before any is used
+        // (one round trip per CTA, not one per row).
+        constexpr int KS_ROWS = BWD90_KEYS * D / 8 / BWD90_THREADS, ROW_STEP = BWD90_THREADS / (D / 8);
+        const int col = (tid % (D / 8)) * 8, r0 = tid / (D / 8);
+        const float *mean = a.qv.k_mean + (size_t)bh * D + col;
+        float m[8];
+        uint4 u[KS_ROWS];
+#pragma unroll
+        for (int e = 0; e < 8; e++) m[e] = mean[e];
+#pragma unroll
+        for (int i = 0; i < KS_ROWS; i++) {
+            int r = r0 + i * ROW_STEP;
+            u[i] = k0 + r < N ? *(const uint4 *)(a.k + head + (size_t)(k0 + r) * D + col) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < KS_ROWS; i++) {
+            int r = r0 + i * ROW_STEP;
             if (k0 + r < N) {
-                u = *(const uint4 *)(a.k + head + (size_t)(k0 + r) * D + col);
-                __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+                __nv_bfloat162 *h = (__nv_bfloat162 *)&u[i];
+#pragma unroll
                 for (int e = 0; e < 4; e++) {
                     float2 f = __bfloat1622float2(h[e]);
-                    h[e] = __floats2bfloat162_rn(f.x - mean[col + 2 * e], f.y - mean[col + 2 * e + 1]);
+                    h[e] = __floats2bfloat162_rn(f.x - m[2 * e], f.y - m[2 * e + 1]);
                 }
             }
             uint32_t off = (col / HALF) * (BWD90_KEYS * D) + swizzle_offset<D>(r * D + (col % HALF) * 2);
-            *(uint4 *)(sm + S::KS + off) = u;
+            *(uint4 *)(sm + S::KS + off) = u[i];
         }
     }
     if (tid < 2 * BWD90_QUERIES)   // lse | delta of block 0 (adjacent in the stage)
@@ -260,7 +257,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const bool key_valid[2] = {k0 + kr < N, k0 + kr + 8 < N};
     const float inv_sqrt_d = 1.0f / sqrtf((float)D), c_log2 = 1.44269504f / sqrtf((float)D);
     const uint64_t desc_k8 = SAGE ? smem_desc<D>(sm + S::K8 + 64 * wg * D) : 0;
-    // flash's dSᵀ store: row kr, queries 2c.., chunk 0 swizzled (see the store below)
+    // dSᵀ store base: row kr, queries 2c.., chunk 0 swizzled (see the store below)
     const uint32_t ds_row = kr * 128 + 16 * g + 4 * c;
     float dv[HALF] = {}, dk[HALF] = {};   // m64nD accumulators: keys × D
     mbar_wait(&bar_kv, 0);
@@ -332,12 +329,8 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             for (int i = 0; i < 4; i++) {
                 pa[t][i] = pack_bf162(p[8 * t + 2 * i], p[8 * t + 2 * i + 1]);
                 dsa[t][i] = pack_bf162(dp[8 * t + 2 * i], dp[8 * t + 2 * i + 1]);
-                if constexpr (SAGE) {
-                    uint32_t off = (kr + 8 * (i & 1)) * 128 + (16 * t + 8 * (i / 2) + 2 * c) * 2;
-                    *(uint32_t *)(sm + S::DS + swizzle_offset<128>(off)) = dsa[t][i];
-                } else {   // the same address: row kr + 8(i & 1) (row % 8 = g), 16-byte chunk 2t + i/2 XOR g
-                    *(uint32_t *)(sm + S::DS + (ds_row ^ (32 * t + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
-                }
+                // row kr + 8(i & 1) (row % 8 = g), queries 16t + 8(i/2) + 2c: 16-byte chunk 2t + i/2 XOR g
+                *(uint32_t *)(sm + S::DS + (ds_row ^ (32 * t + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
             }
         fence_proxy_async();
         if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb)   // the other stage's statistics were last read in step qb - 1
@@ -377,8 +370,7 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             reg_fence(pa[t]);
             reg_fence(dsa[t]);
         }
-        if constexpr (SAGE) store_dq_tile<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
-        else store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);   // fewer registers (flash at D = 128)
+        store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
         fence_proxy_async();
         if (turn && tid == 0) wait_dq_turn(turn + qb, kb, seen_turn);
         __syncthreads();   // (B) both warpgroups are done with this stage and with dSᵀ; dQ tile complete
