@@ -22,9 +22,11 @@
 //        operands MN-major in shared memory; scaled by 1/sqrt(D) into a shared-memory fp32 tile,
 //        which thread 0 adds to dq with one TMA reduce-add per 32 columns (cp.reduce.async.bulk.
 //        tensor, a 3-D map (D, N, B·H) that drops the rows past N), overlapping the next step.
-// Deterministic dQ (attention_backward.cuh): thread 0 waits for the turn of block qb before it
-// issues the reduce of block qb (end of step qb), and hands the turn on once the reduce is
-// complete (before barrier A of step qb + 1, which also frees the tile for rewriting).
+// Before barrier A of step qb + 1 (which frees the tile for rewriting) thread 0 waits until the
+// reduce of block qb has READ the tile (cp.async.bulk.wait_group.read); its adds may still be in
+// flight. Deterministic dQ (attention_backward.cuh): thread 0 waits for the turn of block qb
+// before it issues the reduce of block qb (end of step qb), and there waits until the reduce is
+// complete and hands the turn on.
 // At the end dV and dK/sqrt(D) are stored (rows < N). The bf16 K tile for dQ is 2 boxes of 128
 // keys × D/2 columns in rows of D bytes (D-byte swizzle): flash's TMA loads K so and also reads it
 // K-major for Sᵀ (k16 step kk at byte 32kk of a row: box 32kk / D, +32kk % D inside it). The other
@@ -127,6 +129,9 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until this thread's bulk groups are complete (their writes performed).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Until this thread's bulk groups have read their shared-memory sources (which may be rewritten);
+// their global writes may still be in flight.
+__device__ __forceinline__ void bulk_wait_all_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
 template <int D, int scale_d>
@@ -344,9 +349,13 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
         }
         wgmma_commit();
-        if (tid == 0 && qb > 0) {   // the reduce of block qb - 1 is complete: the dQ tile is free
-            bulk_wait_all();
-            if (turn) hand_on_dq_turn(turn + qb - 1);
+        if (tid == 0 && qb > 0) {   // the dQ tile is free once the reduce of block qb - 1 has read it;
+            if (turn) {             // ordered dQ hands the turn on only once the adds are complete
+                bulk_wait_all();
+                hand_on_dq_turn(turn + qb - 1);
+            } else {
+                bulk_wait_all_read();
+            }
         }
         __syncthreads();   // (A) dSᵀ of both warpgroups (and the next block's lse, delta) in shared memory
 
