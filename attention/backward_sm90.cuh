@@ -247,6 +247,7 @@ __device__ void write_dq(const CUtensorMap *map, uint8_t *tile, int *turn, int k
                     tma_reduce_add_3d(map, tile + b * BWD90_QUERIES * 128, 32 * b, qb * BWD90_QUERIES, bh);
                 bulk_commit();
             }
+            __syncwarp();   // the warp reconverges before the next (warp-wide) named barrier
         }
         if (lane == 0) bulk_wait_read<1>();   // warpgroup 0's half has been read
         __syncwarp();
