@@ -82,7 +82,7 @@ template <int D, int SCORES> struct Bwd90Smem {
 struct Bwd90Barriers {
     uint64_t kv;        // K̂/K and V landed (TMA bytes)
     uint64_t full[2];   // stage s: Q̂/Q/dO landed (TMA bytes), lse | delta stored (the loader's 32 lanes)
-    uint64_t empty[2];  // stage s: every consumer warp is done with it
+    uint64_t empty[2];  // stage s: every consumer thread is done with it
 };
 
 // k: sage's K̂ (int8, D inner, B·H·N outer, box D × 128) or flash's K (bf16 rows as bytes, box D
@@ -193,7 +193,7 @@ __device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, con
 
 // The producer warpgroup's two jobs (warps 2, 3 of it have none).
 // Loader, producer warp 0 (all lanes; lane 0 issues the TMA): K̂/K and V once, then per query
-// block qb its stage (qb % 2), once every consumer warp has released the stage's previous block
+// block qb its stage (qb % 2), once every consumer thread has released the stage's previous block
 // (empty): Q̂/Q/dO by the TMA and lse | delta (128 floats, 4 per lane) by ordinary loads and
 // stores; every lane arrives on full (33 arrivals with lane 0's expect_tx).
 template <int D, int SCORES>
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
         mbar_init(&bar.kv, 1);
         for (int s = 0; s < 2; s++) {
             mbar_init(&bar.full[s], 1 + 32);   // the loader's expect_tx + one arrival per lane
-            mbar_init(&bar.empty[s], 8);       // one arrival per consumer warp
+            mbar_init(&bar.empty[s], BWD90_THREADS);   // one arrival per consumer thread
         }
         mbar_init_fence();
     }
@@ -448,8 +448,10 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
             reg_fence(pa[t]);
             reg_fence(dsa[t]);
         }
-        __syncwarp();   // every lane's reads of the stage (lse, delta) are done, the wgmma's too
-        if (lane == 0) mbar_arrive(&bar.empty[stage]);
+        // every thread arrives after its own last read of the stage (lse, delta; its wgmma reads are
+        // complete): one arrival per warp after a __syncwarp is as correct, but racecheck cannot
+        // follow the ordering through the warp barrier and reports the loader's next lse stores
+        mbar_arrive(&bar.empty[stage]);
         if (qb > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);   // the writer has read our half
         store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
         fence_proxy_async();
