@@ -6,25 +6,29 @@
 //   SCORES_BF16: Sᵀ = K·Qᵀ (wgmma bf16 m64n64k16, both K-major), s = Sᵀ·c with c = log2(e)/sqrt(D);
 //                dQ from k
 //
-// One CTA of two warpgroups per (128-key block, head); warpgroup w owns keys 64w..64w+63 (for sage
-// one k_scale block). K (K̂ too for sage) and V of the CTA stay in shared memory (TMA, once; sage's
-// k - k_mean is written by the threads). Thread 0 streams the 64-query blocks (Q̂ for sage, Q, dO)
-// through two shared-memory stages, each completing on its mbarrier; lse and delta of the block (64
-// floats each, at any offset: the TMA wants 16-byte aligned boxes) go through the same stage by the
-// first 128 threads, one block ahead. Per query block, in each warpgroup (m64 = its 64 keys,
-// TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from registers):
+// One CTA per (128-key block, head) of three warpgroups (FA3's structure): two consumers, warpgroup
+// w owning keys 64w..64w+63 (for sage one k_scale block), and a producer (setmaxnreg: 24 registers,
+// the consumers 240). K (K̂ too for sage) and V of the CTA stay in shared memory (TMA, once; sage's
+// k - k_mean is written by the consumers). The producer's warp 0 (the loader) streams the 64-query
+// blocks (Q̂ for sage, Q, dO by the TMA; lse and delta, 64 floats each at any offset, which the TMA
+// cannot take, by its lanes) through two shared-memory stages with full and empty mbarriers; its
+// warp 1 (the dQ writer) adds the consumers' dQ tiles to dq. Per query block, in each consumer
+// warpgroup (m64 = its 64 keys, TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from
+// registers):
 //   Sᵀ, and dPᵀ = V·dOᵀ  (wgmma bf16 m64n64k16, V and dO rows K-major), one batch
 //   Pᵀ = exp2(s - lse), dSᵀ = Pᵀ∘(dPᵀ - delta)   (keys/queries >= N: 0)
 //   dV += bf16(Pᵀ)·dO   wgmma m64nDk16, A from registers, dO rows as MN-major B
 //   dK += bf16(dSᵀ)·Q   likewise
-//   dSᵀ -> shared memory (bf16, swizzled), barrier over both warpgroups, then
+//   dSᵀ -> shared memory (bf16, swizzled; two buffers, one for sage at D = 128), one named barrier
+//        over both consumer warpgroups (the only one per step), then
 //   dQ[:, w·D/2..] = dS·K over all 128 keys (K: k - k_mean for sage)   wgmma m64n(D/2)k16, both
-//        operands MN-major in shared memory; scaled by 1/sqrt(D) into a shared-memory fp32 tile,
-//        which thread 0 adds to dq with one TMA reduce-add per 32 columns (cp.reduce.async.bulk.
-//        tensor, a 3-D map (D, N, B·H) that drops the rows past N), overlapping the next step.
-// Deterministic dQ (attention_backward.cuh): thread 0 waits for the turn of block qb before it
-// issues the reduce of block qb (end of step qb), and hands the turn on once the reduce is
-// complete (before barrier A of step qb + 1, which also frees the tile for rewriting).
+//        operands MN-major in shared memory; the stage goes back to the loader; dQ·1/sqrt(D) into
+//        the warpgroup's half of a shared-memory fp32 tile (once the writer has read the previous
+//        one), which the writer adds to dq with one TMA reduce-add per 32 columns (cp.reduce.async.
+//        bulk.tensor, a 3-D map (D, N, B·H) that drops the rows past N), overlapping the next step.
+// The writer hands a tile half back once the TMA has READ it (cp.async.bulk.wait_group.read).
+// Deterministic dQ (attention_backward.cuh): the writer waits for the turn of block qb before it
+// issues the reduces of block qb, waits until they are complete and hands the turn on.
 // At the end dV and dK/sqrt(D) are stored (rows < N). The bf16 K tile for dQ is 2 boxes of 128
 // keys × D/2 columns in rows of D bytes (D-byte swizzle): flash's TMA loads K so and also reads it
 // K-major for Sᵀ (k16 step kk at byte 32kk of a row: box 32kk / D, +32kk % D inside it). The other
@@ -35,7 +39,19 @@
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 
-#define BWD90_THREADS 256   // two warpgroups
+#define BWD90_THREADS 256   // the two consumer warpgroups (the whole CTA of sage_backward_int8_sm90.cu)
+#define BWD90_CTA_THREADS 384   // + the producer warpgroup
+// setmaxnreg: the CTA starts with 168 registers per thread (65536 / 384, in steps of 8); the
+// consumers can only take what the producer gives back: 168 + (168 - 24) / 2 = 240.
+#define BWD90_PRODUCER_REGS 24
+#define BWD90_CONSUMER_REGS 240
+// Named barriers (0 is __syncthreads): dSᵀ of both consumer warpgroups stored (256 threads); the
+// single dSᵀ buffer free again (256, sage D = 128 only); per consumer warpgroup w, its half of the
+// dQ tile complete (+ w) and read by the TMA again (+ w), each 128 consumer + 32 writer threads.
+#define BWD90_BAR_DS 1
+#define BWD90_BAR_DS_FREE 2
+#define BWD90_BAR_DQ_FULL 3
+#define BWD90_BAR_DQ_EMPTY 5
 #define BWD90_KEYS 128      // keys per CTA, 64 per warpgroup
 #define BWD90_QUERIES 64    // queries per step (= SAGE_CUDA_BLOCK: one q_scale per step)
 
@@ -46,8 +62,11 @@ template <int D, int SCORES> struct Bwd90Smem {
     static constexpr int K8 = 0;                                   // K̂: 128 keys × D int8
     static constexpr int V = K8 + I8 * BWD90_KEYS * D;             // V: D/64 boxes of 128 keys × 64 bf16
     static constexpr int KS = V + BWD90_KEYS * D * 2;              // K (sage: k - k_mean): 2 boxes of 128 keys × D/2 bf16
-    static constexpr int DS = KS + BWD90_KEYS * D * 2;             // dSᵀ: 128 keys × 64 queries bf16
-    static constexpr int DQ = DS + BWD90_KEYS * BWD90_QUERIES * 2;  // dQ: D/32 boxes of 64 queries × 32 fp32
+    // dSᵀ: DS_BUFS buffers (step qb uses qb % DS_BUFS) of 128 keys × 64 queries bf16; two do not
+    // fit next to sage's int8 tiles at D = 128 (232,448 bytes is the limit)
+    static constexpr int DS_BUFS = I8 && D == 128 ? 1 : 2, DS_BYTES = BWD90_KEYS * BWD90_QUERIES * 2;
+    static constexpr int DS = KS + BWD90_KEYS * D * 2;
+    static constexpr int DQ = DS + DS_BUFS * DS_BYTES;              // dQ: D/32 boxes of 64 queries × 32 fp32
     static constexpr int STAGE0 = DQ + BWD90_QUERIES * D * 4;
     // one stage: Q̂ (64 × D int8, sage) | Q | dO (D/64 boxes of 64 queries × 64 bf16) by the TMA,
     // then lse | delta (64 fp32 each) by the threads
@@ -56,6 +75,14 @@ template <int D, int SCORES> struct Bwd90Smem {
     static constexpr int LSE = STAGE_TX, DELTA = LSE + BWD90_QUERIES * 4;
     static constexpr int STAGE_BYTES = (DELTA + BWD90_QUERIES * 4 + 1023) / 1024 * 1024;
     static constexpr int TOTAL = 1024 + STAGE0 + 2 * STAGE_BYTES;   // + alignment slack
+    static_assert(TOTAL + 64 <= 232448, "dynamic + static (barriers) shared memory over the sm_90 limit");
+};
+
+// The CTA's mbarriers (static shared memory).
+struct Bwd90Barriers {
+    uint64_t kv;        // K̂/K and V landed (TMA bytes)
+    uint64_t full[2];   // stage s: Q̂/Q/dO landed (TMA bytes), lse | delta stored (the loader's 32 lanes)
+    uint64_t empty[2];  // stage s: every consumer thread is done with it
 };
 
 // k: sage's K̂ (int8, D inner, B·H·N outer, box D × 128) or flash's K (bf16 rows as bytes, box D
@@ -101,26 +128,10 @@ __device__ __forceinline__ void dkv_wgmma(float (&d)[D / 2], const uint32_t a[4]
 
 // dq·scale (this warpgroup's D/2 columns, m64n(D/2) accumulator layout) into the shared-memory
 // dQ tile: box b = columns 32b..32b+31, 64 rows of 128 bytes, 128-byte swizzled as the TMA reads it.
-template <int D>
-__device__ __forceinline__ void store_dq_tile(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
-    int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int row = 16 * warp + g + 8 * h;
-#pragma unroll
-        for (int j = 0; j < D / 16; j++) {
-            int col = wg * (D / 2) + 8 * j + 2 * c;
-            uint32_t off = (col / 32) * (BWD90_QUERIES * 128) + swizzle_offset<128>(row * 128 + (col % 32) * 4);
-            *(float2 *)(tile + off) = make_float2(dq[4 * j + 2 * h] * scale, dq[4 * j + 2 * h + 1] * scale);
-        }
-    }
-}
-
-// store_dq_tile with the swizzle folded into one per-thread base, for register-tight kernels (flash
-// at D = 128): the same addresses, 4 per-thread offsets instead of 16. Row 16·warp + g + 8h has
-// row % 8 = g; column 8j + 2c of the warpgroup's half is box wg·D/64 + j/4, byte 32(j % 4) + 8c of
-// the row, i.e. 16-byte chunk 2(j % 4) + c/2 (XOR g) and byte 8(c % 2) in it: XOR-ing 32(j % 4)
-// into the base (which holds chunk c/2 XOR g) gives the swizzled chunk.
+// The swizzle is folded into one per-thread base (few live addresses: no spill at D = 128). Row
+// 16·warp + g + 8h has row % 8 = g; column 8j + 2c of the warpgroup's half is box wg·D/64 + j/4,
+// byte 32(j % 4) + 8c of the row, i.e. 16-byte chunk 2(j % 4) + c/2 (XOR g) and byte 8(c % 2) in
+// it: XOR-ing 32(j % 4) into the base (which holds chunk c/2 XOR g) gives the swizzled chunk.
 template <int D>
 __device__ __forceinline__ void store_dq_tile_folded(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
     int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
@@ -143,6 +154,19 @@ __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until this thread's bulk groups are complete (their writes performed).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Until at most n of this thread's bulk groups have not yet read their shared-memory sources (the
+// others' sources may be rewritten; their global writes may still be in flight).
+template <int n> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(n) : "memory");
+}
+
+// threadIdx.x / 128, read afresh (volatile): a named-barrier id derived from it costs two
+// instructions where a value kept from the kernel's start costs a register (spilled at D = 128).
+__device__ __forceinline__ int warpgroup_now() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t / 128;
+}
 
 // d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
 template <int D, int scale_d>
@@ -153,7 +177,8 @@ __device__ __forceinline__ void dq_wgmma(float (&d)[D / 4], uint64_t desc_a, uin
 #endif
 
 #ifdef SAGE_SM90_DEVICE
-// Thread 0: query block qb of head bh into the stage at st, completing on bar.
+// One thread (the loader's lane 0): Q̂/Q/dO of query block qb of head bh into the stage at st,
+// completing on bar (with one arrival).
 template <int D, int SCORES>
 __device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, const Bwd90Maps &m, int bh, int N, int qb) {
     using S = Bwd90Smem<D, SCORES>;
@@ -166,93 +191,148 @@ __device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, con
     }
 }
 
-// After the last query block: thread 0 waits for the last dQ reduce and hands on its turn (turn
-// NULL: unordered dQ); then every thread stores its two key rows k0 + kr and k0 + kr + 8 of dv and
-// of dk·dk_scale (rows < N: key_valid), from the m64nD accumulator fragments.
-template <int D>
-__device__ __forceinline__ void finish_dv_dk(const AttnBwdArgs &a, int tid, int *turn, int nqb, size_t head, int k0,
-                                             int kr, int c, const bool (&key_valid)[2], const float (&dv)[D / 2],
-                                             const float (&dk)[D / 2], float dk_scale) {
-    if (tid == 0) {
-        bulk_wait_all();
-        if (turn) hand_on_dq_turn(turn + nqb - 1);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (!key_valid[h]) continue;
-        size_t at = head + (size_t)(k0 + kr + 8 * h) * D + 2 * c;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            *(float2 *)(a.dv + at + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * h] * dk_scale, dk[4 * j + 2 * h + 1] * dk_scale);
+// The producer warpgroup's two jobs (warps 2, 3 of it have none).
+// Loader, producer warp 0 (all lanes; lane 0 issues the TMA): K̂/K and V once, then per query
+// block qb its stage (qb % 2), once every consumer thread has released the stage's previous block
+// (empty): Q̂/Q/dO by the TMA and lse | delta (128 floats, 4 per lane) by ordinary loads and
+// stores; every lane arrives on full (33 arrivals with lane 0's expect_tx).
+template <int D, int SCORES>
+__device__ void load_stages(Bwd90Barriers *bar, uint8_t *sm, const Bwd90Maps &m, const AttnBwdArgs &a, int bh,
+                            int k0, int nqb, int lane) {
+    using S = Bwd90Smem<D, SCORES>;
+    const int N = a.N;
+    if (lane == 0) {
+        if constexpr (SCORES == SCORES_SAGE) {   // K̂ and V
+            mbar_expect_bytes(&bar->kv, BWD90_KEYS * D * 3);
+            tma_load_2d(sm + S::K8, &m.k, &bar->kv, 0, bh * N + k0);
+        } else {                                 // K (two column halves) and V
+            mbar_expect_bytes(&bar->kv, BWD90_KEYS * D * 4);
+            for (int b = 0; b < 2; b++) tma_load_2d(sm + S::KS + b * BWD90_KEYS * D, &m.k, &bar->kv, D * b, bh * N + k0);
         }
+        for (int b = 0; b < D / 64; b++)
+            tma_load_2d(sm + S::V + b * BWD90_KEYS * 128, &m.v, &bar->kv, 128 * b, bh * N + k0);
+    }
+    for (int qb = 0; qb < nqb; qb++) {
+        const int stage = qb & 1;
+        uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
+        if (qb >= 2) mbar_wait(&bar->empty[stage], ((qb >> 1) - 1) & 1);
+        if (lane == 0) load_query_stage<D, SCORES>(st, &bar->full[stage], m, bh, N, qb);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {   // lse | delta are adjacent in the stage
+            int t = lane + 32 * i;
+            ((float *)(st + S::LSE))[t] = load_query_stat(a, bh, qb, t);
+        }
+        mbar_arrive(&bar->full[stage]);
     }
 }
+
+// dQ writer, producer warp 1 (all lanes: the named barriers are per warp; lane 0 issues): per
+// query block qb and consumer warpgroup w, once w says its half of the dQ tile is complete
+// (BWD90_BAR_DQ_FULL + w), its D/64 boxes of 32 columns into dq by TMA reduce-adds (one bulk
+// group per half); each half goes back to its warpgroup (BWD90_BAR_DQ_EMPTY + w, not after the last
+// block) once the TMA has READ it. Ordered dQ: the reduces of block qb wait for its turn (loaded
+// early), and the turn is handed on once they are complete.
+template <int D>
+__device__ void write_dq(const CUtensorMap *map, uint8_t *tile, int *turn, int kb, int bh, int nqb, int lane) {
+    for (int qb = 0; qb < nqb; qb++) {
+        int seen_turn = turn && lane == 0 ? ld_acquire_gpu(turn + qb) : 0;
+        for (int w = 0; w < 2; w++) {
+            named_barrier_sync(BWD90_BAR_DQ_FULL + w, 160);
+            if (lane == 0) {
+                if (turn && w == 0) {
+                    wait_dq_turn(turn + qb, kb, seen_turn);
+                    fence_proxy_async_global();   // the acquired turn before the async-proxy reduce
+                }
+                for (int b = w * (D / 64); b < (w + 1) * (D / 64); b++)
+                    tma_reduce_add_3d(map, tile + b * BWD90_QUERIES * 128, 32 * b, qb * BWD90_QUERIES, bh);
+                bulk_commit();
+            }
+            __syncwarp();   // the warp reconverges before the next (warp-wide) named barrier
+        }
+        if (lane == 0) bulk_wait_read<1>();   // warpgroup 0's half has been read
+        __syncwarp();
+        if (qb + 1 < nqb) named_barrier_arrive(BWD90_BAR_DQ_EMPTY + 0, 160);
+        if (lane == 0) bulk_wait_read<0>();
+        __syncwarp();
+        if (qb + 1 < nqb) named_barrier_arrive(BWD90_BAR_DQ_EMPTY + 1, 160);
+        if (turn && lane == 0) {
+            bulk_wait_all();
+            hand_on_dq_turn(turn + qb);
+        }
+    }
+    if (lane == 0) bulk_wait_all();
+}
+
 #endif
 
-// Grid (ceil(N/128), B·H), BWD90_THREADS threads, Bwd90Smem<D, SCORES>::TOTAL bytes of dynamic
-// shared memory. a: from attention_backward_prepare (delta computed or given, dq and the dQ turns
-// zeroed), N; for sage k (bf16, for k - k_mean) and the forward's scales and k_mean.
+// Grid (ceil(N/128), B·H), BWD90_CTA_THREADS threads (warpgroups 0, 1: consumers, 2: producer),
+// Bwd90Smem<D, SCORES>::TOTAL bytes of dynamic shared memory. a: from attention_backward_prepare
+// (delta computed or given, dq and the dQ turns zeroed), N; for sage k (bf16, for k - k_mean) and
+// the forward's scales and k_mean.
 template <int D, int SCORES>
-__global__ void __launch_bounds__(BWD90_THREADS, 1)
+__global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     attention_backward_sm90_kernel(const __grid_constant__ Bwd90Maps maps, AttnBwdArgs a) {
 #ifdef SAGE_SM90_DEVICE
     using S = Bwd90Smem<D, SCORES>;
     constexpr bool SAGE = SCORES == SCORES_SAGE;
     constexpr int HALF = D / 2;
     extern __shared__ uint8_t smem_raw[];
-    __shared__ uint64_t bar_kv, bar_q[2];
+    __shared__ Bwd90Barriers bar;
     uint8_t *sm = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const int N = a.N, nqb = (N + BWD90_QUERIES - 1) / BWD90_QUERIES;
     const int kb = blockIdx.x, bh = blockIdx.y, k0 = kb * BWD90_KEYS, tid = threadIdx.x;
     const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const size_t head = (size_t)bh * N * D;
-    int *turn = a.dq_turn ? a.dq_turn + (size_t)bh * nqb : NULL;   // this head's dQ turns, or NULL
 
     if (tid == 0) {
-        mbar_init(&bar_kv, 1);
-        mbar_init(&bar_q[0], 1);
-        mbar_init(&bar_q[1], 1);
+        mbar_init(&bar.kv, 1);
+        for (int s = 0; s < 2; s++) {
+            mbar_init(&bar.full[s], 1 + 32);   // the loader's expect_tx + one arrival per lane
+            mbar_init(&bar.empty[s], BWD90_THREADS);   // one arrival per consumer thread
+        }
         mbar_init_fence();
     }
-    __syncthreads();
-    if (tid == 0) {
-        if constexpr (SAGE) {   // K̂ and V
-            mbar_expect_bytes(&bar_kv, BWD90_KEYS * D * 3);
-            tma_load_2d(sm + S::K8, &maps.k, &bar_kv, 0, bh * N + k0);
-        } else {                // K (two column halves) and V
-            mbar_expect_bytes(&bar_kv, BWD90_KEYS * D * 4);
-            for (int b = 0; b < 2; b++)
-                tma_load_2d(sm + S::KS + b * BWD90_KEYS * D, &maps.k, &bar_kv, D * b, bh * N + k0);
-        }
-        for (int b = 0; b < D / 64; b++)
-            tma_load_2d(sm + S::V + b * BWD90_KEYS * 128, &maps.v, &bar_kv, 128 * b, bh * N + k0);
-        for (int s = 0; s < 2 && s < nqb; s++)
-            load_query_stage<D, SCORES>(sm + S::STAGE0 + s * S::STAGE_BYTES, &bar_q[s], maps, bh, N, s);
+    __syncthreads();   // the last CTA-wide barrier: from here on the roles synchronize by name
+    if (wg == 2) {
+        setmaxnreg_dec<BWD90_PRODUCER_REGS>();
+        if (warp == 0) load_stages<D, SCORES>(&bar, sm, maps, a, bh, k0, nqb, lane);
+        else if (warp == 1) write_dq<D>(&maps.dq, sm + S::DQ, a.dq_turn ? a.dq_turn + (size_t)bh * nqb : NULL, kb, bh, nqb, lane);
+        return;
     }
+    setmaxnreg_inc<BWD90_CONSUMER_REGS>();
     if constexpr (SAGE) {
         // k - k_mean in bf16 (zero rows past N), as the mma.sync path: box b holds columns b·D/2..
-        // of the 128 keys in rows of D bytes, swizzled as wgmma reads MN-major B.
-        const float *mean = a.qv.k_mean + (size_t)bh * D;
-        for (int i = tid; i < BWD90_KEYS * D / 8; i += BWD90_THREADS) {
-            int r = i / (D / 8), col = (i % (D / 8)) * 8;
-            uint4 u = make_uint4(0, 0, 0, 0);
+        // of the 128 keys in rows of D bytes, swizzled as wgmma reads MN-major B. Each thread owns
+        // the same 8 columns in KS_ROWS rows: all its global loads are issued before any is used
+        // (one round trip per CTA, not one per row).
+        constexpr int KS_ROWS = BWD90_KEYS * D / 8 / BWD90_THREADS, ROW_STEP = BWD90_THREADS / (D / 8);
+        const int col = (tid % (D / 8)) * 8, r0 = tid / (D / 8);
+        const float *mean = a.qv.k_mean + (size_t)bh * D + col;
+        float m[8];
+        uint4 u[KS_ROWS];
+#pragma unroll
+        for (int e = 0; e < 8; e++) m[e] = mean[e];
+#pragma unroll
+        for (int i = 0; i < KS_ROWS; i++) {
+            int r = r0 + i * ROW_STEP;
+            u[i] = k0 + r < N ? *(const uint4 *)(a.k + head + (size_t)(k0 + r) * D + col) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < KS_ROWS; i++) {
+            int r = r0 + i * ROW_STEP;
             if (k0 + r < N) {
-                u = *(const uint4 *)(a.k + head + (size_t)(k0 + r) * D + col);
-                __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
+                __nv_bfloat162 *h = (__nv_bfloat162 *)&u[i];
+#pragma unroll
                 for (int e = 0; e < 4; e++) {
                     float2 f = __bfloat1622float2(h[e]);
-                    h[e] = __floats2bfloat162_rn(f.x - mean[col + 2 * e], f.y - mean[col + 2 * e + 1]);
+                    h[e] = __floats2bfloat162_rn(f.x - m[2 * e], f.y - m[2 * e + 1]);
                 }
             }
             uint32_t off = (col / HALF) * (BWD90_KEYS * D) + swizzle_offset<D>(r * D + (col % HALF) * 2);
-            *(uint4 *)(sm + S::KS + off) = u;
+            *(uint4 *)(sm + S::KS + off) = u[i];
         }
     }
-    if (tid < 2 * BWD90_QUERIES)   // lse | delta of block 0 (adjacent in the stage)
-        ((float *)(sm + S::STAGE0 + S::LSE))[tid] = load_query_stat(a, bh, 0, tid);
-    if constexpr (SAGE) fence_proxy_async();   // k - k_mean before the tensor cores read it
-    __syncthreads();
+    if constexpr (SAGE) fence_proxy_async();   // k - k_mean before the tensor cores read it (after BWD90_BAR_DS of step 0)
 
     const int key_base = k0 + 64 * wg;   // this warpgroup's 64 keys: sage's k_scale block
     const float k_scale = SAGE && key_base < N ? a.qv.k_scale[(size_t)bh * nqb + key_base / 64] : 0.0f;
@@ -260,18 +340,16 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
     const bool key_valid[2] = {k0 + kr < N, k0 + kr + 8 < N};
     const float inv_sqrt_d = 1.0f / sqrtf((float)D), c_log2 = 1.44269504f / sqrtf((float)D);
     const uint64_t desc_k8 = SAGE ? smem_desc<D>(sm + S::K8 + 64 * wg * D) : 0;
-    // flash's dSᵀ store: row kr, queries 2c.., chunk 0 swizzled (see the store below)
+    // dSᵀ store base: row kr, queries 2c.., chunk 0 swizzled (see the store below)
     const uint32_t ds_row = kr * 128 + 16 * g + 4 * c;
     float dv[HALF] = {}, dk[HALF] = {};   // m64nD accumulators: keys × D
-    mbar_wait(&bar_kv, 0);
+    mbar_wait(&bar.kv, 0);
 
     for (int qb = 0; qb < nqb; qb++) {
         const int stage = qb & 1, q0 = qb * BWD90_QUERIES;
         uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
-        float next_stat = 0.0f;   // lse or delta of block qb + 1, stored into the other stage below
-        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb) next_stat = load_query_stat(a, bh, qb + 1, tid);
-        int seen_turn = turn && tid == 0 ? ld_acquire_gpu(turn + qb) : 0;   // checked at the end of the step
-        mbar_wait(&bar_q[stage], (qb >> 1) & 1);
+        uint8_t *ds = sm + S::DS + (qb % S::DS_BUFS) * S::DS_BYTES;   // this step's dSᵀ buffer
+        mbar_wait(&bar.full[stage], (qb >> 1) & 1);
         const float scale = SAGE ? __fmul_rn(a.qv.q_scale[(size_t)bh * nqb + qb], k_scale) : 0.0f;
 
         // Sᵀ (K̂·Q̂ᵀ or K·Qᵀ) and dPᵀ = V·dOᵀ (64 keys × 64 queries each), one batch; bf16 k16 step
@@ -324,7 +402,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             }
         }
         // bf16 A fragments, k16 step t = queries 16t..16t+15 (accumulator columns 2t, 2t+1); dSᵀ
-        // also to shared memory (rows = keys, 64 queries = 128 bytes), the MN-major A of dQ
+        // also to shared memory (rows = keys, 64 queries = 128 bytes), the MN-major A of dQ. One
+        // buffer (sage D = 128: no room for two): the other warpgroup's dQ of step qb - 1 must be
+        // done reading it first.
+        if (S::DS_BUFS == 1 && qb > 0) named_barrier_sync(BWD90_BAR_DS_FREE, BWD90_THREADS);
         uint32_t pa[4][4], dsa[4][4];
 #pragma unroll
         for (int t = 0; t < 4; t++)
@@ -332,16 +413,10 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             for (int i = 0; i < 4; i++) {
                 pa[t][i] = pack_bf162(p[8 * t + 2 * i], p[8 * t + 2 * i + 1]);
                 dsa[t][i] = pack_bf162(dp[8 * t + 2 * i], dp[8 * t + 2 * i + 1]);
-                if constexpr (SAGE) {
-                    uint32_t off = (kr + 8 * (i & 1)) * 128 + (16 * t + 8 * (i / 2) + 2 * c) * 2;
-                    *(uint32_t *)(sm + S::DS + swizzle_offset<128>(off)) = dsa[t][i];
-                } else {   // the same address: row kr + 8(i & 1) (row % 8 = g), 16-byte chunk 2t + i/2 XOR g
-                    *(uint32_t *)(sm + S::DS + (ds_row ^ (32 * t + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
-                }
+                // row kr + 8(i & 1) (row % 8 = g), queries 16t + 8(i/2) + 2c: 16-byte chunk 2t + i/2 XOR g
+                *(uint32_t *)(ds + (ds_row ^ (32 * t + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
             }
         fence_proxy_async();
-        if (tid < 2 * BWD90_QUERIES && qb + 1 < nqb)   // the other stage's statistics were last read in step qb - 1
-            ((float *)(sm + S::STAGE0 + (stage ^ 1) * S::STAGE_BYTES + S::LSE))[tid] = next_stat;
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q: dO and Q rows are MN-major B (16 queries = 2 groups of 8 rows)
         wgmma_fence();
@@ -351,18 +426,14 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
         }
         wgmma_commit();
-        if (tid == 0 && qb > 0) {   // the reduce of block qb - 1 is complete: the dQ tile is free
-            bulk_wait_all();
-            if (turn) hand_on_dq_turn(turn + qb - 1);
-        }
-        __syncthreads();   // (A) dSᵀ of both warpgroups (and the next block's lse, delta) in shared memory
+        named_barrier_sync(BWD90_BAR_DS, BWD90_THREADS);   // dSᵀ of both warpgroups in shared memory
 
         // dQ[:, wg·D/2 ..] = dS·K over the 128 keys (sage: k - k_mean), 16 keys per k-step
         float dq[D / 4] = {};
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BWD90_KEYS / 16; ks++) {
-            uint64_t desc_a = smem_desc_mn<128>(sm + S::DS + ks * 2048, BWD90_QUERIES * 128);
+            uint64_t desc_a = smem_desc_mn<128>(ds + ks * 2048, BWD90_QUERIES * 128);
             uint64_t desc_b = smem_desc_mn<D>(sm + S::KS + wg * BWD90_KEYS * D + ks * 16 * D, BWD90_KEYS * D);
             if (ks == 0) dq_wgmma<D, 0>(dq, desc_a, desc_b);
             else dq_wgmma<D, 1>(dq, desc_a, desc_b);
@@ -377,19 +448,26 @@ __global__ void __launch_bounds__(BWD90_THREADS, 1)
             reg_fence(pa[t]);
             reg_fence(dsa[t]);
         }
-        if constexpr (SAGE) store_dq_tile<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
-        else store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);   // fewer registers (flash at D = 128)
+        // every thread arrives after its own last read of the stage (lse, delta; its wgmma reads are
+        // complete): one arrival per warp after a __syncwarp is as correct, but racecheck cannot
+        // follow the ordering through the warp barrier and reports the loader's next lse stores
+        mbar_arrive(&bar.empty[stage]);
+        if (qb > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);   // the writer has read our half
+        store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
         fence_proxy_async();
-        if (turn && tid == 0) wait_dq_turn(turn + qb, kb, seen_turn);
-        __syncthreads();   // (B) both warpgroups are done with this stage and with dSᵀ; dQ tile complete
-        if (tid == 0) {
-            if (turn) fence_proxy_async_global();   // the acquired turn before the async-proxy reduce
-            for (int b = 0; b < D / 32; b++) tma_reduce_add_3d(&maps.dq, sm + S::DQ + b * BWD90_QUERIES * 128, 32 * b, q0, bh);
-            bulk_commit();
-            if (qb + 2 < nqb) load_query_stage<D, SCORES>(st, &bar_q[stage], maps, bh, N, qb + 2);
+        named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (!key_valid[h]) continue;
+        size_t at = head + (size_t)(k0 + kr + 8 * h) * D + 2 * c;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            *(float2 *)(a.dv + at + 8 * j) = make_float2(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * h] * inv_sqrt_d, dk[4 * j + 2 * h + 1] * inv_sqrt_d);
         }
     }
-    finish_dv_dk<D>(a, tid, turn, nqb, head, k0, kr, c, key_valid, dv, dk, inv_sqrt_d);
 #else
     __trap();   // built without sm_90a code: *_backward_sm90_available() says 0
 #endif

@@ -30,7 +30,7 @@ static int launch_flash_backward_sm90(const AttnBwdArgs &a, int BH, cudaStream_t
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                     err, "cudaFuncSetAttribute(attention_backward_sm90_kernel (flash) max dynamic smem)");
     dim3 grid((N + BWD90_KEYS - 1) / BWD90_KEYS, BH);
-    attention_backward_sm90_kernel<D, SCORES_BF16><<<grid, BWD90_THREADS, bytes, stream>>>(m, a);
+    attention_backward_sm90_kernel<D, SCORES_BF16><<<grid, BWD90_CTA_THREADS, bytes, stream>>>(m, a);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_backward_sm90_kernel (flash)");
     return 0;
 }

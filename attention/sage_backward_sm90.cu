@@ -29,7 +29,7 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                     err, "cudaFuncSetAttribute(attention_backward_sm90_kernel (sage) max dynamic smem)");
     dim3 grid((N + BWD90_KEYS - 1) / BWD90_KEYS, BH);
-    attention_backward_sm90_kernel<D, SCORES_SAGE><<<grid, BWD90_THREADS, bytes, stream>>>(m, a);
+    attention_backward_sm90_kernel<D, SCORES_SAGE><<<grid, BWD90_CTA_THREADS, bytes, stream>>>(m, a);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_backward_sm90_kernel (sage)");
     return 0;
 }
