@@ -8,21 +8,25 @@
 //   P8 = e4m3(448·p) packed in registers straight from the S accumulators (pack_p8): the
 //        quantization pass stores V̂ᵀ with the tokens of each group of 16 in the A-fragment
 //        order (sage_cuda.h)
-//   blk = P8·V8    wgmma m64nDk32 e4m3, A from registers, V̂ᵀ (K-major) from shared memory
+//   blk = P8·V8    wgmma m64n64k32 e4m3 per 64 channels of D, A from registers, V̂ᵀ (K-major)
+//                  from shared memory
 //   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
 // and finally out = O·v_scale/l' and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
 //
 // Two CTA layouts, each measured faster at its head dim (dev/notes_sage_fwd.md):
 // D = 128: sage_forward_sm90_kernel, persistent and warp-specialized (the FA3 structure), one
-//   CTA per SM looping over tiles of 128 queries × one head:
+//   CTA per SM looping over tiles of 192 queries × one head:
 //   producer warpgroup (registers given back by setmaxnreg): one thread drives the TMA unit:
-//     the tile's Q̂ (2 × 64 rows), then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared
-//     stages, each with a "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers
-//     are done with it); the next tile's Q̂ as soon as the consumers hold the current one.
-//   2 consumer warpgroups, 64 query rows each, Q̂ held in registers as the A fragments of the
-//     S wgmma. Per key block kb, S_kb and blk = P8_{kb-1}·V8 are issued together; the row max
-//     of S_kb runs while blk is still in the tensor core, then O = O·alpha_{kb-1} + blk and the
-//     exp2s of S_kb share the issue slots (the O update's FFMAs fill the gaps between ex2s).
+//     the tile's Q̂ (3 × 64 rows), then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared
+//     stages, each with a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer
+//     is done with it); the next tile's Q̂ once every consumer's last S of the tile has completed.
+//   3 consumer warpgroups (three warps per scheduler, so that one's softmax overlaps another's
+//     wgmmas), 64 query rows each, 160 registers: Q̂ stays in shared memory (S wgmma with both
+//     operands there) and P·V runs as two m64n64 halves of D (blk holds 32 columns). Per key block
+//     kb: S_kb and the first half of blk = P8_{kb-1}·V8 are issued together; the row max of S_kb
+//     runs while that half is in the tensor core; then O[:, 0:64] = O·alpha_{kb-1} + blk, the
+//     second half is issued, the exp2s of S_kb run while it is in the tensor core, and
+//     O[:, 64:128] = O·alpha_{kb-1} + blk.
 // D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 4 CTAs per SM
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
 //   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other.
@@ -38,13 +42,13 @@
 #define SM90_PRODUCER_REGS 24 // what the producer warpgroup keeps (setmaxnreg)
 
 // The warp-specialized CTA's shape and shared memory; every tile is a whole number of 1024-byte
-// swizzle atoms. A D = 128 consumer needs ~210 registers per thread (O, blk, S, p', Q̂ fragments),
-// so 2 consumers. The CTA starts with LAUNCH_REGS per thread (the SM's 64K registers over
-// THREADS, in steps of 8); setmaxnreg can only hand the consumers what the producer warpgroup
-// gives back (LAUNCH_REGS − 24 per thread; a consumer asking for more waits forever), so
-// CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS: 168 → 240.
+// swizzle atoms. A D = 128 consumer holds O (64 registers), half of blk (32), S or p' (32) and P8
+// (8): 157 registers with the rest, so 3 consumers. The CTA starts with LAUNCH_REGS per thread
+// (the SM's 64K registers over THREADS, in steps of 8); setmaxnreg can only hand the consumers
+// what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread; a consumer asking for more
+// waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS: 128 → 160.
 template <int D> struct Sm90Smem {
-    static constexpr int CONSUMERS = 2;
+    static constexpr int CONSUMERS = 3;
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
     static constexpr int TILE_Q = SAGE_CUDA_BLOCK * CONSUMERS;   // query rows of one tile
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
@@ -66,19 +70,12 @@ template <int D> struct Sm90WgSmem {
 // The CTA's mbarriers (static shared memory).
 struct Sm90Barriers {
     uint64_t q_full;                  // the tile's Q̂ landed (TMA bytes)
-    uint64_t q_empty;                 // every consumer warp holds Q̂ in registers
+    uint64_t q_empty;                 // every consumer warp's S wgmmas of the tile have completed
     uint64_t kv_full[SM90_STAGES];    // K̂, V̂ᵀ of a key block landed (TMA bytes)
     uint64_t kv_empty[SM90_STAGES];   // every consumer warp is done with the stage
 };
 
 #ifdef SAGE_SM90_DEVICE
-// blk (=|+=) a·V for one k32 step; D/2 accumulator registers.
-template <int D, int scale_d>
-__device__ __forceinline__ void pv_wgmma(float (&blk)[D / 2], const uint32_t a[4], uint64_t desc_v) {
-    if constexpr (D == 128) wgmma_e4m3_m64n128k32<scale_d>(blk, a, desc_v);
-    else wgmma_e4m3_m64n64k32<scale_d>(blk, a, desc_v);
-}
-
 #define LOG2_448 8.807354922057604f
 
 // Online softmax of one 64 × 64 block (this thread holds keys 8j + 2c + (e & 1) of rows g (e < 2)
@@ -155,33 +152,28 @@ __device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *full
     tma_load_2d(sV, map_v, full, kb * SAGE_CUDA_BLOCK, bh * D);
 }
 
-// Consumer warp `wq` of a warpgroup: its 16 rows of the 64 × D tile Q̂ (swizzled as TMA wrote it)
-// as the D/32 k32 A fragments of the S wgmma: q[ks][0] row 16wq + g, bytes 32ks + 4c..+3;
-// q[ks][1] row + 8; q[ks][2], q[ks][3] the same rows 16 bytes further.
+// S = Q8·K8ᵀ (64 × 64 int32) over D/32 k32 steps, Q̂ and K̂ (one stage) from shared memory.
 template <int D>
-__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[D / 32][4], const uint8_t *sQ, int wq, int g, int c) {
+__device__ __forceinline__ void qk_wgmma(int (&s)[32], uint64_t desc_q, uint64_t desc_k) {
+    wgmma_s8_m64n64k32<0>(s, desc_q, desc_k);
 #pragma unroll
-    for (int ks = 0; ks < D / 32; ks++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int row = 16 * wq + g + 8 * (i & 1), col = 32 * ks + 16 * (i / 2) + 4 * c;
-            q[ks][i] = *(const uint32_t *)(sQ + swizzle_offset<D>(row * D + col));
-        }
+    for (int ks = 1; ks < D / 32; ks++)
+        wgmma_s8_m64n64k32<1>(s, desc_advance(desc_q, 32 * ks), desc_advance(desc_k, 32 * ks));
 }
 
-// S = Q8·K8ᵀ (64 × 64 int32) over D/32 k32 steps, A = the Q̂ fragments, B = K̂ of one stage.
-template <int D>
-__device__ __forceinline__ void qk_wgmma(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_k) {
-    wgmma_s8_m64n64k32_rs<0>(s, q[0], desc_k);
-#pragma unroll
-    for (int ks = 1; ks < D / 32; ks++) wgmma_s8_m64n64k32_rs<1>(s, q[ks], desc_advance(desc_k, 32 * ks));
+// blk = P8·V8 for 64 output channels over one block's 64 keys (two k32 steps, m64n64k32 e4m3):
+// desc_v addresses those channels' 64 rows of V̂ᵀ (rows of 64 bytes, K-major) in one stage. The
+// D = 64 kernel takes all of V̂ᵀ at once.
+__device__ __forceinline__ void pv_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], uint64_t desc_v) {
+    wgmma_e4m3_m64n64k32<0>(blk, p[0], desc_v);
+    wgmma_e4m3_m64n64k32<1>(blk, p[1], desc_advance(desc_v, 32));
 }
-
-// blk = P8·V8 over one block's 64 keys (two k32 steps), V̂ᵀ K-major in one stage.
-template <int D>
-__device__ __forceinline__ void pv_block_wgmma(float (&blk)[D / 2], const uint32_t (&p)[2][4], uint64_t desc_v) {
-    pv_wgmma<D, 0>(blk, p[0], desc_v);
-    pv_wgmma<D, 1>(blk, p[1], desc_advance(desc_v, 32));
+// Half h (channels 64h..64h + 63, 4096 bytes into the stage's V̂ᵀ at sV) of a D = 128 P·V; blk[i]
+// is then o[32h + i] of the m64n128 accumulator layout. (Per output value the same 64-term dot
+// product as one m64n128 wgmma; the tensor core's fp32 rounding inside a k32 step can differ in
+// the last bit: O within rel L2 5e-7 of the m64n128 version, dev/notes_sage_fwd.md.)
+__device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], const uint8_t *sV, int h) {
+    pv_wgmma(blk, p, smem_desc<SAGE_CUDA_BLOCK>(sV + h * 64 * SAGE_CUDA_BLOCK));
 }
 
 // O (64 × D, this thread's accumulator registers) → out (bf16) and lse for rows >= N skipped:
@@ -207,8 +199,8 @@ __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const
     }
 }
 
-// The producer thread's whole life: for each tile of this CTA, Q̂ (once the consumers hold the
-// previous tile's in registers), then every key block through the stages. `it` counts key
+// The producer thread's whole life: for each tile of this CTA, Q̂ (once every S wgmma of the
+// consumers' previous tile has completed), then every key block through the stages. `it` counts key
 // blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
 template <int D>
 __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
@@ -236,25 +228,23 @@ template <int D>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
                         __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int nblk, int ntq, int ntiles,
                         int wg) {
+    static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
     using S = Sm90Smem<D>;
     constexpr int BN = SAGE_CUDA_BLOCK;
-    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
+    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
     int it = 0, round_q = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, round_q++) {
         int bh = tile / ntq, qt = tile % ntq;
         // this warpgroup's 64 query rows are quantization block qb (past the last block in the
-        // last tile of an odd count: computed on stale Q̂ with a valid scale and not stored)
+        // last tile when nblk is not a multiple of 3: computed on stale Q̂ with a valid scale and
+        // not stored)
         int qb = min(qt * S::CONSUMERS + wg, nblk - 1);
         const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
         const float *k_scale = qv.k_scale + (size_t)bh * nblk;
-
-        uint32_t q[D / 32][4];
         mbar_wait(&bar->q_full, round_q & 1);
-        load_q_fragments<D>(q, sQ + wg * S::Q_BYTES, wq, g, c);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&bar->q_empty);
+        const uint64_t desc_q = smem_desc<D>(sQ + wg * S::Q_BYTES);
 
-        float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh)
+        float o[D / 2] = {}, blk[32];      // accumulator layouts of m64nD and m64n64 (wgmma.cuh)
         int s[32];                         // accumulator layout of m64n64
         float pf[32];                      // p' of block kb, accumulator layout
         uint32_t p[2][4];                  // P8 of block kb - 1 as k32 A fragments
@@ -264,7 +254,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         int stage = it % SM90_STAGES;
         mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
         wgmma_fence();
-        qk_wgmma<D>(s, q, smem_desc<D>(sK + stage * S::K_BYTES));
+        qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(s);
@@ -279,48 +269,61 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             stage = it % SM90_STAGES;
             mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
             wgmma_fence();
-            qk_wgmma<D>(s, q, smem_desc<D>(sK + stage * S::K_BYTES));
+            qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
             wgmma_commit();
-            pv_block_wgmma<D>(blk, p, smem_desc<BN>(sV + prev * S::V_BYTES));
+            pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 0);
             wgmma_commit();
-            wgmma_wait<1>();   // S of block kb done; blk of block kb - 1 may still run
+            wgmma_wait<1>();   // S of block kb done; the first half of P·V of block kb - 1 may still run
             reg_fence(s);
             scale = __fmul_rn(q_scale, k_scale[kb]);
             softmax_max(offset, alpha_next, m, l, s, scale, N - kb * BN, c);
+            wgmma_wait<0>();
+            reg_fence(blk);
+#pragma unroll
+            for (int i = 0; i < 32; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+            wgmma_fence();   // orders the reads of blk above before the second half overwrites it
+            pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 1);
+            wgmma_commit();
+            softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
             wgmma_wait<0>();
             reg_fence(blk);
             reg_fence(p[0]);
             reg_fence(p[1]);
             if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
 #pragma unroll
-            for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
-            softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
+            for (int i = 0; i < 32; i++) o[32 + i] = o[32 + i] * alpha[(i % 4) / 2] + blk[i];
 #pragma unroll
             for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
             pack_p8(p, pf);   // the P·V that read p has completed
         }
 
         // the last block's P·V
-        wgmma_fence();
-        pv_block_wgmma<D>(blk, p, smem_desc<BN>(sV + stage * S::V_BYTES));
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(blk);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            wgmma_fence();
+            pv_half_wgmma(blk, p, sV + stage * S::V_BYTES, h);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(blk);
+#pragma unroll
+            for (int i = 0; i < 32; i++) o[32 * h + i] = o[32 * h + i] * alpha[(i % 4) / 2] + blk[i];
+        }
         reg_fence(p[0]);
         reg_fence(p[1]);
-        if (lane == 0) mbar_arrive(&bar->kv_empty[stage]);
+        __syncwarp();
+        if (lane == 0) {
+            mbar_arrive(&bar->kv_empty[stage]);
+            mbar_arrive(&bar->q_empty);   // every S of this tile has completed
+        }
         it++;
-#pragma unroll
-        for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
-
-        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + g;
+        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + lane / 4;
         store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, row0, c);
     }
 }
 #endif
 
 // map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
-// B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/128)
+// B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/192)
 // tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2),
 // Sm90Smem<D>::THREADS threads, Sm90Smem<D>::TOTAL bytes.
 template <int D>
@@ -369,6 +372,7 @@ __global__ void __launch_bounds__(128, 2)
                            const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
                            SageCudaQuant qv, int N) {
 #ifdef SAGE_SM90_DEVICE
+    static_assert(D == 64, "the one-warpgroup kernel is the D = 64 layout (P·V over all 64 channels at once)");
     using S = Sm90WgSmem<D>;
     constexpr int BN = SAGE_CUDA_BLOCK;
     extern __shared__ uint8_t smem_raw[];
@@ -407,12 +411,8 @@ __global__ void __launch_bounds__(128, 2)
         const uint64_t desc_k = smem_desc<D>(sK + stage * S::K_BYTES);
         const uint64_t desc_v = smem_desc<BN>(sV + stage * S::V_BYTES);
 
-        // S = Q8·K8ᵀ: 64 × 64, D/32 steps of k32, Q̂ and K̂ from shared memory
         wgmma_fence();
-        wgmma_s8_m64n64k32<0>(s_acc, desc_q, desc_k);
-#pragma unroll
-        for (int ks = 1; ks < D / 32; ks++)
-            wgmma_s8_m64n64k32<1>(s_acc, desc_advance(desc_q, 32 * ks), desc_advance(desc_k, 32 * ks));
+        qk_wgmma<D>(s_acc, desc_q, desc_k);
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(s_acc);
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(128, 2)
         pack_p8(p, pf);
 
         wgmma_fence();
-        pv_block_wgmma<D>(blk, p, desc_v);
+        pv_wgmma(blk, p, desc_v);
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(blk);
