@@ -2,25 +2,34 @@
 // Same math as the mma.sync kernel of sage_forward.cu in FP8 mode (q_block = k_block = 64, so the
 // CPU definition with its defaults is the reference); it exists because on Hopper the e4m3
 // mma.sync is emulated through f16 HMMA and only wgmma runs 8-bit operands at the 8-bit rate.
+// Per 64-query block (one q_scale block) and key block kb (64 keys, one k_scale block):
+//   S = Q8·K8ᵀ     wgmma m64n64k32 s8, int32 accumulators
+//   online softmax in base 2 over the 64-key step of the definition (softmax_max, softmax_exp),
+//   P8 = e4m3(448·p) packed in registers straight from the S accumulators (pack_p8): the
+//        quantization pass stores V̂ᵀ with the tokens of each group of 16 in the A-fragment
+//        order (sage_cuda.h)
+//   blk = P8·V8    wgmma m64n64k32 e4m3 per 64 channels of D, A from registers, V̂ᵀ (K-major)
+//                  from shared memory
+//   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
+// and finally out = O·v_scale/l' and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
 //
-// Persistent, warp-specialized CTA (the FA3 structure), one per SM, looping over tiles of
-// 64 queries per consumer warpgroup × one head:
+// Two CTA layouts, each measured faster at its head dim (dev/notes_sage_fwd.md):
+// D = 128: sage_forward_sm90_kernel, persistent and warp-specialized (the FA3 structure), one
+//   CTA per SM looping over tiles of 192 queries × one head:
 //   producer warpgroup (registers given back by setmaxnreg): one thread drives the TMA unit:
-//     the tile's Q̂, then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared stages, each
-//     with a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer is done with
-//     it); the next tile's Q̂ as soon as the consumers hold the current one.
-//   consumer warpgroups (2 at D = 128, 3 at D = 64), 64 query rows each (one q_scale block), Q̂
-//     held in registers as the A fragments of the S wgmma. Per key block kb (64 keys, one
-//     k_scale block):
-//       S_kb = Q8·K8ᵀ        wgmma m64n64k32 s8, A from registers, int32 accumulators
-//       blk  = P8_{kb-1}·V8  wgmma m64nDk32 e4m3 of the previous block, A from registers
-//         (both issued together; the softmax of S_kb runs while blk is still in the tensor core)
-//       online softmax of S_kb in base 2 (softmax_step: the definition's per-64-key step),
-//         P8_kb = e4m3(448·p) packed in registers straight from the S accumulators (pack_p8):
-//         the quantization pass stores V̂ᵀ with the tokens of each group of 16 in the
-//         A-fragment order (sage_cuda.h)
-//       O = O·alpha_{kb-1} + blk   (the definition's two-level fp32 accumulation)
-// Finally out = O·v_scale/l' and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
+//     the tile's Q̂ (3 × 64 rows), then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared
+//     stages, each with a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer
+//     is done with it); the next tile's Q̂ once every consumer's last S of the tile has completed.
+//   3 consumer warpgroups (three warps per scheduler, so that one's softmax overlaps another's
+//     wgmmas), 64 query rows each, 160 registers: Q̂ stays in shared memory (S wgmma with both
+//     operands there) and P·V runs as two m64n64 halves of D (blk holds 32 columns). Per key block
+//     kb: S_kb and the first half of blk = P8_{kb-1}·V8 are issued together; the row max of S_kb
+//     runs while that half is in the tensor core; then O[:, 0:64] = O·alpha_{kb-1} + blk, the
+//     second half is issued, the exp2s of S_kb run while it is in the tensor core, and
+//     O[:, 64:128] = O·alpha_{kb-1} + blk.
+// D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 4 CTAs per SM
+//   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
+//   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other.
 #include <limits.h>
 #include "attention/sage_cuda.h"
 #include "attention/sage_mma.cuh"
@@ -28,18 +37,18 @@
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 
-#define SM90_STAGES 4         // K̂/V̂ tiles in flight
+#define SM90_STAGES 4         // K̂/V̂ tiles in flight (warp-specialized kernel)
+#define SM90_WG_STAGES 3      // K̂/V̂ tiles in flight (one-warpgroup kernel)
 #define SM90_PRODUCER_REGS 24 // what the producer warpgroup keeps (setmaxnreg)
 
-// The CTA's shape and shared memory; every tile is a whole number of 1024-byte swizzle atoms.
-// Consumer warpgroups: as many as their registers allow. The CTA starts with LAUNCH_REGS per
-// thread (the 64K registers of the SM over THREADS, in steps of 8); setmaxnreg can only hand the
-// consumers what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread: a consumer
-// asking for more waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS.
-// D = 128 needs ~210 per thread (O, blk, S, p', Q̂ fragments): 2 consumers, 168 → 240;
-// D = 64 ~135: 3 consumers, 128 → 160.
+// The warp-specialized CTA's shape and shared memory; every tile is a whole number of 1024-byte
+// swizzle atoms. A D = 128 consumer holds O (64 registers), half of blk (32), S or p' (32) and P8
+// (8): 157 registers with the rest, so 3 consumers. The CTA starts with LAUNCH_REGS per thread
+// (the SM's 64K registers over THREADS, in steps of 8); setmaxnreg can only hand the consumers
+// what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread; a consumer asking for more
+// waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS: 128 → 160.
 template <int D> struct Sm90Smem {
-    static constexpr int CONSUMERS = D == 128 ? 2 : 3;
+    static constexpr int CONSUMERS = 3;
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
     static constexpr int TILE_Q = SAGE_CUDA_BLOCK * CONSUMERS;   // query rows of one tile
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
@@ -51,36 +60,40 @@ template <int D> struct Sm90Smem {
     static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
 };
 
+// Shared memory of the one-warpgroup kernel: Q̂ and SM90_WG_STAGES stages of K̂, V̂ᵀ.
+template <int D> struct Sm90WgSmem {
+    static constexpr int Q_BYTES = SAGE_CUDA_BLOCK * D, K_BYTES = SAGE_CUDA_BLOCK * D, V_BYTES = D * SAGE_CUDA_BLOCK;
+    static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
+    static constexpr int TOTAL = 1024 + Q_BYTES + SM90_WG_STAGES * STAGE_BYTES;   // + alignment slack
+};
+
 // The CTA's mbarriers (static shared memory).
 struct Sm90Barriers {
     uint64_t q_full;                  // the tile's Q̂ landed (TMA bytes)
-    uint64_t q_empty;                 // every consumer warp holds Q̂ in registers
+    uint64_t q_empty;                 // every consumer warp's S wgmmas of the tile have completed
     uint64_t kv_full[SM90_STAGES];    // K̂, V̂ᵀ of a key block landed (TMA bytes)
     uint64_t kv_empty[SM90_STAGES];   // every consumer warp is done with the stage
 };
 
 #ifdef SAGE_SM90_DEVICE
-// blk (=|+=) a·V for one k32 step; D/2 accumulator registers.
-template <int D, int scale_d>
-__device__ __forceinline__ void pv_wgmma(float (&blk)[D / 2], const uint32_t a[4], uint64_t desc_v) {
-    if constexpr (D == 128) wgmma_e4m3_m64n128k32<scale_d>(blk, a, desc_v);
-    else wgmma_e4m3_m64n64k32<scale_d>(blk, a, desc_v);
-}
-
 #define LOG2_448 8.807354922057604f
 
 // Online softmax of one 64 × 64 block (this thread holds keys 8j + 2c + (e & 1) of rows g (e < 2)
-// and g + 8 (e >= 2) in s[4j + e]): the definition's per-64-key step, into p'[i] = 448·p (floats,
-// same layout) and the row statistics m, l' and alpha. Few instructions per element (the kernel
-// is issue-bound; the definition's order of operations cost ~12 per element, this ~7.5 at D = 128):
-// the row max is taken on the int32 S (rn is monotonic and scale >= 0, so rn(max S · scale) is
-// the definition's max, bit for bit), and p' = exp2(S·scale − (m − log2 448)) comes from one FFMA
-// and one ex2 per element, so P8 = e4m3(p') needs no ×448 and l' = Σ p' = 448·l (the epilogue
-// divides by l' and subtracts log2 448 from the lse). Differences from the definition:
-// S·scale − m rounded once instead of twice (~1e-7 relative in p). Keys >= N are handled only in
-// the tail block (`valid` < 64): left out of the max, p' = 0 after the exp2.
-__device__ __forceinline__ void softmax_step(float (&p)[32], float (&alpha)[2], float (&m)[2], float (&l)[2],
-                                             const int (&s)[32], float scale, int valid, int c) {
+// and g + 8 (e >= 2) in s[4j + e]): the definition's per-64-key step, in two halves so that the
+// caller can put the previous block's O update between them (the row max and its shuffles need S
+// only; the exp2s and the O update then share the issue slots while the ex2 unit is busy).
+// softmax_max: the row statistics m, alpha (and l *= alpha) and the exp2 offset;
+// softmax_exp: p'[i] = 448·p (floats, same layout) and l += Σ p'.
+// Few instructions per element (the kernel is issue-bound; the definition's order of operations
+// cost ~12 per element, this ~7.5 at D = 128): the row max is taken on the int32 S (rn is monotonic
+// and scale >= 0, so rn(max S · scale) is the definition's max, bit for bit), and
+// p' = exp2(S·scale − (m − log2 448)) comes from one FFMA and one ex2 per element, so P8 = e4m3(p')
+// needs no ×448 and l' = Σ p' = 448·l (the epilogue divides by l' and subtracts log2 448 from the
+// lse). Differences from the definition: S·scale − m rounded once instead of twice (~1e-7
+// relative in p). Keys >= N are handled only in the tail block (`valid` < 64): left out of the
+// max, p' = 0 after the exp2.
+__device__ __forceinline__ void softmax_max(float (&offset)[2], float (&alpha)[2], float (&m)[2], float (&l)[2],
+                                            const int (&s)[32], float scale, int valid, int c) {
     int smax[2] = {INT_MIN, INT_MIN};
     if (valid < SAGE_CUDA_BLOCK) {
 #pragma unroll
@@ -90,7 +103,6 @@ __device__ __forceinline__ void softmax_step(float (&p)[32], float (&alpha)[2], 
 #pragma unroll
         for (int i = 0; i < 32; i++) smax[(i % 4) / 2] = max(smax[(i % 4) / 2], s[i]);
     }
-    float offset[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         smax[r] = max(smax[r], __shfl_xor_sync(0xffffffffu, smax[r], 1));
@@ -101,6 +113,9 @@ __device__ __forceinline__ void softmax_step(float (&p)[32], float (&alpha)[2], 
         l[r] *= alpha[r];
         offset[r] = LOG2_448 - m_new;
     }
+}
+__device__ __forceinline__ void softmax_exp(float (&p)[32], float (&l)[2], const int (&s)[32], float scale,
+                                            const float (&offset)[2], int valid, int c) {
 #pragma unroll
     for (int i = 0; i < 32; i++) p[i] = exp2f(fmaf((float)s[i], scale, offset[(i % 4) / 2]));
     if (valid < SAGE_CUDA_BLOCK) {
@@ -126,7 +141,7 @@ __device__ __forceinline__ void pack_p8(uint32_t (&a)[2][4], const float (&p)[32
         }
 }
 
-// Producer thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 bytes),
+// TMA thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 bytes),
 // into `stage`.
 template <int D>
 __device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *full, const CUtensorMap *map_k,
@@ -137,33 +152,28 @@ __device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *full
     tma_load_2d(sV, map_v, full, kb * SAGE_CUDA_BLOCK, bh * D);
 }
 
-// Consumer warp `wq` of a warpgroup: its 16 rows of the 64 × D tile Q̂ (swizzled as TMA wrote it)
-// as the D/32 k32 A fragments of the S wgmma: q[ks][0] row 16wq + g, bytes 32ks + 4c..+3;
-// q[ks][1] row + 8; q[ks][2], q[ks][3] the same rows 16 bytes further.
+// S = Q8·K8ᵀ (64 × 64 int32) over D/32 k32 steps, Q̂ and K̂ (one stage) from shared memory.
 template <int D>
-__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[D / 32][4], const uint8_t *sQ, int wq, int g, int c) {
+__device__ __forceinline__ void qk_wgmma(int (&s)[32], uint64_t desc_q, uint64_t desc_k) {
+    wgmma_s8_m64n64k32<0>(s, desc_q, desc_k);
 #pragma unroll
-    for (int ks = 0; ks < D / 32; ks++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int row = 16 * wq + g + 8 * (i & 1), col = 32 * ks + 16 * (i / 2) + 4 * c;
-            q[ks][i] = *(const uint32_t *)(sQ + swizzle_offset<D>(row * D + col));
-        }
+    for (int ks = 1; ks < D / 32; ks++)
+        wgmma_s8_m64n64k32<1>(s, desc_advance(desc_q, 32 * ks), desc_advance(desc_k, 32 * ks));
 }
 
-// S = Q8·K8ᵀ (64 × 64 int32) over D/32 k32 steps, A = the Q̂ fragments, B = K̂ of one stage.
-template <int D>
-__device__ __forceinline__ void qk_wgmma(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_k) {
-    wgmma_s8_m64n64k32_rs<0>(s, q[0], desc_k);
-#pragma unroll
-    for (int ks = 1; ks < D / 32; ks++) wgmma_s8_m64n64k32_rs<1>(s, q[ks], desc_advance(desc_k, 32 * ks));
+// blk = P8·V8 for 64 output channels over one block's 64 keys (two k32 steps, m64n64k32 e4m3):
+// desc_v addresses those channels' 64 rows of V̂ᵀ (rows of 64 bytes, K-major) in one stage. The
+// D = 64 kernel takes all of V̂ᵀ at once.
+__device__ __forceinline__ void pv_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], uint64_t desc_v) {
+    wgmma_e4m3_m64n64k32<0>(blk, p[0], desc_v);
+    wgmma_e4m3_m64n64k32<1>(blk, p[1], desc_advance(desc_v, 32));
 }
-
-// blk = P8·V8 over one block's 64 keys (two k32 steps), V̂ᵀ K-major in one stage.
-template <int D>
-__device__ __forceinline__ void pv_block_wgmma(float (&blk)[D / 2], const uint32_t (&p)[2][4], uint64_t desc_v) {
-    pv_wgmma<D, 0>(blk, p[0], desc_v);
-    pv_wgmma<D, 1>(blk, p[1], desc_advance(desc_v, 32));
+// Half h (channels 64h..64h + 63, 4096 bytes into the stage's V̂ᵀ at sV) of a D = 128 P·V; blk[i]
+// is then o[32h + i] of the m64n128 accumulator layout. (Per output value the same 64-term dot
+// product as one m64n128 wgmma; the tensor core's fp32 rounding inside a k32 step can differ in
+// the last bit: O within rel L2 5e-7 of the m64n128 version, dev/notes_sage_fwd.md.)
+__device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], const uint8_t *sV, int h) {
+    pv_wgmma(blk, p, smem_desc<SAGE_CUDA_BLOCK>(sV + h * 64 * SAGE_CUDA_BLOCK));
 }
 
 // O (64 × D, this thread's accumulator registers) → out (bf16) and lse for rows >= N skipped:
@@ -189,8 +199,8 @@ __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const
     }
 }
 
-// The producer thread's whole life: for each tile of this CTA, Q̂ (once the consumers hold the
-// previous tile's in registers), then every key block through the stages. `it` counts key
+// The producer thread's whole life: for each tile of this CTA, Q̂ (once every S wgmma of the
+// consumers' previous tile has completed), then every key block through the stages. `it` counts key
 // blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
 template <int D>
 __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
@@ -218,25 +228,23 @@ template <int D>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
                         __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int nblk, int ntq, int ntiles,
                         int wg) {
+    static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
     using S = Sm90Smem<D>;
     constexpr int BN = SAGE_CUDA_BLOCK;
-    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
+    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
     int it = 0, round_q = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, round_q++) {
         int bh = tile / ntq, qt = tile % ntq;
         // this warpgroup's 64 query rows are quantization block qb (past the last block in the
-        // last tile of an odd count: computed on stale Q̂ with a valid scale and not stored)
+        // last tile when nblk is not a multiple of 3: computed on stale Q̂ with a valid scale and
+        // not stored)
         int qb = min(qt * S::CONSUMERS + wg, nblk - 1);
         const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
         const float *k_scale = qv.k_scale + (size_t)bh * nblk;
-
-        uint32_t q[D / 32][4];
         mbar_wait(&bar->q_full, round_q & 1);
-        load_q_fragments<D>(q, sQ + wg * S::Q_BYTES, wq, g, c);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&bar->q_empty);
+        const uint64_t desc_q = smem_desc<D>(sQ + wg * S::Q_BYTES);
 
-        float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh)
+        float o[D / 2] = {}, blk[32];      // accumulator layouts of m64nD and m64n64 (wgmma.cuh)
         int s[32];                         // accumulator layout of m64n64
         float pf[32];                      // p' of block kb, accumulator layout
         uint32_t p[2][4];                  // P8 of block kb - 1 as k32 A fragments
@@ -246,11 +254,13 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         int stage = it % SM90_STAGES;
         mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
         wgmma_fence();
-        qk_wgmma<D>(s, q, smem_desc<D>(sK + stage * S::K_BYTES));
+        qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(s);
-        softmax_step(pf, alpha, m, l, s, __fmul_rn(q_scale, k_scale[0]), N, c);
+        float offset[2], scale = __fmul_rn(q_scale, k_scale[0]);
+        softmax_max(offset, alpha, m, l, s, scale, N, c);
+        softmax_exp(pf, l, s, scale, offset, N, c);
         pack_p8(p, pf);
 
         for (int kb = 1; kb < nblk; kb++) {
@@ -259,48 +269,63 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             stage = it % SM90_STAGES;
             mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
             wgmma_fence();
-            qk_wgmma<D>(s, q, smem_desc<D>(sK + stage * S::K_BYTES));
+            qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
             wgmma_commit();
-            pv_block_wgmma<D>(blk, p, smem_desc<BN>(sV + prev * S::V_BYTES));
+            pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 0);
             wgmma_commit();
-            wgmma_wait<1>();   // S of block kb done; blk of block kb - 1 may still run
+            wgmma_wait<1>();   // S of block kb done; the first half of P·V of block kb - 1 may still run
             reg_fence(s);
-            softmax_step(pf, alpha_next, m, l, s, __fmul_rn(q_scale, k_scale[kb]), N - kb * BN, c);
+            scale = __fmul_rn(q_scale, k_scale[kb]);
+            softmax_max(offset, alpha_next, m, l, s, scale, N - kb * BN, c);
+            wgmma_wait<0>();
+            reg_fence(blk);
+#pragma unroll
+            for (int i = 0; i < 32; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+            wgmma_fence();   // orders the reads of blk above before the second half overwrites it
+            pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 1);
+            wgmma_commit();
+            softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
             wgmma_wait<0>();
             reg_fence(blk);
             reg_fence(p[0]);
             reg_fence(p[1]);
             if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
 #pragma unroll
-            for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+            for (int i = 0; i < 32; i++) o[32 + i] = o[32 + i] * alpha[(i % 4) / 2] + blk[i];
 #pragma unroll
             for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
             pack_p8(p, pf);   // the P·V that read p has completed
         }
 
         // the last block's P·V
-        wgmma_fence();
-        pv_block_wgmma<D>(blk, p, smem_desc<BN>(sV + stage * S::V_BYTES));
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(blk);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            wgmma_fence();
+            pv_half_wgmma(blk, p, sV + stage * S::V_BYTES, h);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(blk);
+#pragma unroll
+            for (int i = 0; i < 32; i++) o[32 * h + i] = o[32 * h + i] * alpha[(i % 4) / 2] + blk[i];
+        }
         reg_fence(p[0]);
         reg_fence(p[1]);
-        if (lane == 0) mbar_arrive(&bar->kv_empty[stage]);
+        __syncwarp();
+        if (lane == 0) {
+            mbar_arrive(&bar->kv_empty[stage]);
+            mbar_arrive(&bar->q_empty);   // every S of this tile has completed
+        }
         it++;
-#pragma unroll
-        for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
-
-        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + g;
+        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + lane / 4;
         store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, row0, c);
     }
 }
 #endif
 
 // map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
-// B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/128)
-// tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2), Sm90Smem<D>::THREADS
-// threads, Sm90Smem<D>::TOTAL bytes.
+// B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/192)
+// tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2),
+// Sm90Smem<D>::THREADS threads, Sm90Smem<D>::TOTAL bytes.
 template <int D>
 __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
@@ -338,32 +363,134 @@ __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
 #endif
 }
 
+// D = 64: one warpgroup per (64-query block qb = blockIdx.x, head bh = blockIdx.y), 128 threads,
+// Sm90WgSmem<D>::TOTAL bytes; maps as above. Thread 0 loads Q̂ once and refills each stage with
+// key block kb + SM90_WG_STAGES when both wgmma batches of block kb have completed.
+template <int D>
+__global__ void __launch_bounds__(128, 2)
+    sage_forward_wg_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                           const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
+                           SageCudaQuant qv, int N) {
+#ifdef SAGE_SM90_DEVICE
+    static_assert(D == 64, "the one-warpgroup kernel is the D = 64 layout (P·V over all 64 channels at once)");
+    using S = Sm90WgSmem<D>;
+    constexpr int BN = SAGE_CUDA_BLOCK;
+    extern __shared__ uint8_t smem_raw[];
+    __shared__ uint64_t bar_q, bar_kv[SM90_WG_STAGES];
+    uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    uint8_t *sK = sQ + S::Q_BYTES, *sV = sK + SM90_WG_STAGES * S::K_BYTES;
+    int bh = blockIdx.y, qb = blockIdx.x, nblk = gridDim.x, tid = threadIdx.x;
+    int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+
+    if (tid == 0) {
+        mbar_init(&bar_q, 1);
+        for (int s = 0; s < SM90_WG_STAGES; s++) mbar_init(&bar_kv[s], 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        mbar_expect_bytes(&bar_q, S::Q_BYTES);
+        tma_load_2d(sQ, &map_q, &bar_q, 0, bh * N + qb * BN);
+        for (int s = 0; s < SM90_WG_STAGES && s < nblk; s++)
+            load_kv<D>(sK + s * S::K_BYTES, sV + s * S::V_BYTES, &bar_kv[s], &map_k, &map_v, bh, N, s);
+    }
+
+    const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
+    const float *k_scale = qv.k_scale + (size_t)bh * nblk;
+    float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh)
+    int s_acc[32];                     // accumulator layout of m64n64
+    float pf[32];
+    uint32_t p[2][4];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
+    mbar_wait(&bar_q, 0);
+    const uint64_t desc_q = smem_desc<D>(sQ);
+
+    for (int kb = 0; kb < nblk; kb++) {
+        int stage = kb % SM90_WG_STAGES;
+        mbar_wait(&bar_kv[stage], (kb / SM90_WG_STAGES) & 1);
+        const uint64_t desc_k = smem_desc<D>(sK + stage * S::K_BYTES);
+        const uint64_t desc_v = smem_desc<BN>(sV + stage * S::V_BYTES);
+
+        wgmma_fence();
+        qk_wgmma<D>(s_acc, desc_q, desc_k);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s_acc);
+
+        float offset[2], scale = __fmul_rn(q_scale, k_scale[kb]);
+        softmax_max(offset, alpha, m, l, s_acc, scale, N - kb * BN, c);
+        softmax_exp(pf, l, s_acc, scale, offset, N - kb * BN, c);
+        pack_p8(p, pf);
+
+        wgmma_fence();
+        pv_wgmma(blk, p, desc_v);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(blk);
+        reg_fence(p[0]);
+        reg_fence(p[1]);
+        if (tid == 0 && kb + SM90_WG_STAGES < nblk)   // the stage is free: both wgmma batches completed
+            load_kv<D>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v, bh,
+                       N, kb + SM90_WG_STAGES);
+#pragma unroll
+        for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+    }
+    store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, qb * BN + warp * 16 + g, c);
+#else
+    __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
+#endif
+}
+
 extern "C" int sage_forward_sm90_available(void) {
     return sm90_kernel_available((const void *)sage_forward_sm90_kernel<128>);
 }
 
+// The tensor maps of q8, k8 and v_t (the layouts the kernels expect, see above).
 template <int D>
-static int launch_sm90(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N, cudaStream_t stream,
-                       char *err) {
-    int nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    uint64_t npad = (uint64_t)nblk * SAGE_CUDA_BLOCK, rows = (uint64_t)BH * N;
-    CUtensorMap map_q, map_k, map_v;
-    if (tma_map_2d_bytes(&map_q, qv->q8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 q8", err) ||
-        tma_map_2d_bytes(&map_k, qv->k8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 k8", err) ||
-        tma_map_2d_bytes(&map_v, qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "sage_forward_sm90 v_t", err))
+static int make_maps(CUtensorMap maps[3], const SageCudaQuant *qv, int BH, int N, char *err) {
+    uint64_t npad = (uint64_t)(N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK * SAGE_CUDA_BLOCK, rows = (uint64_t)BH * N;
+    if (tma_map_2d_bytes(&maps[0], qv->q8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 q8", err) ||
+        tma_map_2d_bytes(&maps[1], qv->k8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 k8", err) ||
+        tma_map_2d_bytes(&maps[2], qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "sage_forward_sm90 v_t", err))
         return -1;
-    int bytes = Sm90Smem<D>::TOTAL, dev, sms;
+    return 0;
+}
+
+// D = 128: the persistent warp-specialized kernel, at most one CTA per SM.
+static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
+                                   cudaStream_t stream, char *err) {
+    constexpr int D = 128;
+    using S = Sm90Smem<D>;
+    CUtensorMap maps[3];
+    int bytes = S::TOTAL, dev, sms, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
+    if (make_maps<D>(maps, qv, BH, N, err)) return -1;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_sm90_kernel max dynamic smem)");
     SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
     SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), err,
                     "cudaDeviceGetAttribute(multiprocessor count)");
-    long long tiles = (long long)BH * ((nblk + Sm90Smem<D>::CONSUMERS - 1) / Sm90Smem<D>::CONSUMERS);
+    long long tiles = (long long)BH * ((nblk + S::CONSUMERS - 1) / S::CONSUMERS);
     int grid = (int)(tiles < sms ? tiles : sms);
-    sage_forward_sm90_kernel<D><<<grid, Sm90Smem<D>::THREADS, bytes, stream>>>(map_q, map_k, map_v, (__nv_bfloat16 *)out,
-                                                                       lse, *qv, N, BH);
+    sage_forward_sm90_kernel<D><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
+                                                                     (__nv_bfloat16 *)out, lse, *qv, N, BH);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
+    return 0;
+}
+
+// D = 64: the one-warpgroup kernel, one CTA per (64-query block, head).
+static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
+                                cudaStream_t stream, char *err) {
+    constexpr int D = 64;
+    CUtensorMap maps[3];
+    int bytes = Sm90WgSmem<D>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
+    if (make_maps<D>(maps, qv, BH, N, err)) return -1;
+    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_wg_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         bytes),
+                    err, "cudaFuncSetAttribute(sage_forward_wg_kernel max dynamic smem)");
+    sage_forward_wg_kernel<D><<<dim3(nblk, BH), 128, bytes, stream>>>(maps[0], maps[1], maps[2],
+                                                                      (__nv_bfloat16 *)out, lse, *qv, N);
+    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_wg_kernel");
     return 0;
 }
 
@@ -384,8 +511,8 @@ extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace
     }
     if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, SAGE_PV_FP8, stream, err) != 0) return -1;
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, SAGE_PV_FP8);
-    return D == 64 ? launch_sm90<64>(out, lse, &qv, B * H, N, stream, err)
-                   : launch_sm90<128>(out, lse, &qv, B * H, N, stream, err);
+    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, stream, err)
+                   : launch_warp_specialized(out, lse, &qv, B * H, N, stream, err);
 }
 
 extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
@@ -403,6 +530,6 @@ extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const
         return -1;
     }
     SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, SAGE_PV_FP8);
-    return D == 64 ? launch_sm90<64>(out, lse, &qv, B * H, N, stream, err)
-                   : launch_sm90<128>(out, lse, &qv, B * H, N, stream, err);
+    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, stream, err)
+                   : launch_warp_specialized(out, lse, &qv, B * H, N, stream, err);
 }

@@ -1,9 +1,9 @@
 // The Hopper sage forward (attention/sage_forward_sm90.cu) beyond test_sage_cuda.c: the persistent
 // tile loop and the producer/consumer stage pipeline of its D = 128 kernel, which runs one CTA per
-// SM over tiles of 128 queries × one head. The D = 128 case has more tiles than the H200 has SMs
-// (132), so CTAs loop over several tiles, an odd number of 64-query blocks per head (the second
-// consumer warpgroup of each head's last tile has no rows) and N not a multiple of 64; the D = 64
-// case (the one-warpgroup kernel) has many heads and a short tail block. Against the CPU
+// SM over tiles of 192 queries (3 consumer warpgroups × 64) × one head. The D = 128 case has more
+// tiles than the H200 has SMs (132), so CTAs loop over several tiles, and N not a multiple of 64
+// (tiles whose last consumer warpgroups have no rows: test_sage_cuda's N = 70, 200, 1024, 4096);
+// the D = 64 case (the one-warpgroup kernel) has many heads and a short tail block. Against the CPU
 // definition (sage_cpu.c with q_block = k_block = 64) with test_sage_cuda's tolerances (rel L2 of
 // the bf16 outputs < 2e-3, lse max abs diff < 1e-3), and run twice for bit-identical results (a
 // race between the producer and the consumers would show up as a difference). Skips without an
@@ -102,8 +102,8 @@ static void check_many_tiles(int B, int H, int N, int D) {
     free_inputs(&in);
 }
 
-// 300 tiles (2 per head, the second with one 64-query block), N = 130: three key blocks, the last
-// with 2 keys.
+// 150 tiles (one per head: three 64-query blocks, one per consumer warpgroup), N = 130: three key
+// blocks, the last with 2 keys.
 Test(sage_forward_sm90, many_tiles_odd_blocks_d128, .timeout = 120) {
     SKIP_WITHOUT_SM90();
     check_many_tiles(2, 75, 130, 128);
