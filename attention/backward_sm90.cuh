@@ -168,6 +168,26 @@ __device__ __forceinline__ int warpgroup_now() {
     return t / 128;
 }
 
+// Pᵀ = exp2(s - lse) of this thread's 32 elements: keys kr (e < 2), kr + 8, queries
+// q0 + 8j + 2c + (e & 1); s = rn((float)s_acc·scale) (sage) or p·c_log2 (flash: Sᵀ in p).
+// MASK: 0 at keys or queries >= N (not needed when the whole tile is inside).
+template <bool SAGE, bool MASK>
+__device__ __forceinline__ void exp2_scores(float (&p)[32], const int (&s_acc)[32], float scale, float c_log2,
+                                            const float *s_lse, int c, int q0, int N, const bool (&key_valid)[2]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int q = 8 * j + 2 * c;
+        float2 lse = *(const float2 *)(s_lse + q);
+        const bool query_valid[2] = {q0 + q < N, q0 + q + 1 < N};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float x = SAGE ? __fmul_rn((float)s_acc[4 * j + e], scale) - (e & 1 ? lse.y : lse.x)
+                           : fmaf(p[4 * j + e], c_log2, -(e & 1 ? lse.y : lse.x));
+            p[4 * j + e] = !MASK || (key_valid[e / 2] && query_valid[e & 1]) ? exp2f(x) : 0.0f;
+        }
+    }
+}
+
 // d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
 template <int D, int scale_d>
 __device__ __forceinline__ void dq_wgmma(float (&d)[D / 4], uint64_t desc_a, uint64_t desc_b) {
@@ -352,8 +372,9 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
         mbar_wait(&bar.full[stage], (qb >> 1) & 1);
         const float scale = SAGE ? __fmul_rn(a.qv.q_scale[(size_t)bh * nqb + qb], k_scale) : 0.0f;
 
-        // Sᵀ (K̂·Q̂ᵀ or K·Qᵀ) and dPᵀ = V·dOᵀ (64 keys × 64 queries each), one batch; bf16 k16 step
-        // kk of the 128-byte-row tiles (Q, dO, V) is in box kk/4 at +32 bytes per step in its rows
+        // Sᵀ (K̂·Q̂ᵀ or K·Qᵀ) and dPᵀ = V·dOᵀ (64 keys × 64 queries each) in two groups, so that
+        // Pᵀ = exp2(..) runs while dPᵀ is still in the tensor cores; bf16 k16 step kk of the
+        // 128-byte-row tiles (Q, dO, V) is in box kk/4 at +32 bytes per step in its rows
         int s_acc[32] = {};         // sage's Sᵀ
         float p[32], dp[32] = {};   // flash's Sᵀ; then Pᵀ
         const uint64_t desc_q8 = SAGE ? smem_desc<D>(st + S::Q8) : 0;
@@ -373,6 +394,7 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
                 else wgmma_bf16_m64n64k16_ss<1, 0, 0>(p, da, db);
             }
         }
+        wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             uint64_t da = smem_desc<128>(sm + S::V + (kk / 4) * BWD90_KEYS * 128 + 64 * wg * 128 + (kk % 4) * 32);
@@ -381,25 +403,22 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
             else wgmma_bf16_m64n64k16_ss<1, 0, 0>(dp, da, db);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();   // Sᵀ done, dPᵀ may still run
         if constexpr (SAGE) reg_fence(s_acc);
         else reg_fence(p);
-        reg_fence(dp);
 
-        // Pᵀ and dSᵀ; this thread holds keys kr (e < 2), kr + 8 and queries 8j + 2c + (e & 1)
+        // Pᵀ, then (once dPᵀ is done) dSᵀ; this thread holds keys kr (e < 2), kr + 8 and queries
+        // 8j + 2c + (e & 1)
         const float *s_lse = (const float *)(st + S::LSE), *s_delta = (const float *)(st + S::DELTA);
+        exp2_scores<SAGE, true>(p, s_acc, scale, c_log2, s_lse, c, q0, N, key_valid);
+        reg_fence(p);      // the exp2 before the wait in the PTX (ptxas may still move some after it)
+        wgmma_wait<0>();   // dPᵀ done
+        reg_fence(dp);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            int q = 8 * j + 2 * c;
-            float2 lse = *(const float2 *)(s_lse + q), delta = *(const float2 *)(s_delta + q);
-            const bool query_valid[2] = {q0 + q < N, q0 + q + 1 < N};
+            float2 delta = *(const float2 *)(s_delta + 8 * j + 2 * c);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = SAGE ? __fmul_rn((float)s_acc[4 * j + e], scale) - (e & 1 ? lse.y : lse.x)
-                               : fmaf(p[4 * j + e], c_log2, -(e & 1 ? lse.y : lse.x));
-                p[4 * j + e] = key_valid[e / 2] && query_valid[e & 1] ? exp2f(x) : 0.0f;
-                dp[4 * j + e] = p[4 * j + e] * (dp[4 * j + e] - (e & 1 ? delta.y : delta.x));
-            }
+            for (int e = 0; e < 4; e++) dp[4 * j + e] = p[4 * j + e] * (dp[4 * j + e] - (e & 1 ? delta.y : delta.x));
         }
         // bf16 A fragments, k16 step t = queries 16t..16t+15 (accumulator columns 2t, 2t+1); dSᵀ
         // also to shared memory (rows = keys, 64 queries = 128 bytes), the MN-major A of dQ. One
@@ -418,15 +437,14 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
             }
         fence_proxy_async();
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q: dO and Q rows are MN-major B (16 queries = 2 groups of 8 rows)
+        // FA3's order: dV (RS); the one barrier (dSᵀ of both warpgroups in shared memory); dQ (SS);
+        // wait for dV; dK (RS); wait for dQ and store it while dK runs. dO and Q rows are the
+        // MN-major B of dV and dK (16 queries = 2 groups of 8 rows).
         wgmma_fence();
 #pragma unroll
-        for (int t = 0; t < 4; t++) {
-            dkv_wgmma<D>(dv, pa[t], smem_desc_mn<128>(st + S::DO + t * 2048, BWD90_QUERIES * 128));
-            dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
-        }
+        for (int t = 0; t < 4; t++) dkv_wgmma<D>(dv, pa[t], smem_desc_mn<128>(st + S::DO + t * 2048, BWD90_QUERIES * 128));
         wgmma_commit();
-        named_barrier_sync(BWD90_BAR_DS, BWD90_THREADS);   // dSᵀ of both warpgroups in shared memory
+        named_barrier_sync(BWD90_BAR_DS, BWD90_THREADS);
 
         // dQ[:, wg·D/2 ..] = dS·K over the 128 keys (sage: k - k_mean), 16 keys per k-step
         float dq[D / 4] = {};
@@ -439,23 +457,28 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
             else dq_wgmma<D, 1>(dq, desc_a, desc_b);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();   // dV done
         reg_fence(dv);
-        reg_fence(dk);
-        reg_fence(dq);
 #pragma unroll
-        for (int t = 0; t < 4; t++) {
-            reg_fence(pa[t]);
-            reg_fence(dsa[t]);
-        }
-        // every thread arrives after its own last read of the stage (lse, delta; its wgmma reads are
-        // complete): one arrival per warp after a __syncwarp is as correct, but racecheck cannot
-        // follow the ordering through the warp barrier and reports the loader's next lse stores
-        mbar_arrive(&bar.empty[stage]);
+        for (int t = 0; t < 4; t++) reg_fence(pa[t]);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < 4; t++) dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
+        wgmma_commit();
+        wgmma_wait<1>();   // dQ done, dK may still run
+        reg_fence(dq);
         if (qb > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);   // the writer has read our half
         store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
         fence_proxy_async();
         named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
+        wgmma_wait<0>();   // dK done
+        reg_fence(dk);
+#pragma unroll
+        for (int t = 0; t < 4; t++) reg_fence(dsa[t]);
+        // every thread arrives after its own last read of the stage (lse, delta; its wgmma reads are
+        // complete): one arrival per warp after a __syncwarp is as correct, but racecheck cannot
+        // follow the ordering through the warp barrier and reports the loader's next lse stores
+        mbar_arrive(&bar.empty[stage]);
     }
 
 #pragma unroll
