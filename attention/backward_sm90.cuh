@@ -188,6 +188,30 @@ __device__ __forceinline__ void exp2_scores(float (&p)[32], const int (&s_acc)[3
     }
 }
 
+// After the dK product of a step (its last wgmma reading the stage: wait for it; dk and its A
+// fragments dsa are then final): every consumer thread arrives on the stage's empty barrier after
+// its own last read of it (lse, delta). One arrival per warp after a __syncwarp is as correct,
+// but racecheck cannot follow the ordering through the warp barrier and reports the loader's
+// next lse stores.
+template <int n>
+__device__ __forceinline__ void release_stage(uint64_t *empty, float (&dk)[n], uint32_t (&dsa)[4][4]) {
+    wgmma_wait<0>();
+    reg_fence(dk);
+#pragma unroll
+    for (int t = 0; t < 4; t++) reg_fence(dsa[t]);
+    mbar_arrive(empty);
+}
+
+// dq·scale of step qb into this warpgroup's half of the dQ tile, once the writer has read the
+// previous one (qb > 0), then handed to the writer.
+template <int D>
+__device__ __forceinline__ void hand_dq_half(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale, int qb) {
+    if (qb > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);
+    store_dq_tile_folded<D>(tile, wg, dq, scale);
+    fence_proxy_async();
+    named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
+}
+
 // d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
 template <int D, int scale_d>
 __device__ __forceinline__ void dq_wgmma(float (&d)[D / 4], uint64_t desc_a, uint64_t desc_b) {
@@ -410,7 +434,8 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
         // Pᵀ, then (once dPᵀ is done) dSᵀ; this thread holds keys kr (e < 2), kr + 8 and queries
         // 8j + 2c + (e & 1)
         const float *s_lse = (const float *)(st + S::LSE), *s_delta = (const float *)(st + S::DELTA);
-        exp2_scores<SAGE, true>(p, s_acc, scale, c_log2, s_lse, c, q0, N, key_valid);
+        if (k0 + BWD90_KEYS <= N && q0 + BWD90_QUERIES <= N) exp2_scores<SAGE, false>(p, s_acc, scale, c_log2, s_lse, c, q0, N, key_valid);
+        else exp2_scores<SAGE, true>(p, s_acc, scale, c_log2, s_lse, c, q0, N, key_valid);
         reg_fence(p);      // the exp2 before the wait in the PTX (ptxas may still move some after it)
         wgmma_wait<0>();   // dPᵀ done
         reg_fence(dp);
@@ -467,18 +492,16 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
         wgmma_commit();
         wgmma_wait<1>();   // dQ done, dK may still run
         reg_fence(dq);
-        if (qb > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);   // the writer has read our half
-        store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
-        fence_proxy_async();
-        named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
-        wgmma_wait<0>();   // dK done
-        reg_fence(dk);
-#pragma unroll
-        for (int t = 0; t < 4; t++) reg_fence(dsa[t]);
-        // every thread arrives after its own last read of the stage (lse, delta; its wgmma reads are
-        // complete): one arrival per warp after a __syncwarp is as correct, but racecheck cannot
-        // follow the ordering through the warp barrier and reports the loader's next lse stores
-        mbar_arrive(&bar.empty[stage]);
+        // The stage goes back to the loader once dK is done. Unordered dQ: our half of the dQ tile
+        // is normally free again, so it is stored while dK runs; ordered dQ: the writer hands it
+        // back only after the turn of block qb - 1 came, so the stage is released before waiting.
+        if (a.dq_turn) {
+            release_stage(&bar.empty[stage], dk, dsa);
+            hand_dq_half<D>(sm + S::DQ, wg, dq, inv_sqrt_d, qb);
+        } else {
+            hand_dq_half<D>(sm + S::DQ, wg, dq, inv_sqrt_d, qb);
+            release_stage(&bar.empty[stage], dk, dsa);
+        }
     }
 
 #pragma unroll
