@@ -57,9 +57,11 @@
 
 // Shared memory of one CTA (after aligning its start to 1024 bytes). bf16 tiles of D = 128 are
 // boxes of 64 columns (128-byte rows). SCORES_BF16 has no int8 tiles. A step takes QS queries,
-// H = QS / 64 blocks of 64 (FA3's 128 × 128 tile at D = 64; at D = 128 the registers allow 64).
+// H = QS / 64 blocks of 64: 128 (FA3's 128 × 128 tile) for bf16 at D = 64 only; at D = 128 the
+// registers allow 64, and sage at D = 64 spills with 128 (15% slower on the H200, notes_bwd_plan).
 template <int D, int SCORES> struct Bwd90Smem {
-    static constexpr int QS = D == 64 ? 2 * BWD90_QUERIES : BWD90_QUERIES, H = QS / BWD90_QUERIES;
+    static constexpr int QS = D == 64 && SCORES == SCORES_BF16 ? 2 * BWD90_QUERIES : BWD90_QUERIES;
+    static constexpr int H = QS / BWD90_QUERIES;
     static constexpr int I8 = SCORES == SCORES_SAGE;               // 1: the int8 K̂, Q̂ tiles exist
     static constexpr int K8 = 0;                                   // K̂: 128 keys × D int8
     static constexpr int V = K8 + I8 * BWD90_KEYS * D;             // V: D/64 boxes of 128 keys × 64 bf16

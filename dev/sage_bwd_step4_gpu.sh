@@ -8,7 +8,8 @@
 #       builds .devrun_step4/ (git-ignored) from this tree: compare_bwd90 (dev/compare_bwd90.c,
 #       linked with REF's sage_backward_sm90.cu and flash_backward_sm90.cu built from
 #       `git archive REF` with the entry points and the kernel renamed ref_*), the same for the
-#       variant nos5 (64-query steps at D = 64 too: the fallback if step 5 fails) and planted-bug
+#       variant nos5 (64-query steps for flash at D = 64 too; call 3 of the notes ran the script
+#       when step 5 covered sage D = 64 as well: then nos5 was today's sage) and planted-bug
 #       builds (sed-modified copies of backward_sm90.cuh, never committed):
 #         noempty   the loader does not wait for the consumers to release a stage   (must FAIL or hang)
 #         nods      the consumers skip the named barrier before dQ reads dSᵀ          (must FAIL)
@@ -31,6 +32,9 @@
 #       run(command="bash .devrun_step4/sage_bwd_step4_gpu.sh run", carry=[".devrun_step4", ".devlibs"], timeout_s=170)
 #       logs to $OUT: gpu.txt, compare*.log (must PASS 40/40), planted_*.log, test_*.log,
 #       synccheck.log, racecheck*.log, bench_abc.log; summary.txt.
+#   profile (call 2 of the notes): one sage backward at D = 128, N = 16K of a library, for Nsight
+#       Compute: ncu -k regex:attention_backward_sm90 -c 1 --section SpeedOfLight ... \
+#           bash .devrun_step4/sage_bwd_step4_gpu.sh profile .devrun_step4/lib_step5.so
 # Every step has its own timeout and the whole run stops starting steps at 140 s, so that a
 # deadlock ends in a timeout with the logs; the steps run in order of importance. (Calls 1 and 2 of
 # the notes ran earlier versions of this script: git log.)
@@ -91,8 +95,8 @@ prepare() {
             "$B/ref_sage.o" "$B/ref_flash.o" build/libditc.a $CUDA_LIBS
     }
     local FULL='if (k0 + BWD90_KEYS <= N && q0 + BWD90_QUERIES <= N) exp2_scores<SAGE, false>(p, s_acc, scale, c_log2, s_lse, c, q0, N, key_valid);\n        else '
-    plant nos5 's/QS = D == 64 \? 2 \* BWD90_QUERIES : BWD90_QUERIES/QS = BWD90_QUERIES/' \
-        'QS = D == 64 ? 2 * BWD90_QUERIES : BWD90_QUERIES'
+    plant nos5 's/QS = D == 64 && SCORES == SCORES_BF16 \? 2 \* BWD90_QUERIES : BWD90_QUERIES/QS = BWD90_QUERIES/' \
+        'QS = D == 64 && SCORES == SCORES_BF16 ? 2 * BWD90_QUERIES : BWD90_QUERIES'
     plant noempty 's/if \(qs >= 2\) mbar_wait\(&bar->empty\[stage\]/if (0) mbar_wait(&bar->empty[stage]/' \
         'if (qs >= 2) mbar_wait(&bar->empty[stage]'
     plant nods 's/^(\s*)named_barrier_sync\(BWD90_BAR_DS, BWD90_THREADS\);/$1;/' \
