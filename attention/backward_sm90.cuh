@@ -9,26 +9,28 @@
 // One CTA per (128-key block, head) of three warpgroups (FA3's structure): two consumers, warpgroup
 // w owning keys 64w..64w+63 (for sage one k_scale block), and a producer (setmaxnreg: 24 registers,
 // the consumers 240). K (K̂ too for sage) and V of the CTA stay in shared memory (TMA, once; sage's
-// k - k_mean is written by the consumers). The producer's warp 0 (the loader) streams the 64-query
-// blocks (Q̂ for sage, Q, dO by the TMA; lse and delta, 64 floats each at any offset, which the TMA
-// cannot take, by its lanes) through two shared-memory stages with full and empty mbarriers; its
-// warp 1 (the dQ writer) adds the consumers' dQ tiles to dq. Per query block, in each consumer
-// warpgroup (m64 = its 64 keys, TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from
-// registers):
-//   Sᵀ, and dPᵀ = V·dOᵀ  (wgmma bf16 m64n64k16, V and dO rows K-major), one batch
-//   Pᵀ = exp2(s - lse), dSᵀ = Pᵀ∘(dPᵀ - delta)   (keys/queries >= N: 0)
+// k - k_mean is written by the consumers). The producer's warp 0 (the loader) streams the query
+// steps (QS = 64 queries, 128 for bf16 at D = 64: H = QS/64 blocks of 64; Q̂ for sage, Q, dO by
+// the TMA; lse and delta, QS floats each at any offset, which the TMA cannot take, by its lanes)
+// through two shared-memory stages with full and empty mbarriers; its warp 1 (the dQ writer) adds
+// the consumers' dQ tiles to dq. Per step, in each consumer warpgroup (m64 = its 64 keys,
+// TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from registers), in FA3's order:
+//   Sᵀ, then dPᵀ = V·dOᵀ, per 64-query block (wgmma m64n64, V and dO rows K-major), two groups
+//   Pᵀ = exp2(s - lse) once Sᵀ is done, while dPᵀ runs; dSᵀ = Pᵀ∘(dPᵀ - delta)  (keys/queries
+//        >= N: 0); dSᵀ -> shared memory (bf16, swizzled; two buffers, one for sage at D = 128)
 //   dV += bf16(Pᵀ)·dO   wgmma m64nDk16, A from registers, dO rows as MN-major B
-//   dK += bf16(dSᵀ)·Q   likewise
-//   dSᵀ -> shared memory (bf16, swizzled; two buffers, one for sage at D = 128), one named barrier
-//        over both consumer warpgroups (the only one per step), then
-//   dQ[:, w·D/2..] = dS·K over all 128 keys (K: k - k_mean for sage)   wgmma m64n(D/2)k16, both
-//        operands MN-major in shared memory; the stage goes back to the loader; dQ·1/sqrt(D) into
-//        the warpgroup's half of a shared-memory fp32 tile (once the writer has read the previous
-//        one), which the writer adds to dq with one TMA reduce-add per 32 columns (cp.reduce.async.
-//        bulk.tensor, a 3-D map (D, N, B·H) that drops the rows past N), overlapping the next step.
+//   one named barrier over both consumer warpgroups (the only one per step), then
+//   dQ = dS·K over all 128 keys (K: k - k_mean for sage), both operands MN-major in shared
+//        memory: H = 1: columns w·D/2.. (m64n(D/2)k16); H = 2: all D columns of block w (m64nDk16)
+//   dK += bf16(dSᵀ)·Q   like dV, issued once dV is done
+//   once dQ is done, while dK runs: dQ·1/sqrt(D) into the warpgroup's half of a shared-memory fp32
+//        tile (once the writer has read the previous one), which the writer adds to dq with one
+//        TMA reduce-add per 64 rows × 32 columns (cp.reduce.async.bulk.tensor, a 3-D map
+//        (D, N, B·H) that drops the rows past N), overlapping the next step; once dK is done the
+//        stage goes back to the loader (ordered dQ: before the tile handshake).
 // The writer hands a tile half back once the TMA has READ it (cp.async.bulk.wait_group.read).
-// Deterministic dQ (attention_backward.cuh): the writer waits for the turn of block qb before it
-// issues the reduces of block qb, waits until they are complete and hands the turn on.
+// Deterministic dQ (attention_backward.cuh): the writer waits for the turn of a 64-query block
+// before it issues its reduces, waits until they are complete and hands the turn on.
 // At the end dV and dK/sqrt(D) are stored (rows < N). The bf16 K tile for dQ is 2 boxes of 128
 // keys × D/2 columns in rows of D bytes (D-byte swizzle): flash's TMA loads K so and also reads it
 // K-major for Sᵀ (k16 step kk at byte 32kk of a row: box 32kk / D, +32kk % D inside it). The other
