@@ -9,26 +9,28 @@
 // One CTA per (128-key block, head) of three warpgroups (FA3's structure): two consumers, warpgroup
 // w owning keys 64w..64w+63 (for sage one k_scale block), and a producer (setmaxnreg: 24 registers,
 // the consumers 240). K (K̂ too for sage) and V of the CTA stay in shared memory (TMA, once; sage's
-// k - k_mean is written by the consumers). The producer's warp 0 (the loader) streams the 64-query
-// blocks (Q̂ for sage, Q, dO by the TMA; lse and delta, 64 floats each at any offset, which the TMA
-// cannot take, by its lanes) through two shared-memory stages with full and empty mbarriers; its
-// warp 1 (the dQ writer) adds the consumers' dQ tiles to dq. Per query block, in each consumer
-// warpgroup (m64 = its 64 keys, TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from
-// registers):
-//   Sᵀ, and dPᵀ = V·dOᵀ  (wgmma bf16 m64n64k16, V and dO rows K-major), one batch
-//   Pᵀ = exp2(s - lse), dSᵀ = Pᵀ∘(dPᵀ - delta)   (keys/queries >= N: 0)
+// k - k_mean is written by the consumers). The producer's warp 0 (the loader) streams the query
+// steps (QS = 64 queries, 128 for bf16 at D = 64: H = QS/64 blocks of 64; Q̂ for sage, Q, dO by
+// the TMA; lse and delta, QS floats each at any offset, which the TMA cannot take, by its lanes)
+// through two shared-memory stages with full and empty mbarriers; its warp 1 (the dQ writer) adds
+// the consumers' dQ tiles to dq. Per step, in each consumer warpgroup (m64 = its 64 keys,
+// TRANSPOSED tiles so that Pᵀ and dSᵀ feed the next products from registers), in FA3's order:
+//   Sᵀ, then dPᵀ = V·dOᵀ, per 64-query block (wgmma m64n64, V and dO rows K-major), two groups
+//   Pᵀ = exp2(s - lse) once Sᵀ is done, while dPᵀ runs; dSᵀ = Pᵀ∘(dPᵀ - delta)  (keys/queries
+//        >= N: 0); dSᵀ -> shared memory (bf16, swizzled; two buffers, one for sage at D = 128)
 //   dV += bf16(Pᵀ)·dO   wgmma m64nDk16, A from registers, dO rows as MN-major B
-//   dK += bf16(dSᵀ)·Q   likewise
-//   dSᵀ -> shared memory (bf16, swizzled; two buffers, one for sage at D = 128), one named barrier
-//        over both consumer warpgroups (the only one per step), then
-//   dQ[:, w·D/2..] = dS·K over all 128 keys (K: k - k_mean for sage)   wgmma m64n(D/2)k16, both
-//        operands MN-major in shared memory; the stage goes back to the loader; dQ·1/sqrt(D) into
-//        the warpgroup's half of a shared-memory fp32 tile (once the writer has read the previous
-//        one), which the writer adds to dq with one TMA reduce-add per 32 columns (cp.reduce.async.
-//        bulk.tensor, a 3-D map (D, N, B·H) that drops the rows past N), overlapping the next step.
+//   one named barrier over both consumer warpgroups (the only one per step), then
+//   dQ = dS·K over all 128 keys (K: k - k_mean for sage), both operands MN-major in shared
+//        memory: H = 1: columns w·D/2.. (m64n(D/2)k16); H = 2: all D columns of block w (m64nDk16)
+//   dK += bf16(dSᵀ)·Q   like dV, issued once dV is done
+//   once dQ is done, while dK runs: dQ·1/sqrt(D) into the warpgroup's half of a shared-memory fp32
+//        tile (once the writer has read the previous one), which the writer adds to dq with one
+//        TMA reduce-add per 64 rows × 32 columns (cp.reduce.async.bulk.tensor, a 3-D map
+//        (D, N, B·H) that drops the rows past N), overlapping the next step; once dK is done the
+//        stage goes back to the loader (ordered dQ: before the tile handshake).
 // The writer hands a tile half back once the TMA has READ it (cp.async.bulk.wait_group.read).
-// Deterministic dQ (attention_backward.cuh): the writer waits for the turn of block qb before it
-// issues the reduces of block qb, waits until they are complete and hands the turn on.
+// Deterministic dQ (attention_backward.cuh): the writer waits for the turn of a 64-query block
+// before it issues its reduces, waits until they are complete and hands the turn on.
 // At the end dV and dK/sqrt(D) are stored (rows < N). The bf16 K tile for dQ is 2 boxes of 128
 // keys × D/2 columns in rows of D bytes (D-byte swizzle): flash's TMA loads K so and also reads it
 // K-major for Sᵀ (k16 step kk at byte 32kk of a row: box 32kk / D, +32kk % D inside it). The other
@@ -53,27 +55,32 @@
 #define BWD90_BAR_DQ_FULL 3
 #define BWD90_BAR_DQ_EMPTY 5
 #define BWD90_KEYS 128      // keys per CTA, 64 per warpgroup
-#define BWD90_QUERIES 64    // queries per step (= SAGE_CUDA_BLOCK: one q_scale per step)
+#define BWD90_QUERIES 64    // queries per block (= SAGE_CUDA_BLOCK: one q_scale; one dQ turn; dq TMA box rows)
 
 // Shared memory of one CTA (after aligning its start to 1024 bytes). bf16 tiles of D = 128 are
-// boxes of 64 columns (128-byte rows). SCORES_BF16 has no int8 tiles.
+// boxes of 64 columns (128-byte rows). SCORES_BF16 has no int8 tiles. A step takes QS queries,
+// H = QS / 64 blocks of 64: 128 (FA3's 128 × 128 tile) for bf16 at D = 64 only; at D = 128 the
+// registers allow 64, and sage at D = 64 spills with 128 (15% slower on the H200, notes_bwd_plan).
 template <int D, int SCORES> struct Bwd90Smem {
+    static constexpr int QS = D == 64 && SCORES == SCORES_BF16 ? 2 * BWD90_QUERIES : BWD90_QUERIES;
+    static constexpr int H = QS / BWD90_QUERIES;
     static constexpr int I8 = SCORES == SCORES_SAGE;               // 1: the int8 K̂, Q̂ tiles exist
     static constexpr int K8 = 0;                                   // K̂: 128 keys × D int8
     static constexpr int V = K8 + I8 * BWD90_KEYS * D;             // V: D/64 boxes of 128 keys × 64 bf16
     static constexpr int KS = V + BWD90_KEYS * D * 2;              // K (sage: k - k_mean): 2 boxes of 128 keys × D/2 bf16
-    // dSᵀ: DS_BUFS buffers (step qb uses qb % DS_BUFS) of 128 keys × 64 queries bf16; two do not
-    // fit next to sage's int8 tiles at D = 128 (232,448 bytes is the limit)
-    static constexpr int DS_BUFS = I8 && D == 128 ? 1 : 2, DS_BYTES = BWD90_KEYS * BWD90_QUERIES * 2;
+    // dSᵀ: DS_BUFS buffers (step qs uses qs % DS_BUFS) of H blocks (DS_BLOCK bytes apart) of 128
+    // keys × 64 queries bf16; two do not fit next to sage's int8 tiles at D = 128 (232,448 bytes
+    // is the limit)
+    static constexpr int DS_BUFS = I8 && D == 128 ? 1 : 2, DS_BLOCK = BWD90_KEYS * BWD90_QUERIES * 2, DS_BYTES = H * DS_BLOCK;
     static constexpr int DS = KS + BWD90_KEYS * D * 2;
-    static constexpr int DQ = DS + DS_BUFS * DS_BYTES;              // dQ: D/32 boxes of 64 queries × 32 fp32
-    static constexpr int STAGE0 = DQ + BWD90_QUERIES * D * 4;
-    // one stage: Q̂ (64 × D int8, sage) | Q | dO (D/64 boxes of 64 queries × 64 bf16) by the TMA,
-    // then lse | delta (64 fp32 each) by the threads
-    static constexpr int Q8 = 0, Q = I8 * BWD90_QUERIES * D, DO = Q + BWD90_QUERIES * D * 2;
-    static constexpr int STAGE_TX = DO + BWD90_QUERIES * D * 2;   // bytes the TMA brings per stage
-    static constexpr int LSE = STAGE_TX, DELTA = LSE + BWD90_QUERIES * 4;
-    static constexpr int STAGE_BYTES = (DELTA + BWD90_QUERIES * 4 + 1023) / 1024 * 1024;
+    static constexpr int DQ = DS + DS_BUFS * DS_BYTES;              // dQ: H·D/32 boxes of 64 queries × 32 fp32
+    static constexpr int STAGE0 = DQ + QS * D * 4;
+    // one stage: Q̂ (QS × D int8, sage) | Q | dO (D/64 boxes of QS queries × 64 bf16) by the TMA,
+    // then lse | delta (QS fp32 each) by the threads
+    static constexpr int Q8 = 0, Q = I8 * QS * D, DO = Q + QS * D * 2;
+    static constexpr int STAGE_TX = DO + QS * D * 2;   // bytes the TMA brings per stage
+    static constexpr int LSE = STAGE_TX, DELTA = LSE + QS * 4;
+    static constexpr int STAGE_BYTES = (DELTA + QS * 4 + 1023) / 1024 * 1024;
     static constexpr int TOTAL = 1024 + STAGE0 + 2 * STAGE_BYTES;   // + alignment slack
     static_assert(TOTAL + 64 <= 232448, "dynamic + static (barriers) shared memory over the sm_90 limit");
 };
@@ -112,10 +119,11 @@ static inline int tma_map_dq(CUtensorMap *map, const float *dq, int D, int N, in
 }
 
 #ifdef SAGE_SM90_DEVICE
-// Thread tid < 128: lse (tid < 64) or delta of query qb·64 + tid % 64 of head bh (0 past N).
-__device__ __forceinline__ float load_query_stat(const AttnBwdArgs &a, int bh, int qb, int tid) {
-    int q = qb * BWD90_QUERIES + tid % BWD90_QUERIES;
-    const float *src = tid < BWD90_QUERIES ? a.lse : a.delta;
+// Index t < 2·QS: lse (t < QS) or delta of query q0 + t % QS of head bh (0 past N).
+template <int QS>
+__device__ __forceinline__ float load_query_stat(const AttnBwdArgs &a, int bh, int q0, int t) {
+    int q = q0 + t % QS;
+    const float *src = t < QS ? a.lse : a.delta;
     return q < a.N ? src[(size_t)bh * a.N + q] : 0.0f;
 }
 
@@ -126,20 +134,21 @@ __device__ __forceinline__ void dkv_wgmma(float (&d)[D / 2], const uint32_t a[4]
     else wgmma_bf16_m64n64k16_rs<1, 1>(d, a, desc_b);
 }
 
-// dq·scale (this warpgroup's D/2 columns, m64n(D/2) accumulator layout) into the shared-memory
-// dQ tile: box b = columns 32b..32b+31, 64 rows of 128 bytes, 128-byte swizzled as the TMA reads it.
-// The swizzle is folded into one per-thread base (few live addresses: no spill at D = 128). Row
-// 16·warp + g + 8h has row % 8 = g; column 8j + 2c of the warpgroup's half is box wg·D/64 + j/4,
-// byte 32(j % 4) + 8c of the row, i.e. 16-byte chunk 2(j % 4) + c/2 (XOR g) and byte 8(c % 2) in
-// it: XOR-ing 32(j % 4) into the base (which holds chunk c/2 XOR g) gives the swizzled chunk.
-template <int D>
-__device__ __forceinline__ void store_dq_tile_folded(uint8_t *tile, int wg, const float (&dq)[D / 4], float scale) {
+// dq·scale (this warpgroup's 64 queries × NCOL columns, m64nNCOL accumulator layout) into the
+// shared-memory dQ tile: boxes of 64 rows × 32 columns (rows of 128 bytes, 128-byte swizzled as the
+// TMA reads them), the warpgroup's NCOL/32 boxes from box wg·NCOL/32 on. The swizzle is folded into
+// one per-thread base (few live addresses: no spill at D = 128). Row 16·warp + g + 8h has row % 8
+// = g; column 8j + 2c is box wg·NCOL/32 + j/4, byte 32(j % 4) + 8c of the row, i.e. 16-byte chunk
+// 2(j % 4) + c/2 (XOR g) and byte 8(c % 2) in it: XOR-ing 32(j % 4) into the base (which holds
+// chunk c/2 XOR g) gives the swizzled chunk.
+template <int NCOL>
+__device__ __forceinline__ void store_dq_tile_folded(uint8_t *tile, int wg, const float (&dq)[NCOL / 2], float scale) {
     int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-    uint32_t base = wg * (D / 64) * (BWD90_QUERIES * 128) + (16 * warp + g) * 128 + ((c / 2) ^ g) * 16 + 8 * (c % 2);
+    uint32_t base = wg * (NCOL / 32) * (BWD90_QUERIES * 128) + (16 * warp + g) * 128 + ((c / 2) ^ g) * 16 + 8 * (c % 2);
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
-        for (int j = 0; j < D / 16; j++) {
+        for (int j = 0; j < NCOL / 8; j++) {
             uint32_t off = (base ^ (32 * (j % 4))) + 1024 * h + (j / 4) * (BWD90_QUERIES * 128);
             *(float2 *)(tile + off) = make_float2(dq[4 * j + 2 * h] * scale, dq[4 * j + 2 * h + 1] * scale);
         }
@@ -168,37 +177,84 @@ __device__ __forceinline__ int warpgroup_now() {
     return t / 128;
 }
 
-// d (=|+=) A·B for one k16 step of dQ (m64n(D/2)k16, A and B MN-major).
-template <int D, int scale_d>
-__device__ __forceinline__ void dq_wgmma(float (&d)[D / 4], uint64_t desc_a, uint64_t desc_b) {
-    if constexpr (D == 128) wgmma_bf16_m64n64k16_ss<scale_d, 1, 1>(d, desc_a, desc_b);
+// Pᵀ = exp2(s - lse) of this thread's 32 elements: keys kr (e < 2), kr + 8, queries
+// q0 + 8j + 2c + (e & 1); s = rn((float)s_acc·scale) (sage) or p·c_log2 (flash: Sᵀ in p).
+// MASK: 0 at keys or queries >= N (not needed when the whole tile is inside).
+template <bool SAGE, bool MASK>
+__device__ __forceinline__ void exp2_scores(float (&p)[32], const int (&s_acc)[32], float scale, float c_log2,
+                                            const float *s_lse, int c, int q0, int N, const bool (&key_valid)[2]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int q = 8 * j + 2 * c;
+        float2 lse = *(const float2 *)(s_lse + q);
+        const bool query_valid[2] = {q0 + q < N, q0 + q + 1 < N};
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float x = SAGE ? __fmul_rn((float)s_acc[4 * j + e], scale) - (e & 1 ? lse.y : lse.x)
+                           : fmaf(p[4 * j + e], c_log2, -(e & 1 ? lse.y : lse.x));
+            p[4 * j + e] = !MASK || (key_valid[e / 2] && query_valid[e & 1]) ? exp2f(x) : 0.0f;
+        }
+    }
+}
+
+// After the dK product of a step (its last wgmma reading the stage: wait for it; dk and its A
+// fragments dsa are then final): every consumer thread arrives on the stage's empty barrier after
+// its own last read of it (lse, delta). One arrival per warp after a __syncwarp is as correct,
+// but racecheck cannot follow the ordering through the warp barrier and reports the loader's
+// next lse stores.
+template <int n, int T>
+__device__ __forceinline__ void release_stage(uint64_t *empty, float (&dk)[n], uint32_t (&dsa)[T][4]) {
+    wgmma_wait<0>();
+    reg_fence(dk);
+#pragma unroll
+    for (int t = 0; t < T; t++) reg_fence(dsa[t]);
+    mbar_arrive(empty);
+}
+
+// dq·scale of step qs into this warpgroup's half of the dQ tile, once the writer has read the
+// previous one (qs > 0), then handed to the writer.
+template <int NCOL>
+__device__ __forceinline__ void hand_dq_half(uint8_t *tile, int wg, const float (&dq)[NCOL / 2], float scale, int qs) {
+    if (qs > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);
+    store_dq_tile_folded<NCOL>(tile, wg, dq, scale);
+    fence_proxy_async();
+    named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
+}
+
+// d (=|+=) A·B for one k16 step of dQ (m64nNCOLk16, A and B MN-major).
+template <int NCOL, int scale_d>
+__device__ __forceinline__ void dq_wgmma(float (&d)[NCOL / 2], uint64_t desc_a, uint64_t desc_b) {
+    if constexpr (NCOL == 64) wgmma_bf16_m64n64k16_ss<scale_d, 1, 1>(d, desc_a, desc_b);
     else wgmma_bf16_m64n32k16_ss<scale_d, 1, 1>(d, desc_a, desc_b);
 }
 #endif
 
 #ifdef SAGE_SM90_DEVICE
-// One thread (the loader's lane 0): Q̂/Q/dO of query block qb of head bh into the stage at st,
-// completing on bar (with one arrival).
+// One thread (the loader's lane 0): Q̂/Q/dO of the QS queries of step qs of head bh into the stage
+// at st (the TMA boxes hold 64 rows: H of them per tile, 64 rows apart), completing on bar (with
+// one arrival).
 template <int D, int SCORES>
-__device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, const Bwd90Maps &m, int bh, int N, int qb) {
+__device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, const Bwd90Maps &m, int bh, int N, int qs) {
     using S = Bwd90Smem<D, SCORES>;
-    int row = bh * N + qb * BWD90_QUERIES;
     mbar_expect_bytes(bar, S::STAGE_TX);
-    if constexpr (SCORES == SCORES_SAGE) tma_load_2d(st + S::Q8, &m.q8, bar, 0, row);
-    for (int b = 0; b < D / 64; b++) {
-        tma_load_2d(st + S::Q + b * BWD90_QUERIES * 128, &m.q, bar, 128 * b, row);
-        tma_load_2d(st + S::DO + b * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, row);
+    for (int h = 0; h < S::H; h++) {
+        int row = bh * N + qs * S::QS + h * BWD90_QUERIES;
+        if constexpr (SCORES == SCORES_SAGE) tma_load_2d(st + S::Q8 + h * BWD90_QUERIES * D, &m.q8, bar, 0, row);
+        for (int b = 0; b < D / 64; b++) {
+            tma_load_2d(st + S::Q + b * S::QS * 128 + h * BWD90_QUERIES * 128, &m.q, bar, 128 * b, row);
+            tma_load_2d(st + S::DO + b * S::QS * 128 + h * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, row);
+        }
     }
 }
 
 // The producer warpgroup's two jobs (warps 2, 3 of it have none).
-// Loader, producer warp 0 (all lanes; lane 0 issues the TMA): K̂/K and V once, then per query
-// block qb its stage (qb % 2), once every consumer thread has released the stage's previous block
-// (empty): Q̂/Q/dO by the TMA and lse | delta (128 floats, 4 per lane) by ordinary loads and
-// stores; every lane arrives on full (33 arrivals with lane 0's expect_tx).
+// Loader, producer warp 0 (all lanes; lane 0 issues the TMA): K̂/K and V once, then per step qs
+// its stage (qs % 2), once every consumer thread has released the stage's previous step (empty):
+// Q̂/Q/dO by the TMA and lse | delta (2·QS floats, 2·QS/32 per lane) by ordinary loads and stores;
+// every lane arrives on full (33 arrivals with lane 0's expect_tx).
 template <int D, int SCORES>
 __device__ void load_stages(Bwd90Barriers *bar, uint8_t *sm, const Bwd90Maps &m, const AttnBwdArgs &a, int bh,
-                            int k0, int nqb, int lane) {
+                            int k0, int nsteps, int lane) {
     using S = Bwd90Smem<D, SCORES>;
     const int N = a.N;
     if (lane == 0) {
@@ -212,52 +268,58 @@ __device__ void load_stages(Bwd90Barriers *bar, uint8_t *sm, const Bwd90Maps &m,
         for (int b = 0; b < D / 64; b++)
             tma_load_2d(sm + S::V + b * BWD90_KEYS * 128, &m.v, &bar->kv, 128 * b, bh * N + k0);
     }
-    for (int qb = 0; qb < nqb; qb++) {
-        const int stage = qb & 1;
+    for (int qs = 0; qs < nsteps; qs++) {
+        const int stage = qs & 1;
         uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
-        if (qb >= 2) mbar_wait(&bar->empty[stage], ((qb >> 1) - 1) & 1);
-        if (lane == 0) load_query_stage<D, SCORES>(st, &bar->full[stage], m, bh, N, qb);
+        if (qs >= 2) mbar_wait(&bar->empty[stage], ((qs >> 1) - 1) & 1);
+        if (lane == 0) load_query_stage<D, SCORES>(st, &bar->full[stage], m, bh, N, qs);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {   // lse | delta are adjacent in the stage
+        for (int i = 0; i < 2 * S::QS / 32; i++) {   // lse | delta are adjacent in the stage
             int t = lane + 32 * i;
-            ((float *)(st + S::LSE))[t] = load_query_stat(a, bh, qb, t);
+            ((float *)(st + S::LSE))[t] = load_query_stat<S::QS>(a, bh, qs * S::QS, t);
         }
         mbar_arrive(&bar->full[stage]);
     }
 }
 
 // dQ writer, producer warp 1 (all lanes: the named barriers are per warp; lane 0 issues): per
-// query block qb and consumer warpgroup w, once w says its half of the dQ tile is complete
-// (BWD90_BAR_DQ_FULL + w), its D/64 boxes of 32 columns into dq by TMA reduce-adds (one bulk
-// group per half); each half goes back to its warpgroup (BWD90_BAR_DQ_EMPTY + w, not after the last
-// block) once the TMA has READ it. Ordered dQ: the reduces of block qb wait for its turn (loaded
-// early), and the turn is handed on once they are complete.
-template <int D>
-__device__ void write_dq(const CUtensorMap *map, uint8_t *tile, int *turn, int kb, int bh, int nqb, int lane) {
-    for (int qb = 0; qb < nqb; qb++) {
-        int seen_turn = turn && lane == 0 ? ld_acquire_gpu(turn + qb) : 0;
+// step qs and consumer warpgroup w, once w says its half of the dQ tile is complete
+// (BWD90_BAR_DQ_FULL + w), its boxes of 64 rows × 32 columns into dq by TMA reduce-adds (one bulk
+// group per half): H = 1: columns w·D/2.. of the step's block; H = 2: all D columns of block
+// 2qs + w (none if that block starts past N). Each half goes back to its warpgroup
+// (BWD90_BAR_DQ_EMPTY + w, not after the last step) once the TMA has READ it. Ordered dQ: the
+// reduces of block b wait for its turn (the first one loaded early), and the turns are handed on
+// once they are complete. nqb: 64-query blocks of the head.
+template <int D, int H>
+__device__ void write_dq(const CUtensorMap *map, uint8_t *tile, int *turn, int kb, int bh, int nsteps, int nqb,
+                         int lane) {
+    constexpr int BOXES = H * D / 64;   // per warpgroup
+    for (int qs = 0; qs < nsteps; qs++) {
+        int seen_turn = turn && lane == 0 ? ld_acquire_gpu(turn + H * qs) : 0;
         for (int w = 0; w < 2; w++) {
             named_barrier_sync(BWD90_BAR_DQ_FULL + w, 160);
-            if (lane == 0) {
-                if (turn && w == 0) {
-                    wait_dq_turn(turn + qb, kb, seen_turn);
+            const int block = H * qs + (H == 2 ? w : 0);
+            if (lane == 0 && block < nqb) {
+                if (turn && (w == 0 || H == 2)) {
+                    wait_dq_turn(turn + block, kb, w == 0 ? seen_turn : -1);
                     fence_proxy_async_global();   // the acquired turn before the async-proxy reduce
                 }
-                for (int b = w * (D / 64); b < (w + 1) * (D / 64); b++)
-                    tma_reduce_add_3d(map, tile + b * BWD90_QUERIES * 128, 32 * b, qb * BWD90_QUERIES, bh);
-                bulk_commit();
+                for (int b = w * BOXES; b < (w + 1) * BOXES; b++)
+                    tma_reduce_add_3d(map, tile + b * BWD90_QUERIES * 128, 32 * (b % (D / 32)), block * BWD90_QUERIES, bh);
             }
+            if (lane == 0) bulk_commit();
             __syncwarp();   // the warp reconverges before the next (warp-wide) named barrier
         }
         if (lane == 0) bulk_wait_read<1>();   // warpgroup 0's half has been read
         __syncwarp();
-        if (qb + 1 < nqb) named_barrier_arrive(BWD90_BAR_DQ_EMPTY + 0, 160);
+        if (qs + 1 < nsteps) named_barrier_arrive(BWD90_BAR_DQ_EMPTY + 0, 160);
         if (lane == 0) bulk_wait_read<0>();
         __syncwarp();
-        if (qb + 1 < nqb) named_barrier_arrive(BWD90_BAR_DQ_EMPTY + 1, 160);
+        if (qs + 1 < nsteps) named_barrier_arrive(BWD90_BAR_DQ_EMPTY + 1, 160);
         if (turn && lane == 0) {
             bulk_wait_all();
-            hand_on_dq_turn(turn + qb);
+            for (int h = 0; h < H; h++)
+                if (H * qs + h < nqb) hand_on_dq_turn(turn + H * qs + h);
         }
     }
     if (lane == 0) bulk_wait_all();
@@ -279,7 +341,10 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     extern __shared__ uint8_t smem_raw[];
     __shared__ Bwd90Barriers bar;
     uint8_t *sm = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    const int N = a.N, nqb = (N + BWD90_QUERIES - 1) / BWD90_QUERIES;
+    constexpr int QS = S::QS, H = S::H;   // queries per step, 64-query blocks per step
+    // dQ columns per warpgroup: H = 1: D/2 of the step's 64 queries; H = 2: all D of its block
+    constexpr int NCOL = H == 2 ? D : D / 2;
+    const int N = a.N, nqb = (N + BWD90_QUERIES - 1) / BWD90_QUERIES, nsteps = (N + QS - 1) / QS;
     const int kb = blockIdx.x, bh = blockIdx.y, k0 = kb * BWD90_KEYS, tid = threadIdx.x;
     const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const size_t head = (size_t)bh * N * D;
@@ -295,8 +360,9 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     __syncthreads();   // the last CTA-wide barrier: from here on the roles synchronize by name
     if (wg == 2) {
         setmaxnreg_dec<BWD90_PRODUCER_REGS>();
-        if (warp == 0) load_stages<D, SCORES>(&bar, sm, maps, a, bh, k0, nqb, lane);
-        else if (warp == 1) write_dq<D>(&maps.dq, sm + S::DQ, a.dq_turn ? a.dq_turn + (size_t)bh * nqb : NULL, kb, bh, nqb, lane);
+        if (warp == 0) load_stages<D, SCORES>(&bar, sm, maps, a, bh, k0, nsteps, lane);
+        else if (warp == 1)
+            write_dq<D, H>(&maps.dq, sm + S::DQ, a.dq_turn ? a.dq_turn + (size_t)bh * nqb : NULL, kb, bh, nsteps, nqb, lane);
         return;
     }
     setmaxnreg_inc<BWD90_CONSUMER_REGS>();
@@ -345,117 +411,149 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     float dv[HALF] = {}, dk[HALF] = {};   // m64nD accumulators: keys × D
     mbar_wait(&bar.kv, 0);
 
-    for (int qb = 0; qb < nqb; qb++) {
-        const int stage = qb & 1, q0 = qb * BWD90_QUERIES;
+    for (int qs = 0; qs < nsteps; qs++) {
+        const int stage = qs & 1, q0 = qs * QS;
         uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
-        uint8_t *ds = sm + S::DS + (qb % S::DS_BUFS) * S::DS_BYTES;   // this step's dSᵀ buffer
-        mbar_wait(&bar.full[stage], (qb >> 1) & 1);
-        const float scale = SAGE ? __fmul_rn(a.qv.q_scale[(size_t)bh * nqb + qb], k_scale) : 0.0f;
+        uint8_t *ds = sm + S::DS + (qs % S::DS_BUFS) * S::DS_BYTES;   // this step's dSᵀ buffer
+        mbar_wait(&bar.full[stage], (qs >> 1) & 1);
+        float scale[H];   // sage: q_scale of block H·qs + h times k_scale (0 for a block past N)
+#pragma unroll
+        for (int h = 0; h < H; h++)
+            scale[h] = SAGE && H * qs + h < nqb ? __fmul_rn(a.qv.q_scale[(size_t)bh * nqb + H * qs + h], k_scale) : 0.0f;
 
-        // Sᵀ (K̂·Q̂ᵀ or K·Qᵀ) and dPᵀ = V·dOᵀ (64 keys × 64 queries each), one batch; bf16 k16 step
-        // kk of the 128-byte-row tiles (Q, dO, V) is in box kk/4 at +32 bytes per step in its rows
-        int s_acc[32] = {};         // sage's Sᵀ
-        float p[32], dp[32] = {};   // flash's Sᵀ; then Pᵀ
-        const uint64_t desc_q8 = SAGE ? smem_desc<D>(st + S::Q8) : 0;
+        // Sᵀ (K̂·Q̂ᵀ or K·Qᵀ) and dPᵀ = V·dOᵀ (64 keys × 64 queries per block h) in two groups, so
+        // that Pᵀ = exp2(..) runs while dPᵀ is still in the tensor cores; bf16 k16 step kk of the
+        // 128-byte-row tiles (Q, dO, V) is in box kk/4 at +32 bytes per step in its rows; block h
+        // of Q, dO is 64 rows further
+        // Sᵀ of block h: sage's int32 products in sp[h].i, flash's fp32 in sp[h].f; then Pᵀ in sp[h].f
+        // (one set of registers for both)
+        union { int i[32]; float f[32]; } sp[H];
+        float dp[H][32] = {};
         wgmma_fence();
-        if constexpr (SAGE) {
 #pragma unroll
-            for (int ks = 0; ks < D / 32; ks++) {
-                if (ks == 0) wgmma_s8_m64n64k32<0>(s_acc, desc_k8, desc_q8);
-                else wgmma_s8_m64n64k32<1>(s_acc, desc_advance(desc_k8, 32 * ks), desc_advance(desc_q8, 32 * ks));
+        for (int h = 0; h < H; h++) {
+            if constexpr (SAGE) {
+                const uint64_t desc_q8 = smem_desc<D>(st + S::Q8 + h * BWD90_QUERIES * D);
+#pragma unroll
+                for (int ks = 0; ks < D / 32; ks++) {
+                    if (ks == 0) wgmma_s8_m64n64k32<0>(sp[h].i, desc_k8, desc_q8);
+                    else wgmma_s8_m64n64k32<1>(sp[h].i, desc_advance(desc_k8, 32 * ks), desc_advance(desc_q8, 32 * ks));
+                }
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < D / 16; kk++) {
+                    uint64_t da = smem_desc<D>(sm + S::KS + (32 * kk / D) * BWD90_KEYS * D + 64 * wg * D + (32 * kk) % D);
+                    uint64_t db = smem_desc<128>(st + S::Q + (kk / 4) * QS * 128 + h * BWD90_QUERIES * 128 + (kk % 4) * 32);
+                    if (kk == 0) wgmma_bf16_m64n64k16_ss<0, 0, 0>(sp[h].f, da, db);
+                    else wgmma_bf16_m64n64k16_ss<1, 0, 0>(sp[h].f, da, db);
+                }
             }
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++) {
-                uint64_t da = smem_desc<D>(sm + S::KS + (32 * kk / D) * BWD90_KEYS * D + 64 * wg * D + (32 * kk) % D);
-                uint64_t db = smem_desc<128>(st + S::Q + (kk / 4) * BWD90_QUERIES * 128 + (kk % 4) * 32);
-                if (kk == 0) wgmma_bf16_m64n64k16_ss<0, 0, 0>(p, da, db);
-                else wgmma_bf16_m64n64k16_ss<1, 0, 0>(p, da, db);
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint64_t da = smem_desc<128>(sm + S::V + (kk / 4) * BWD90_KEYS * 128 + 64 * wg * 128 + (kk % 4) * 32);
-            uint64_t db = smem_desc<128>(st + S::DO + (kk / 4) * BWD90_QUERIES * 128 + (kk % 4) * 32);
-            if (kk == 0) wgmma_bf16_m64n64k16_ss<0, 0, 0>(dp, da, db);
-            else wgmma_bf16_m64n64k16_ss<1, 0, 0>(dp, da, db);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        if constexpr (SAGE) reg_fence(s_acc);
-        else reg_fence(p);
-        reg_fence(dp);
+#pragma unroll
+        for (int h = 0; h < H; h++)
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint64_t da = smem_desc<128>(sm + S::V + (kk / 4) * BWD90_KEYS * 128 + 64 * wg * 128 + (kk % 4) * 32);
+                uint64_t db = smem_desc<128>(st + S::DO + (kk / 4) * QS * 128 + h * BWD90_QUERIES * 128 + (kk % 4) * 32);
+                if (kk == 0) wgmma_bf16_m64n64k16_ss<0, 0, 0>(dp[h], da, db);
+                else wgmma_bf16_m64n64k16_ss<1, 0, 0>(dp[h], da, db);
+            }
+        wgmma_commit();
+        wgmma_wait<1>();   // Sᵀ done, dPᵀ may still run
+#pragma unroll
+        for (int h = 0; h < H; h++) {
+            if constexpr (SAGE) reg_fence(sp[h].i);
+            else reg_fence(sp[h].f);
+        }
 
-        // Pᵀ and dSᵀ; this thread holds keys kr (e < 2), kr + 8 and queries 8j + 2c + (e & 1)
+        // Pᵀ, then (once dPᵀ is done) dSᵀ; in block h this thread holds keys kr (e < 2), kr + 8 and
+        // queries 64h + 8j + 2c + (e & 1)
         const float *s_lse = (const float *)(st + S::LSE), *s_delta = (const float *)(st + S::DELTA);
+        // no masks needed (H = 2: not worth its registers)
+        const bool inside = k0 + BWD90_KEYS <= N && q0 + QS <= N;
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int q = 8 * j + 2 * c;
-            float2 lse = *(const float2 *)(s_lse + q), delta = *(const float2 *)(s_delta + q);
-            const bool query_valid[2] = {q0 + q < N, q0 + q + 1 < N};
+        for (int h = 0; h < H; h++) {
+            const float *lse_h = s_lse + h * BWD90_QUERIES;
+            const int q0_h = q0 + h * BWD90_QUERIES;
+            if (H == 1 && inside) exp2_scores<SAGE, false>(sp[h].f, sp[h].i, scale[h], c_log2, lse_h, c, q0_h, N, key_valid);
+            else exp2_scores<SAGE, true>(sp[h].f, sp[h].i, scale[h], c_log2, lse_h, c, q0_h, N, key_valid);
+            reg_fence(sp[h].f);   // the exp2 before the wait in the PTX (ptxas may still move some after it)
+        }
+        wgmma_wait<0>();   // dPᵀ done
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = SAGE ? __fmul_rn((float)s_acc[4 * j + e], scale) - (e & 1 ? lse.y : lse.x)
-                               : fmaf(p[4 * j + e], c_log2, -(e & 1 ? lse.y : lse.x));
-                p[4 * j + e] = key_valid[e / 2] && query_valid[e & 1] ? exp2f(x) : 0.0f;
-                dp[4 * j + e] = p[4 * j + e] * (dp[4 * j + e] - (e & 1 ? delta.y : delta.x));
+        for (int h = 0; h < H; h++) {
+            reg_fence(dp[h]);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float2 delta = *(const float2 *)(s_delta + h * BWD90_QUERIES + 8 * j + 2 * c);
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    dp[h][4 * j + e] = sp[h].f[4 * j + e] * (dp[h][4 * j + e] - (e & 1 ? delta.y : delta.x));
             }
         }
-        // bf16 A fragments, k16 step t = queries 16t..16t+15 (accumulator columns 2t, 2t+1); dSᵀ
-        // also to shared memory (rows = keys, 64 queries = 128 bytes), the MN-major A of dQ. One
-        // buffer (sage D = 128: no room for two): the other warpgroup's dQ of step qb - 1 must be
-        // done reading it first.
-        if (S::DS_BUFS == 1 && qb > 0) named_barrier_sync(BWD90_BAR_DS_FREE, BWD90_THREADS);
-        uint32_t pa[4][4], dsa[4][4];
+        // bf16 A fragments, k16 step t = queries 16t..16t+15 (block t/4, accumulator columns
+        // 2(t % 4), 2(t % 4) + 1); dSᵀ also to shared memory (per block: rows = keys, 64 queries =
+        // 128 bytes), the MN-major A of dQ. One buffer (sage D = 128: no room for two): the other
+        // warpgroup's dQ of step qs - 1 must be done reading it first.
+        if (S::DS_BUFS == 1 && qs > 0) named_barrier_sync(BWD90_BAR_DS_FREE, BWD90_THREADS);
+        uint32_t pa[4 * H][4], dsa[4 * H][4];
 #pragma unroll
-        for (int t = 0; t < 4; t++)
+        for (int t = 0; t < 4 * H; t++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                pa[t][i] = pack_bf162(p[8 * t + 2 * i], p[8 * t + 2 * i + 1]);
-                dsa[t][i] = pack_bf162(dp[8 * t + 2 * i], dp[8 * t + 2 * i + 1]);
-                // row kr + 8(i & 1) (row % 8 = g), queries 16t + 8(i/2) + 2c: 16-byte chunk 2t + i/2 XOR g
-                *(uint32_t *)(ds + (ds_row ^ (32 * t + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
+                const int h = t / 4, u = t % 4;
+                pa[t][i] = pack_bf162(sp[h].f[8 * u + 2 * i], sp[h].f[8 * u + 2 * i + 1]);
+                dsa[t][i] = pack_bf162(dp[h][8 * u + 2 * i], dp[h][8 * u + 2 * i + 1]);
+                // row kr + 8(i & 1) (row % 8 = g), queries 16u + 8(i/2) + 2c of block h: 16-byte
+                // chunk 2u + i/2 XOR g
+                *(uint32_t *)(ds + h * S::DS_BLOCK + (ds_row ^ (32 * u + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
             }
         fence_proxy_async();
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q: dO and Q rows are MN-major B (16 queries = 2 groups of 8 rows)
+        // FA3's order: dV (RS); the one barrier (dSᵀ of both warpgroups in shared memory); dQ (SS);
+        // wait for dV; dK (RS); wait for dQ and store it while dK runs. dO and Q rows are the
+        // MN-major B of dV and dK (16 queries = 2 groups of 8 rows; the H blocks are contiguous).
         wgmma_fence();
 #pragma unroll
-        for (int t = 0; t < 4; t++) {
-            dkv_wgmma<D>(dv, pa[t], smem_desc_mn<128>(st + S::DO + t * 2048, BWD90_QUERIES * 128));
-            dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, BWD90_QUERIES * 128));
-        }
+        for (int t = 0; t < 4 * H; t++) dkv_wgmma<D>(dv, pa[t], smem_desc_mn<128>(st + S::DO + t * 2048, QS * 128));
         wgmma_commit();
-        named_barrier_sync(BWD90_BAR_DS, BWD90_THREADS);   // dSᵀ of both warpgroups in shared memory
+        named_barrier_sync(BWD90_BAR_DS, BWD90_THREADS);
 
-        // dQ[:, wg·D/2 ..] = dS·K over the 128 keys (sage: k - k_mean), 16 keys per k-step
-        float dq[D / 4] = {};
+        // dQ over the 128 keys (sage: k - k_mean), 16 keys per k-step. H = 1: dQ[:, wg·D/2 ..] of
+        // the step's 64 queries (K box wg); H = 2: all D columns of block wg (dSᵀ block wg, both
+        // K boxes, BWD90_KEYS·D bytes apart)
+        float dq[NCOL / 2] = {};
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BWD90_KEYS / 16; ks++) {
-            uint64_t desc_a = smem_desc_mn<128>(ds + ks * 2048, BWD90_QUERIES * 128);
-            uint64_t desc_b = smem_desc_mn<D>(sm + S::KS + wg * BWD90_KEYS * D + ks * 16 * D, BWD90_KEYS * D);
-            if (ks == 0) dq_wgmma<D, 0>(dq, desc_a, desc_b);
-            else dq_wgmma<D, 1>(dq, desc_a, desc_b);
+            uint64_t desc_a = smem_desc_mn<128>(ds + (H == 2 ? wg * S::DS_BLOCK : 0) + ks * 2048, BWD90_QUERIES * 128);
+            uint64_t desc_b = smem_desc_mn<D>(sm + S::KS + (H == 1 ? wg * BWD90_KEYS * D : 0) + ks * 16 * D, BWD90_KEYS * D);
+            if (ks == 0) dq_wgmma<NCOL, 0>(dq, desc_a, desc_b);
+            else dq_wgmma<NCOL, 1>(dq, desc_a, desc_b);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();   // dV done
         reg_fence(dv);
-        reg_fence(dk);
-        reg_fence(dq);
 #pragma unroll
-        for (int t = 0; t < 4; t++) {
-            reg_fence(pa[t]);
-            reg_fence(dsa[t]);
+        for (int t = 0; t < 4 * H; t++) reg_fence(pa[t]);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < 4 * H; t++) dkv_wgmma<D>(dk, dsa[t], smem_desc_mn<128>(st + S::Q + t * 2048, QS * 128));
+        wgmma_commit();
+        wgmma_wait<1>();   // dQ done, dK may still run
+        reg_fence(dq);
+        // The stage goes back to the loader once dK is done. Unordered dQ: our half of the dQ tile
+        // is normally free again, so it is stored while dK runs; ordered dQ: the writer hands it
+        // back only after the turn of the previous step's block came, so the stage is released
+        // before waiting.
+        if (a.dq_turn) {
+            release_stage(&bar.empty[stage], dk, dsa);
+            hand_dq_half<NCOL>(sm + S::DQ, wg, dq, inv_sqrt_d, qs);
+        } else {
+            hand_dq_half<NCOL>(sm + S::DQ, wg, dq, inv_sqrt_d, qs);
+            release_stage(&bar.empty[stage], dk, dsa);
         }
-        // every thread arrives after its own last read of the stage (lse, delta; its wgmma reads are
-        // complete): one arrival per warp after a __syncwarp is as correct, but racecheck cannot
-        // follow the ordering through the warp barrier and reports the loader's next lse stores
-        mbar_arrive(&bar.empty[stage]);
-        if (qb > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);   // the writer has read our half
-        store_dq_tile_folded<D>(sm + S::DQ, wg, dq, inv_sqrt_d);
-        fence_proxy_async();
-        named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
     }
 
 #pragma unroll

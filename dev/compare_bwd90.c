@@ -3,9 +3,9 @@
 // (sage_backward_sm90_cuda) and bf16 flash (flash_backward_sm90_cuda). The reference commit's
 // attention/sage_backward_sm90.cu and flash_backward_sm90.cu are compiled with their entry points
 // (and the kernel) renamed ref_* by -D (dev/sage_bwd_step23_gpu.sh). For changes that must not
-// change a bit (dev/notes_bwd_plan.md, steps 1-3): B·H = 2·4, D = 64 and 128, N = 77, 256, 1000,
-// 4096, one forward per case (sage: FP8 P·V; flash: flash_forward_cuda), then both backwards on
-// its out and lse:
+// change a bit (dev/notes_bwd_plan.md, steps 1-5): B·H = 2·4, D = 64 and 128, N = 77, 256, 1000,
+// 1050 (the last 128-query step at D = 64 has one 64-query block), 4096, one forward per case
+// (sage: FP8 P·V; flash: flash_forward_cuda), then both backwards on its out and lse:
 //   deterministic dQ (*_set_deterministic(1)): dq, dk, dv must be bitwise equal;
 //   unordered dQ (the default): dk, dv bitwise equal (one CTA writes each row), dq within
 //   ‖dq - dq_ref‖/‖dq_ref‖ < 1e-5 (fp32 adds in a different order from run to run).
@@ -154,12 +154,12 @@ int main(int argc, char **argv) {
         printf("no compute capability 9.0 device (or no sm_90a code): nothing compared\n");
         return 2;
     }
-    const int Ns[4] = {77, 256, 1000, 4096}, Ds[2] = {64, 128};
+    const int Ns[5] = {77, 256, 1000, 1050, 4096}, Ds[2] = {64, 128};
     int failures = 0, checks = 0;
     for (int s = SAGE; s <= FLASH; s++) {
         if ((s == SAGE && !sage) || (s == FLASH && !flash)) continue;
         for (int di = 0; di < 2; di++)
-            for (int ni = 0; ni < 4; ni++) {
+            for (int ni = 0; ni < 5; ni++) {
                 if (small && Ns[ni] != 256) continue;
                 if (first && failures) continue;
                 failures += run_case((Scores)s, 2, 4, Ns[ni], Ds[di]);
