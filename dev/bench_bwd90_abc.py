@@ -1,6 +1,6 @@
 # A/B/C benchmark of the Hopper attention backward (sage_backward_sm90_cuda and
-# flash_backward_sm90_cuda) from several builds in one process (e.g. main, branch sage-bwd-step0 and
-# branch sage-bwd-step23: dev/sage_bwd_step23_gpu.sh builds them), next to PyTorch SDPA's cuDNN
+# flash_backward_sm90_cuda) from several builds in one process (e.g. main, a reference commit and a
+# branch: dev/sage_bwd_step4_gpu.sh builds them), next to PyTorch SDPA's cuDNN
 # backward on the same inputs. H = 16, D = 64 and 128, N = 4K, 16K, 32K with B·N = 16K tokens.
 # Per size and kernel (sage, flash) and dQ mode (unordered, deterministic): REPS rounds, each timing
 # every library in turn (median of `iters` CUDA-event-timed calls after warm-up); reported: the

@@ -2,7 +2,7 @@
 // reference build of the same entry points from another commit, for BOTH score sources: sage
 // (sage_backward_sm90_cuda) and bf16 flash (flash_backward_sm90_cuda). The reference commit's
 // attention/sage_backward_sm90.cu and flash_backward_sm90.cu are compiled with their entry points
-// (and the kernel) renamed ref_* by -D (dev/sage_bwd_step23_gpu.sh). For changes that must not
+// (and the kernel) renamed ref_* by -D (dev/sage_bwd_step4_gpu.sh). For changes that must not
 // change a bit (dev/notes_bwd_plan.md, steps 1-5): B·H = 2·4, D = 64 and 128, N = 77, 256, 1000,
 // 1050 (the last 128-query step at D = 64 has one 64-query block), 4096, one forward per case
 // (sage: FP8 P·V; flash: flash_forward_cuda), then both backwards on its out and lse:
