@@ -281,6 +281,35 @@ static int int8_scratch_alloc(Int8Scratch *w, int qb, int kb, int D) {
     return -1;
 }
 
+// sum (nj, D) = aᵀ·b with a (ni, nj) and b (ni, D) int8: int32 sums over the ni rows.
+static void int8_product_tn(int32_t *sum, const int8_t *a, const int8_t *b, int ni, int nj, int D) {
+    memset(sum, 0, (size_t)nj * D * sizeof(int32_t));
+    for (int i = 0; i < ni; i++)
+        for (int j = 0; j < nj; j++) {
+            int32_t aij = a[i * nj + j];
+            for (int d = 0; d < D; d++) sum[(size_t)j * D + d] += aij * b[(size_t)i * D + d];
+        }
+}
+
+// sum (ni, D) = a·b with a (ni, nj) and b (nj, D) int8: int32 sums over the nj columns.
+static void int8_product_nn(int32_t *sum, const int8_t *a, const int8_t *b, int ni, int nj, int D) {
+    memset(sum, 0, (size_t)ni * D * sizeof(int32_t));
+    for (int i = 0; i < ni; i++)
+        for (int j = 0; j < nj; j++) {
+            int32_t aij = a[i * nj + j];
+            for (int d = 0; d < D; d++) sum[(size_t)i * D + d] += aij * b[(size_t)j * D + d];
+        }
+}
+
+// y (rows, D) += sum · ((row_scale[r]·a)·b) in fp32, one factor per row r.
+static void add_scaled_rows(float *y, const int32_t *sum, const float *row_scale, float a, float b, int rows,
+                            int D) {
+    for (int r = 0; r < rows; r++) {
+        float f = (row_scale[r] * a) * b;
+        for (int d = 0; d < D; d++) y[(size_t)r * D + d] += (float)sum[(size_t)r * D + d] * f;
+    }
+}
+
 // The INT8 backward of attention.h (cfg.bwd BLOCK or TOKEN) over the nk keys given. dout, out, dq:
 // (B, H, nq, D); lse (B, H, nq); v, dk, dv: (B, H, nk, D); q8/k8 and scales as in
 // sage_forward_quantized. Block (I, J): P, dS (ni × nj) in fp32, then int8 with the scales of
@@ -335,39 +364,12 @@ static void backward_int8(float *dq, float *dk, float *dv,
                 quantize_tile(w.p8, w.p_scale, w.p, ni, nj, 1, cfg.bwd);
                 quantize_tile(w.dsq8, w.dsq_scale, w.ds, ni, nj, 0, cfg.bwd);
                 quantize_tile(w.dsk8, w.dsk_scale, w.ds, ni, nj, 1, cfg.bwd);
-                // dv_J += p8ᵀ·do8 (sums over the ni queries)
-                memset(w.sum, 0, (size_t)nj * D * sizeof(int32_t));
-                for (int i = 0; i < ni; i++)
-                    for (int j = 0; j < nj; j++) {
-                        int32_t pij = w.p8[i * nj + j];
-                        for (int d = 0; d < D; d++) w.sum[(size_t)j * D + d] += pij * w.do8[(size_t)i * D + d];
-                    }
-                for (int j = 0; j < nj; j++) {
-                    float f = w.p_scale[j] * do_scale;
-                    for (int d = 0; d < D; d++) dv_blk[(size_t)j * D + d] += (float)w.sum[(size_t)j * D + d] * f;
-                }
-                // dk_J += ds8ᵀ·q8_I (sums over the ni queries)
-                memset(w.sum, 0, (size_t)nj * D * sizeof(int32_t));
-                for (int i = 0; i < ni; i++)
-                    for (int j = 0; j < nj; j++) {
-                        int32_t dsij = w.dsk8[i * nj + j];
-                        for (int d = 0; d < D; d++) w.sum[(size_t)j * D + d] += dsij * q8_blk[(size_t)i * D + d];
-                    }
-                for (int j = 0; j < nj; j++) {
-                    float f = (w.dsk_scale[j] * qs) * u;
-                    for (int d = 0; d < D; d++) dk_blk[(size_t)j * D + d] += (float)w.sum[(size_t)j * D + d] * f;
-                }
-                // dq_I += ds8·k8_J (sums over the nj keys)
-                memset(w.sum, 0, (size_t)ni * D * sizeof(int32_t));
-                for (int i = 0; i < ni; i++)
-                    for (int j = 0; j < nj; j++) {
-                        int32_t dsij = w.dsq8[i * nj + j];
-                        for (int d = 0; d < D; d++) w.sum[(size_t)i * D + d] += dsij * k8_blk[(size_t)j * D + d];
-                    }
-                for (int i = 0; i < ni; i++) {
-                    float f = (w.dsq_scale[i] * ks) * r;
-                    for (int d = 0; d < D; d++) dq_blk[(size_t)i * D + d] += (float)w.sum[(size_t)i * D + d] * f;
-                }
+                int8_product_tn(w.sum, w.p8, w.do8, ni, nj, D);   // dv_J += p8ᵀ·do8
+                add_scaled_rows(dv_blk, w.sum, w.p_scale, do_scale, 1.0f, nj, D);
+                int8_product_tn(w.sum, w.dsk8, q8_blk, ni, nj, D);   // dk_J += ds8ᵀ·q8_I
+                add_scaled_rows(dk_blk, w.sum, w.dsk_scale, qs, u, nj, D);
+                int8_product_nn(w.sum, w.dsq8, k8_blk, ni, nj, D);   // dq_I += ds8·k8_J
+                add_scaled_rows(dq_blk, w.sum, w.dsq_scale, ks, r, ni, D);
             }
         }
     }

@@ -156,13 +156,17 @@ def start_train_dit(args, attn, out_dir):
                             stderr=subprocess.STDOUT)
 
 
-def read_train_dit_losses(out_dir):
-    # the losses of the steps done so far (train_dit flushes train_log.csv every step)
-    path = os.path.join(out_dir, "train_log.csv")
+def read_losses(path):
+    # the "loss" column of the steps logged so far (train_dit's train_log.csv and the reference's
+    # losses.csv are flushed every step)
     if not os.path.exists(path):
         return np.empty(0)
     with open(path) as f:
         return np.array([float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")], np.float64)
+
+
+def read_train_dit_losses(out_dir):
+    return read_losses(os.path.join(out_dir, "train_log.csv"))
 
 
 def load_initial_model(path, device):
@@ -252,11 +256,7 @@ def start_reference(args, tag, seed, init_path):
 
 
 def read_reference_losses(out_dir):
-    path = os.path.join(out_dir, "losses.csv")
-    if not os.path.exists(path):
-        return np.empty(0)
-    with open(path) as f:
-        return np.array([float(r["loss"]) for r in csv.DictReader(f) if r.get("loss")], np.float64)
+    return read_losses(os.path.join(out_dir, "losses.csv"))
 
 
 def sample_reference(args, tag):

@@ -16,24 +16,6 @@ __device__ inline float warp_sum(float v) {
     return v;
 }
 
-// Column reductions use blocks of (COL_TILE, ROW_LANES) threads: thread (x, y) owns column
-// tile·COL_TILE + x and visits rows y, y + ROW_LANES, ...; then the ROW_LANES partial sums of a
-// column are added in the order y = 0, 1, ... (deterministic, no atomics).
-#define COL_TILE 32
-#define ROW_LANES 8
-
-// Returns, in the threads with threadIdx.y == 0, the sum of v over threadIdx.y. `partial` is a
-// __shared__ [ROW_LANES][COL_TILE] array of the calling kernel; every thread must call this.
-__device__ inline float sum_over_row_lanes(float v, float (*partial)[COL_TILE]) {
-    partial[threadIdx.y][threadIdx.x] = v;
-    __syncthreads();
-    float sum = 0.0f;
-    if (threadIdx.y == 0)
-        for (int i = 0; i < ROW_LANES; i++) sum += partial[i][threadIdx.x];
-    __syncthreads();   // `partial` may be reused right after
-    return sum;
-}
-
 // Sum of v over a block of BLOCK_SIZE threads (warp sums, then warp 0 adds them in order);
 // valid in thread 0.
 __device__ inline float block_sum(float v) {

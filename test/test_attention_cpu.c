@@ -631,22 +631,41 @@ Test(sage_forward, matches_definition_in_double) {
     }
 }
 
+// The tiny backward case of the definition tests (B=1, H=2, N=11, D=8, K + 20 on channel 1):
+// random inputs from seed, sage's forward and backward under cfg, and the quantized q, k.
+enum { TINY_B = 1, TINY_H = 2, TINY_N = 11, TINY_D = 8 };
+typedef struct { float *q, *k, *v, *dout, *out, *lse, *grads; QK r; } TinyBackward;
+
+static TinyBackward tiny_backward(SageConfig cfg, uint64_t seed) {
+    const int B = TINY_B, H = TINY_H, N = TINY_N, D = TINY_D;
+    size_t n = (size_t)B * H * N * D, nr = (size_t)B * H * N;
+    TinyBackward c;
+    Rng rng; rng_seed(&rng, seed);
+    c.q = normal_floats(&rng, n, 2.0f), c.k = normal_floats(&rng, n, 2.0f), c.v = normal_floats(&rng, n, 1.0f);
+    c.dout = normal_floats(&rng, n, 1.0f);
+    for (size_t i = 0; i < n; i++) c.k[i] += (i % D == 1) ? 20.0f : 0.0f;
+    c.out = zero_floats(n), c.lse = zero_floats(nr), c.grads = zero_floats(3 * n);
+    sage_forward(c.out, c.lse, c.q, c.k, c.v, B, H, N, D, cfg);
+    sage_backward(c.grads, c.grads + n, c.grads + 2 * n, c.dout, c.q, c.k, c.v, c.out, c.lse, B, H, N, D, cfg);
+    c.r = qk_alloc(B, H, N, D, cfg);
+    sage_quantize_qk(&c.r.qk, c.q, c.k, B, H, N, D, cfg);
+    return c;
+}
+
+static void tiny_backward_free(TinyBackward *c) {
+    qk_free(&c->r); free(c->q); free(c->k); free(c->v); free(c->dout); free(c->out); free(c->lse); free(c->grads);
+}
+
 // Backward of the definition in double: s from q8/k8 and the scales, P = 2^(s - lse),
 // Dr = rowsum(dout∘out), dv = Pᵀdout, dS = P∘(dout·vᵀ - Dr), dq = dS·(k - k_mean)/sqrt(D),
 // dk = dSᵀq/sqrt(D).
 Test(sage_backward, matches_definition_in_double) {
-    const int B = 1, H = 2, N = 11, D = 8;
+    const int B = TINY_B, H = TINY_H, N = TINY_N, D = TINY_D;
     SageConfig cfg = {4, 3, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
-    size_t n = (size_t)B * H * N * D, nr = (size_t)B * H * N;
-    Rng rng; rng_seed(&rng, 12);
-    float *q = normal_floats(&rng, n, 2.0f), *k = normal_floats(&rng, n, 2.0f), *v = normal_floats(&rng, n, 1.0f);
-    float *dout = normal_floats(&rng, n, 1.0f);
-    for (size_t i = 0; i < n; i++) k[i] += (i % D == 1) ? 20.0f : 0.0f;
-    float *out = zero_floats(n), *lse = zero_floats(nr), *grads = zero_floats(3 * n);
-    sage_forward(out, lse, q, k, v, B, H, N, D, cfg);
-    sage_backward(grads, grads + n, grads + 2 * n, dout, q, k, v, out, lse, B, H, N, D, cfg);
-    QK r = qk_alloc(B, H, N, D, cfg);
-    sage_quantize_qk(&r.qk, q, k, B, H, N, D, cfg);
+    size_t n = (size_t)B * H * N * D;
+    TinyBackward c = tiny_backward(cfg, 12);
+    const float *q = c.q, *k = c.k, *v = c.v, *dout = c.dout, *out = c.out, *lse = c.lse, *grads = c.grads;
+    const QK r = c.r;
     double *ref = zero_doubles(3 * n), *dq = ref, *dk = ref + n, *dv = ref + 2 * n;
     for (int bh = 0; bh < B * H; bh++) {
         size_t head = (size_t)bh * N * D;
@@ -676,7 +695,8 @@ Test(sage_backward, matches_definition_in_double) {
         double err = rel_l2_vs_double(grads + t * n, ref + t * n, n);
         cr_expect(err < 1e-5, "%s rel L2 vs double definition %g (tolerance 1e-5)", names[t], err);
     }
-    qk_free(&r); free(q); free(k); free(v); free(dout); free(out); free(lse); free(grads); free(ref);
+    tiny_backward_free(&c);
+    free(ref);
 }
 
 // ---- 10: the INT8 backward (SageConfig.bwd) ------------------------------------------------------
@@ -760,29 +780,23 @@ static void sage_backward_int8_double(double *dq, double *dk, double *dv, const 
 // Tiny cases with partial blocks (N=11, q_block 4, k_block 3, B=1, H=2, D=8, K + 20 on channel 1),
 // both INT8 variants, against the double re-implementation above.
 Test(sage_backward_int8, matches_definition_in_double) {
-    const int B = 1, H = 2, N = 11, D = 8;
-    size_t n = (size_t)B * H * N * D, nr = (size_t)B * H * N;
+    const int B = TINY_B, H = TINY_H, N = TINY_N, D = TINY_D;
+    size_t n = (size_t)B * H * N * D;
     const char *names[3] = {"dq", "dk", "dv"};
     for (int variant = 0; variant < 2; variant++) {
         SageConfig cfg = {4, 3, SAGE_PV_FP8, 0, variant ? SAGE_BWD_INT8_TOKEN : SAGE_BWD_INT8_BLOCK};
-        Rng rng; rng_seed(&rng, 13 + variant);
-        float *q = normal_floats(&rng, n, 2.0f), *k = normal_floats(&rng, n, 2.0f), *v = normal_floats(&rng, n, 1.0f);
-        float *dout = normal_floats(&rng, n, 1.0f);
-        for (size_t i = 0; i < n; i++) k[i] += (i % D == 1) ? 20.0f : 0.0f;
-        float *out = zero_floats(n), *lse = zero_floats(nr), *grads = zero_floats(3 * n);
-        sage_forward(out, lse, q, k, v, B, H, N, D, cfg);
-        sage_backward(grads, grads + n, grads + 2 * n, dout, q, k, v, out, lse, B, H, N, D, cfg);
-        QK r = qk_alloc(B, H, N, D, cfg);
-        sage_quantize_qk(&r.qk, q, k, B, H, N, D, cfg);
+        TinyBackward c = tiny_backward(cfg, 13 + variant);
+        const float *grads = c.grads;
         double *ref = zero_doubles(3 * n);
-        sage_backward_int8_double(ref, ref + n, ref + 2 * n, &r, dout, v, out, lse, B, H, N, D, cfg);
+        sage_backward_int8_double(ref, ref + n, ref + 2 * n, &c.r, c.dout, c.v, c.out, c.lse, B, H, N, D, cfg);
         // measured 1.7e-7 .. 2.9e-7 (fp32 vs double; the int8 codes agree)
         for (int t = 0; t < 3; t++) {
             double err = rel_l2_vs_double(grads + t * n, ref + t * n, n);
             cr_expect(err < 1e-5, "%s %s rel L2 vs double definition %g (tolerance 1e-5)",
                       variant ? "TOKEN" : "BLOCK", names[t], err);
         }
-        qk_free(&r); free(q); free(k); free(v); free(dout); free(out); free(lse); free(grads); free(ref);
+        tiny_backward_free(&c);
+        free(ref);
     }
 }
 
