@@ -11,10 +11,9 @@
 // output from the same additions in the same order: fp32 results are bitwise the CPU's. All 32
 // lanes of the warp must call it (lanes without a row compute on anything and store nothing).
 #pragma once
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include "layers/cuda_common.cuh"
 
-#define HADAMARD_VALUES_PER_LANE 8
+#define HADAMARD_VALUES_PER_LANE VEC   // 8: one 16-byte vector of bf16 (cuda_common.cuh)
 
 template <int D>
 __device__ __forceinline__ void walsh_hadamard(float (&v)[HADAMARD_VALUES_PER_LANE], float norm) {
@@ -42,31 +41,4 @@ __device__ __forceinline__ void walsh_hadamard(float (&v)[HADAMARD_VALUES_PER_LA
     }
 #pragma unroll
     for (int j = 0; j < E; j++) v[j] *= norm;
-}
-
-// 8 consecutive values as fp32 and back (p 16-byte aligned for bf16, 32-byte for fp32): bf16
-// rounds to nearest even, fp32 is kept as is.
-__device__ __forceinline__ void load8(float (&v)[8], const __nv_bfloat16 *p) {
-    uint4 u = *(const uint4 *)p;
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 f = __bfloat1622float2(h[i]);
-        v[2 * i] = f.x, v[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ void load8(float (&v)[8], const float *p) {
-    float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-__device__ __forceinline__ void store8(__nv_bfloat16 *p, const float (&v)[8]) {
-    uint4 u;
-    __nv_bfloat162 *h = (__nv_bfloat162 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    *(uint4 *)p = u;
-}
-__device__ __forceinline__ void store8(float *p, const float (&v)[8]) {
-    *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]);
-    *(float4 *)(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
 }

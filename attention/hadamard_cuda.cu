@@ -17,9 +17,12 @@ __global__ void hadamard_kernel(T *x, size_t rows, float norm) {
     const bool valid = row < rows;   // whole warps: the transform's shuffles need all 32 lanes
     T *p = x + (valid ? row : 0) * D + (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
     float v[HADAMARD_VALUES_PER_LANE];
-    load8(v, p);
+    if constexpr (sizeof(T) == 2) load_bf16x8(v, p, VEC, true);
+    else load_f32x8(v, p);
     walsh_hadamard<D>(v, norm);
-    if (valid) store8(p, v);
+    if (!valid) return;
+    if constexpr (sizeof(T) == 2) store_bf16x8(p, v, VEC, true);
+    else store_f32x8(p, v);
 }
 
 // Checks shared by both entry points; blocks = number of thread blocks.

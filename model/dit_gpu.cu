@@ -539,9 +539,9 @@ __global__ void split_qkv_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int
     const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
     const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
     float x[HADAMARD_VALUES_PER_LANE];
-    load8(x, qkv + r * D + c);
+    load_bf16x8(x, qkv + r * D + c, VEC, true);
     if (rotate) rotate_if<D>(x, which < 2, norm);
-    if (valid) store8((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + c, x);
+    if (valid) store_bf16x8((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + c, x, VEC, true);
 }
 
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32: split_heads_backward
@@ -557,9 +557,9 @@ __global__ void merge_qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *
     const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
     const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
     float x[HADAMARD_VALUES_PER_LANE];
-    load8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
+    load_f32x8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
     if (rotate) rotate_if<D>(x, which < 2, norm);
-    if (valid) store8(dqkv + r * D + c, x);
+    if (valid) store_bf16x8(dqkv + r * D + c, x, VEC, true);
 }
 
 // Launches either kernel over the B·T·3·H rows, 256 threads per block (D is 64 or 128:
