@@ -1,5 +1,5 @@
 // The Hadamard rotation of rows of D values (attention/hadamard_cuda.h): a fast Walsh-Hadamard
-// transform in registers (attention/hadamard.cuh), one warp per row.
+// transform in registers (attention/hadamard.cuh), D/8 lanes per row, 8 values per lane.
 #include <cuda_bf16.h>
 #include "attention/hadamard.cuh"
 #include "attention/hadamard_cuda.h"
@@ -7,26 +7,22 @@
 #include "layers/cuda_args.h"
 #include "layers/cuda_check.h"
 
-#define ROWS_PER_BLOCK 8   // one warp per row
+#define ROWS_PER_BLOCK_128 16   // 256 threads: rows of D = 128 take 16 lanes (D = 64: 32 rows, D = 32: 64)
 
-// A row's values as fp32 and back: bf16 rounds to nearest even, fp32 is kept as is.
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ void store_f32(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ __forceinline__ void store_f32(float *p, float v) { *p = v; }
-
-// x (rows, 32·E) of bf16 or fp32, in place; one warp per row.
-template <typename T, int E>
+// x (rows, D) of bf16 or fp32, in place; D/8 lanes per row, 256 threads per block.
+template <typename T, int D>
 __global__ void hadamard_kernel(T *x, size_t rows, float norm) {
-    size_t row = (size_t)blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32;
-    if (row >= rows) return;
-    T *p = x + row * (32 * E) + (threadIdx.x % 32) * E;
-    float v[E];
-#pragma unroll
-    for (int j = 0; j < E; j++) v[j] = to_f32(p[j]);
-    walsh_hadamard<E>(v, norm);
-#pragma unroll
-    for (int j = 0; j < E; j++) store_f32(p + j, v[j]);
+    constexpr int L = D / HADAMARD_VALUES_PER_LANE;
+    size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    const bool valid = row < rows;   // whole warps: the transform's shuffles need all 32 lanes
+    T *p = x + (valid ? row : 0) * D + (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
+    float v[HADAMARD_VALUES_PER_LANE];
+    if constexpr (sizeof(T) == 2) load_bf16x8(v, p, VEC, true);
+    else load_f32x8(v, p);
+    walsh_hadamard<D>(v, norm);
+    if (!valid) return;
+    if constexpr (sizeof(T) == 2) store_bf16x8(p, v, VEC, true);
+    else store_f32x8(p, v);
 }
 
 // Checks shared by both entry points; blocks = number of thread blocks.
@@ -36,23 +32,23 @@ static int check_rotate_args(const char *fn, const void *x, size_t rows, int D, 
         return -1;
     }
     CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(x, 16));
-    size_t n_blocks = (rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+    size_t rows_per_block = ROWS_PER_BLOCK_128 * 128 / D, n_blocks = (rows + rows_per_block - 1) / rows_per_block;
     if (n_blocks > 2147483647u) {
-        dit_set_error(err, "%s: rows=%zu: more than 2^31 - 1 blocks of %d rows", fn, rows, ROWS_PER_BLOCK);
+        dit_set_error(err, "%s: rows=%zu: more than 2^31 - 1 blocks of %zu rows", fn, rows, rows_per_block);
         return -1;
     }
     *blocks = (unsigned)n_blocks;
     return 0;
 }
 
-// The rotation of rows of D = 32·E values of type T (after check_rotate_args).
+// The rotation of rows of D values of type T (after check_rotate_args).
 template <typename T>
 static int launch_rotation(T *x, size_t rows, int D, unsigned blocks, cudaStream_t stream, char *err) {
     if (rows == 0) return 0;
     float norm = 1.0f / sqrtf((float)D);   // as the CPU's hadamard_rotate
-    if (D == 128) hadamard_kernel<T, 4><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(x, rows, norm);
-    else if (D == 64) hadamard_kernel<T, 2><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(x, rows, norm);
-    else hadamard_kernel<T, 1><<<blocks, 32 * ROWS_PER_BLOCK, 0, stream>>>(x, rows, norm);
+    if (D == 128) hadamard_kernel<T, 128><<<blocks, 256, 0, stream>>>(x, rows, norm);
+    else if (D == 64) hadamard_kernel<T, 64><<<blocks, 256, 0, stream>>>(x, rows, norm);
+    else hadamard_kernel<T, 32><<<blocks, 256, 0, stream>>>(x, rows, norm);
     LAUNCH_CHECK(err, "hadamard_kernel", "rows=%zu D=%d, %zu-byte values", rows, D, sizeof(T));
     return 0;
 }

@@ -63,6 +63,16 @@ __device__ inline void store_bf16x8(bf16 *p, const float x[VEC], int n, bool vec
     for (int j = 0; j < n; j++) p[j] = __float2bfloat16(x[j]);
 }
 
+// x[j] = p[j] and p[j] = x[j], j < VEC, for fp32 (p 16-byte aligned: two 16-byte accesses).
+__device__ inline void load_f32x8(float x[VEC], const float *p) {
+    float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+__device__ inline void store_f32x8(float *p, const float x[VEC]) {
+    *(float4 *)p = make_float4(x[0], x[1], x[2], x[3]);
+    *(float4 *)(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
+}
+
 // Raw copy of n <= VEC bf16 (bit-exact data movement).
 __device__ inline void copy_bf16x8(bf16 *dst, const bf16 *src, int n, bool vec) {
     if (vec && n == VEC) {

@@ -508,67 +508,68 @@ __global__ void add_positions_kernel(bf16 *x, const bf16 *pos, int T, int C, siz
 }
 
 // The attention's head split and its adjoint, fused with sage's Hadamard rotation of q and k
-// (attention/hadamard.cuh; on with rotate = sage with sage.rotate). One warp per row (b, t, which,
-// h) of D = 32·E channels, lane l holding channels l·E .. l·E + E - 1; rows = B·T·3·H, in qkv's
-// order (row r is qkv[r·D .. r·D + D - 1]). q = q'·H with H symmetric and orthogonal, so the
-// gradient comes back as dq' = dq·H: the same transform.
+// (attention/hadamard.cuh; on with rotate = sage with sage.rotate). A row (b, t, which, h) of D
+// channels takes D/8 lanes, lane l of it holding channels 8l .. 8l + 7 (16-byte loads and stores);
+// rows = B·T·3·H, in qkv's order (row r is qkv[r·D .. r·D + D - 1]). q = q'·H with H symmetric and
+// orthogonal, so the gradient comes back as dq' = dq·H: the same transform.
+
+// x·H (D channels) where yes, x unchanged elsewhere; every lane of the warp calls it (a warp holds
+// 32/(D/8) rows, which may be q, k and v rows at once, and the transform shuffles).
+template <int D>
+__device__ __forceinline__ void rotate_if(float (&x)[HADAMARD_VALUES_PER_LANE], bool yes, float norm) {
+    float y[HADAMARD_VALUES_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < HADAMARD_VALUES_PER_LANE; j++) y[j] = x[j];
+    walsh_hadamard<D>(y, norm);
+    if (yes)
+#pragma unroll
+        for (int j = 0; j < HADAMARD_VALUES_PER_LANE; j++) x[j] = y[j];
+}
 
 // q, k, v (B, H, T, D) from qkv (B, T, 3·H·D): split_heads_forward (layers/reshape.c), q and k then
 // multiplied by H when rotate: the values of split_heads_forward_cuda followed by
 // hadamard_rotate_bf16_cuda on q and k (one rounding to bf16), in one pass.
-template <int E>
+template <int D>
 __global__ void split_qkv_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int T, int H, bool rotate,
                                  float norm, size_t rows) {
-    size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    if (row >= rows) return;   // whole warps: the transform's shuffles need all 32 lanes
-    const int D = 32 * E, lane = threadIdx.x % 32, h = row % H, which = (row / H) % 3;
-    size_t bt = row / (3 * H), b = bt / T, t = bt % T;
-    const __nv_bfloat162 *src = (const __nv_bfloat162 *)(qkv + row * D + lane * E);
-    __nv_bfloat162 *dst = (__nv_bfloat162 *)((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + lane * E);
-    float x[E];
-#pragma unroll
-    for (int j = 0; j < E / 2; j++) {
-        float2 f = __bfloat1622float2(src[j]);
-        x[2 * j] = f.x;
-        x[2 * j + 1] = f.y;
-    }
-    if (rotate && which < 2) walsh_hadamard<E>(x, norm);
-#pragma unroll
-    for (int j = 0; j < E / 2; j++) dst[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+    constexpr int L = D / HADAMARD_VALUES_PER_LANE;
+    const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    const bool valid = row < rows;   // whole warps: the transform's shuffles need all 32 lanes
+    const size_t r = valid ? row : 0;
+    const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
+    const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
+    float x[HADAMARD_VALUES_PER_LANE];
+    load_bf16x8(x, qkv + r * D + c, VEC, true);
+    if (rotate) rotate_if<D>(x, which < 2, norm);
+    if (valid) store_bf16x8((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + c, x, VEC, true);
 }
 
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32: split_heads_backward
 // (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when rotate, rounded to bf16
 // once.
-template <int E>
+template <int D>
 __global__ void merge_qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *dk, const float *dv, int T, int H,
                                       bool rotate, float norm, size_t rows) {
-    size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    if (row >= rows) return;
-    const int D = 32 * E, lane = threadIdx.x % 32, h = row % H, which = (row / H) % 3;
-    size_t bt = row / (3 * H), b = bt / T, t = bt % T;
-    const float *src = (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + lane * E;
-    __nv_bfloat162 *dst = (__nv_bfloat162 *)(dqkv + row * D + lane * E);
-    float x[E];
-    if constexpr (E == 4) {   // one 16-byte load (D = 128) or one 8-byte load (D = 64) per lane
-        float4 f = *(const float4 *)src;
-        x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
-    } else {
-        float2 f = *(const float2 *)src;
-        x[0] = f.x, x[1] = f.y;
-    }
-    if (rotate && which < 2) walsh_hadamard<E>(x, norm);
-#pragma unroll
-    for (int j = 0; j < E / 2; j++) dst[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+    constexpr int L = D / HADAMARD_VALUES_PER_LANE;
+    const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    const bool valid = row < rows;
+    const size_t r = valid ? row : 0;
+    const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
+    const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
+    float x[HADAMARD_VALUES_PER_LANE];
+    load_f32x8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
+    if (rotate) rotate_if<D>(x, which < 2, norm);
+    if (valid) store_bf16x8(dqkv + r * D + c, x, VEC, true);
 }
 
-// Launches either kernel over the B·T·3·H rows (D is 64 or 128: dit_gpu_create).
-#define HEAD_ROWS_PER_BLOCK 8
+// Launches either kernel over the B·T·3·H rows, 256 threads per block (D is 64 or 128:
+// dit_gpu_create).
 #define LAUNCH_HEAD_ROWS(kernel, D, rows, s, ...)                                                        \
     do {                                                                                               \
-        unsigned blocks_ = (unsigned)(((rows) + HEAD_ROWS_PER_BLOCK - 1) / HEAD_ROWS_PER_BLOCK);       \
-        if ((D) == 128) kernel<4><<<blocks_, 32 * HEAD_ROWS_PER_BLOCK, 0, s>>>(__VA_ARGS__, rows);    \
-        else kernel<2><<<blocks_, 32 * HEAD_ROWS_PER_BLOCK, 0, s>>>(__VA_ARGS__, rows);               \
+        size_t rows_per_block_ = 256 / ((D) / HADAMARD_VALUES_PER_LANE);                              \
+        unsigned blocks_ = (unsigned)(((rows) + rows_per_block_ - 1) / rows_per_block_);               \
+        if ((D) == 128) kernel<128><<<blocks_, 256, 0, s>>>(__VA_ARGS__, rows);                       \
+        else kernel<64><<<blocks_, 256, 0, s>>>(__VA_ARGS__, rows);                                   \
     } while (0)
 
 static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, char *err) {
