@@ -43,8 +43,9 @@ size_t sage_cuda_forward_workspace_size(int B, int H, int N, int D, SagePV pv);
 SageCudaQuant sage_cuda_quant_view(void *workspace, int B, int H, int N, int D, SagePV pv);
 
 // The quantization pass alone (the forward calls it): fills the workspace's quantized tensors
-// from q, k, v. Three launches: per-chunk column sums of k and column max|v|, their reduction
-// to k_mean and v_scale per head, then one CTA per 64-token block quantizes Q, K and V.
+// from q, k, v. A memset of per-head counters and two launches: per-chunk column sums of k and
+// column max|v| (the last chunk of a head reduces them to k_mean and v_scale), then one CTA per
+// 64-token block quantizes Q, K and V.
 int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                        int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
 

@@ -1,8 +1,12 @@
-// Sage attention on the GPU: the quantization pass (see sage_cuda.h for the layouts).
-// 1. sage_stats_kernel: per (chunk of 256 tokens, head) the column sums of k and column max|v|.
-// 2. sage_stats_reduce_kernel: per head, k_mean = Σ chunks / N and v_scale = max / 448.
-// 3. sage_quantize_kernel: per (64-token block, head) Q·c and K - k_mean to int8 with one scale
-//    per block (amax/127, values rintf(x·(127/amax))), V to e4m3(v/v_scale) or fp16, transposed.
+// Sage attention on the GPU: the quantization pass (see sage_cuda.h for the layouts), two kernels
+// after a memset of the per-head counters:
+// 1. sage_stats_kernel: per (256-token chunk, head) the column sums of k and column max|v| into
+//    the workspace's partials; the chunk that completes a head (atomic counter) sums the partials
+//    in chunk order to k_mean = Σ / N and v_scale = max / 448.
+// 2. sage_quantize_kernel: per (64-token block, head), in the reverse order of kernel 1 (so that
+//    its first blocks find k and v still in L2), Q·c and K - k_mean to int8 with one scale per
+//    block (amax/127, values rintf(x·(127/amax))), V to e4m3(v/v_scale) or fp16, transposed
+//    through shared memory without bank conflicts. All loads of a block are issued up front.
 // Arithmetic uses the _rn intrinsics so that --use_fast_math cannot change the definition's
 // roundings; only k_mean's summation order differs from the CPU (chunked instead of sequential).
 #include "attention/sage_cuda.h"
@@ -11,19 +15,26 @@
 #include "layers/cuda_args.h"
 
 #define STATS_CHUNK 256
-#define QUANT_THREADS 256
+#define STATS_THREADS 128
+#define STATS_BATCH 8   // rows of k and v loaded per thread before they are summed
+#ifndef QUANT_MIN_CTAS   // sage_quantize_kernel CTAs per SM at D = 128 (twice that at D = 64): 2 -> 128 registers
+#define QUANT_MIN_CTAS 2
+#endif
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 static size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
-// Workspace: q8 | k8 | q_scale | k_scale | k_mean | v_scale | v_t | column partials (2 per chunk).
-static size_t layout(SageCudaQuant *view, char *base, int B, int H, int N, int D, SagePV pv) {
+// Workspace: q8 | k8 | q_scale | k_scale | k_mean | v_scale | v_t | column partials (2 per chunk)
+// | chunks done per head (BH counters).
+enum { WS_PARTIALS = 7, WS_DONE = 8, WS_PARTS = 9 };
+static size_t layout(SageCudaQuant *view, char **at, char *base, int B, int H, int N, int D, SagePV pv) {
     size_t BH = (size_t)B * H, nblk = ceil_div(N, SAGE_CUDA_BLOCK), off = 0;
     size_t npad = nblk * SAGE_CUDA_BLOCK, nchunk = ceil_div(N, STATS_CHUNK);
-    size_t sizes[8] = {BH * N * D, BH * N * D, BH * nblk * 4, BH * nblk * 4, BH * D * 4, BH * D * 4,
-                       BH * D * npad * (pv == SAGE_PV_FP8 ? 1 : 2), BH * nchunk * D * 2 * 4};
-    char *at[8];
-    for (int i = 0; i < 8; i++) { at[i] = base ? base + off : NULL; off += align256(sizes[i]); }
+    size_t sizes[WS_PARTS] = {BH * N * D, BH * N * D, BH * nblk * 4, BH * nblk * 4, BH * D * 4, BH * D * 4,
+                              BH * D * npad * (pv == SAGE_PV_FP8 ? 1 : 2), BH * nchunk * D * 2 * 4, BH * 4};
+    char *local[WS_PARTS];
+    if (!at) at = local;
+    for (int i = 0; i < WS_PARTS; i++) { at[i] = base ? base + off : NULL; off += align256(sizes[i]); }
     if (view) {
         view->q8 = (int8_t *)at[0]; view->k8 = (int8_t *)at[1];
         view->q_scale = (float *)at[2]; view->k_scale = (float *)at[3];
@@ -33,24 +44,17 @@ static size_t layout(SageCudaQuant *view, char *base, int B, int H, int N, int D
     return off;
 }
 
-static float *partials(void *workspace, int B, int H, int N, int D, SagePV pv) {
-    size_t BH = (size_t)B * H, nchunk = ceil_div(N, STATS_CHUNK);
-    return (float *)((char *)workspace + layout(NULL, NULL, B, H, N, D, pv) -
-                     align256(BH * nchunk * D * 2 * 4));
-}
-
 extern "C" size_t sage_cuda_forward_workspace_size(int B, int H, int N, int D, SagePV pv) {
-    return layout(NULL, NULL, B, H, N, D, pv);
+    return layout(NULL, NULL, NULL, B, H, N, D, pv);
 }
 
 extern "C" SageCudaQuant sage_cuda_quant_view(void *workspace, int B, int H, int N, int D, SagePV pv) {
     SageCudaQuant view;
-    layout(&view, (char *)workspace, B, H, N, D, pv);
+    layout(&view, NULL, (char *)workspace, B, H, N, D, pv);
     return view;
 }
 
-__device__ __forceinline__ void load_bf16x8(float x[8], const __nv_bfloat16 *p) {
-    uint4 u = *(const uint4 *)p;
+__device__ __forceinline__ void bf16x8_to_float(float x[8], uint4 u) {
     const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
     for (int i = 0; i < 4; i++) {
         float2 f = __bfloat1622float2(h[i]);
@@ -59,124 +63,173 @@ __device__ __forceinline__ void load_bf16x8(float x[8], const __nv_bfloat16 *p) 
 }
 
 // k, v: (BH, N, D). part: (BH, nchunk, 2, D): [0] Σ k over the chunk, [1] max |v| over the chunk.
-// Grid (nchunk, BH), 128 threads: each thread owns 8 columns and every rows_per_pass-th row.
+// Grid (nchunk, BH), STATS_THREADS threads: each thread owns 8 columns and every ROWS-th row
+// (summed in token order, STATS_BATCH rows of loads in flight), the ROWS partial rows are summed
+// in row order, and the CTA that completes head bh (done[bh] reaches nchunk) sums the chunks in
+// chunk order: k_out[bh] = Σ / divisor, v_out[bh] = max / 448 (0 unless fp8).
 template <int D>
-__global__ void __launch_bounds__(128) sage_stats_kernel(float *part, const __nv_bfloat16 *k,
-                                                         const __nv_bfloat16 *v, int N) {
-    constexpr int VEC = D / 8, ROWS = 128 / VEC;
+__global__ void __launch_bounds__(STATS_THREADS) sage_stats_kernel(float *k_out, float *v_out, float *part,
+                                                                   unsigned *done, const __nv_bfloat16 *k,
+                                                                   const __nv_bfloat16 *v, int N, float divisor,
+                                                                   int fp8) {
+    constexpr int VEC = D / 8, ROWS = STATS_THREADS / VEC, PER = STATS_CHUNK / ROWS;
     __shared__ float s_sum[ROWS][D], s_max[ROWS][D];
-    int bh = blockIdx.y, chunk = blockIdx.x, vec = threadIdx.x % VEC, row0 = threadIdx.x / VEC;
+    __shared__ int s_last;
+    int bh = blockIdx.y, chunk = blockIdx.x, nchunk = gridDim.x, vec = threadIdx.x % VEC, row0 = threadIdx.x / VEC;
     float sum[8] = {0}, vmax[8] = {0}, x[8];
-    int t_end = min(N, (chunk + 1) * STATS_CHUNK);
-    for (int t = chunk * STATS_CHUNK + row0; t < t_end; t += ROWS) {
-        size_t at = ((size_t)bh * N + t) * D + vec * 8;
-        load_bf16x8(x, k + at);
-        for (int i = 0; i < 8; i++) sum[i] += x[i];
-        load_bf16x8(x, v + at);
-        for (int i = 0; i < 8; i++) vmax[i] = fmaxf(vmax[i], fabsf(x[i]));
+    int t0 = chunk * STATS_CHUNK + row0, t_end = min(N, (chunk + 1) * STATS_CHUNK);
+    int n_rows = t0 < t_end ? (t_end - t0 + ROWS - 1) / ROWS : 0;   // rows t0, t0 + ROWS, ... < t_end
+    const __nv_bfloat16 *kp = k + ((size_t)bh * N + t0) * D + vec * 8, *vp = v + ((size_t)bh * N + t0) * D + vec * 8;
+    for (int r0 = 0; r0 < PER; r0 += STATS_BATCH) {
+        uint4 kr[STATS_BATCH], vr[STATS_BATCH];
+#pragma unroll
+        for (int r = 0; r < STATS_BATCH; r++) {
+            if (r0 + r >= n_rows) continue;
+            kr[r] = *(const uint4 *)(kp + (size_t)(r0 + r) * ROWS * D);
+            vr[r] = *(const uint4 *)(vp + (size_t)(r0 + r) * ROWS * D);
+        }
+#pragma unroll
+        for (int r = 0; r < STATS_BATCH; r++) {
+            if (r0 + r >= n_rows) continue;
+            bf16x8_to_float(x, kr[r]);
+            for (int i = 0; i < 8; i++) sum[i] += x[i];
+            bf16x8_to_float(x, vr[r]);
+            for (int i = 0; i < 8; i++) vmax[i] = fmaxf(vmax[i], fabsf(x[i]));
+        }
     }
     for (int i = 0; i < 8; i++) { s_sum[row0][vec * 8 + i] = sum[i]; s_max[row0][vec * 8 + i] = vmax[i]; }
     __syncthreads();
-    if (threadIdx.x < D) {
+    float *head_part = part + (size_t)bh * nchunk * 2 * D;
+    for (int c = threadIdx.x; c < D; c += STATS_THREADS) {
         float s = 0.0f, m = 0.0f;
-        for (int r = 0; r < ROWS; r++) { s += s_sum[r][threadIdx.x]; m = fmaxf(m, s_max[r][threadIdx.x]); }
-        float *p = part + ((size_t)bh * gridDim.x + chunk) * 2 * D;
-        p[threadIdx.x] = s;
-        p[D + threadIdx.x] = m;
+        for (int r = 0; r < ROWS; r++) { s += s_sum[r][c]; m = fmaxf(m, s_max[r][c]); }
+        head_part[(size_t)chunk * 2 * D + c] = s;
+        head_part[(size_t)chunk * 2 * D + D + c] = m;
     }
-}
-
-// k_mean[bh][d] = (Σ_chunks part sums) / divisor (N, or 1 for the sum); v_scale[bh][d] = max/448. Grid BH, D threads.
-__global__ void sage_stats_reduce_kernel(float *k_mean, float *v_scale, const float *part,
-                                         int nchunk, float divisor, int D, int fp8) {
-    int bh = blockIdx.x, d = threadIdx.x;
-    float s = 0.0f, m = 0.0f;
-    for (int c = 0; c < nchunk; c++) {
-        const float *p = part + ((size_t)bh * nchunk + c) * 2 * D;
-        s += p[d];
-        m = fmaxf(m, p[D + d]);
-    }
-    k_mean[(size_t)bh * D + d] = __fdiv_rn(s, divisor);
-    v_scale[(size_t)bh * D + d] = fp8 ? __fdiv_rn(m, 448.0f) : 0.0f;
-}
-
-__device__ float block_max(float x, float *s_red) {
-    x = warp_max(x);
-    if (threadIdx.x % 32 == 0) s_red[threadIdx.x / 32] = x;
+    __threadfence();
     __syncthreads();
-    float m = s_red[0];
-    for (int w = 1; w < QUANT_THREADS / 32; w++) m = fmaxf(m, s_red[w]);
+    if (threadIdx.x == 0) s_last = atomicAdd(done + bh, 1u) == (unsigned)nchunk - 1;
     __syncthreads();
-    return m;
-}
-
-// One 64-token block of x (rows >= N absent) to int8: y = (x - shift)·mul, scale = amax/127.
-template <int D>
-__device__ void quantize_block(int8_t *q8, float *scale, const __nv_bfloat16 *x, const float *shift,
-                               float mul, int rows, float *s_red) {
-    constexpr int VEC = D / 8, PER_THREAD = SAGE_CUDA_BLOCK * VEC / QUANT_THREADS;
-    float y[PER_THREAD][8], amax = 0.0f;
-    for (int j = 0; j < PER_THREAD; j++) {
-        int vid = threadIdx.x + j * QUANT_THREADS, row = vid / VEC, col = (vid % VEC) * 8;
-        if (row >= rows) continue;
-        load_bf16x8(y[j], x + (size_t)row * D + col);
-        for (int i = 0; i < 8; i++) {
-            y[j][i] = __fmul_rn(shift ? __fsub_rn(y[j][i], shift[col + i]) : y[j][i], mul);
-            amax = fmaxf(amax, fabsf(y[j][i]));
+    if (!s_last) return;
+    __threadfence();
+    // the head's last chunk: Σ over chunks in chunk order (loads batched, sums in order)
+    for (int i = threadIdx.x; i < 2 * D; i += STATS_THREADS) {
+        int c = i % D, is_max = i / D;
+        const float *p = head_part + is_max * D + c;
+        float acc = 0.0f, val[16];
+        for (int c0 = 0; c0 < nchunk; c0 += 16) {
+#pragma unroll
+            for (int j = 0; j < 16; j++) if (c0 + j < nchunk) val[j] = __ldcg(p + (size_t)(c0 + j) * 2 * D);
+#pragma unroll
+            for (int j = 0; j < 16; j++) if (c0 + j < nchunk) acc = is_max ? fmaxf(acc, val[j]) : acc + val[j];
         }
+        if (is_max) v_out[(size_t)bh * D + c] = fp8 ? __fdiv_rn(acc, 448.0f) : 0.0f;
+        else k_out[(size_t)bh * D + c] = __fdiv_rn(acc, divisor);
     }
-    amax = block_max(amax, s_red);
-    float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    for (int j = 0; j < PER_THREAD; j++) {
-        int vid = threadIdx.x + j * QUANT_THREADS, row = vid / VEC, col = (vid % VEC) * 8;
-        if (row >= rows) continue;
-        uint32_t w[2] = {0, 0};
-        for (int i = 0; i < 8; i++)
-            w[i / 4] |= (uint32_t)(uint8_t)(int8_t)__float2int_rn(__fmul_rn(y[j][i], inv)) << (8 * (i % 4));
-        *(uint2 *)(q8 + (size_t)row * D + col) = make_uint2(w[0], w[1]);
-    }
-    if (threadIdx.x == 0) *scale = __fdiv_rn(amax, 127.0f);
 }
 
-// Slot of token u (0..15) in a group of 16 of the FP8 v_t layout (inverse of sage_cuda.h's map).
-__device__ __forceinline__ int fp8_slot(int u) { return 4 * ((u % 8) / 2) + (u % 2) + 2 * (u / 8); }
+// int8 of y·inv, 8 values packed in two words (the byte of __float2int_rn as int8).
+__device__ __forceinline__ uint2 pack_int8(const float y[8], float inv) {
+    uint32_t w[2] = {0, 0};
+    for (int i = 0; i < 8; i++)
+        w[i / 4] |= (uint32_t)(uint8_t)(int8_t)__float2int_rn(__fmul_rn(y[i], inv)) << (8 * (i % 4));
+    return make_uint2(w[0], w[1]);
+}
 
-// Grid (nblk, BH), QUANT_THREADS threads. Quantizes Q, K and V of one 64-token block.
+__device__ __forceinline__ uint32_t fp8_byte(float x, float scale) {
+    float y = scale > 0.0f ? __fdiv_rn(x, scale) : 0.0f;
+    return (uint32_t)(uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
+    return (uint32_t)__half_as_ushort(__float2half_rn(lo)) | (uint32_t)__half_as_ushort(__float2half_rn(hi)) << 16;
+}
+
+// One 64-token block per CTA, 2·D threads, blocks taken in the reverse order of the stats kernel
+// (item = BH·nblk - 1 - blockIdx.x). Every thread loads 4 × 16 bytes of each of q, k, v up front.
+// Q, K: thread i owns columns 8·(i % (D/8))..+7 of rows i/(D/8) + 16·j (j < 4); one barrier
+// serves both block maxima (amax of x·q_mul and of k - k_mean) and the V transposition.
+// V: thread i owns channels 8·cb..+7 (cb = i/16) of the tokens 16g + 2c + {0, 1, 8, 9} (c = i%4,
+// g = i/4 % 4), which are the FP8 slots 4c..4c+3 of group g (one 32-bit word per channel); FP16
+// keeps token order (two words per channel). Shared memory holds the block's v_t rows; the FP8
+// thread stores channel e = i' ^ (cb & 1) at step i' and the FP16 thread XORs the word with
+// 4·(cb & 1), so that the 32 lanes of a warp hit 32 different banks; rows leave as 16-byte stores.
 template <int D, bool FP8>
-__global__ void __launch_bounds__(QUANT_THREADS) sage_quantize_kernel(
+__global__ void __launch_bounds__(2 * D, QUANT_MIN_CTAS * 128 / D) sage_quantize_kernel(
     SageCudaQuant qv, const __nv_bfloat16 *q, const __nv_bfloat16 *k, const __nv_bfloat16 *v,
-    int N, float q_mul) {
-    constexpr int VEC = D / 8, ELT = FP8 ? 1 : 2, ROW_BYTES = SAGE_CUDA_BLOCK * ELT;
-    __shared__ float s_red[QUANT_THREADS / 32];
-    __shared__ __align__(16) uint8_t s_vt[D][ROW_BYTES];
-    int bh = blockIdx.y, blk = blockIdx.x, nblk = gridDim.x, t0 = blk * SAGE_CUDA_BLOCK;
-    int rows = min(SAGE_CUDA_BLOCK, N - t0);
+    int N, int nblk, float q_mul) {
+    constexpr int THREADS = 2 * D, VEC = D / 8, ROW_WORDS = FP8 ? 16 : 32;
+    __shared__ float s_red[2][THREADS / 32];
+    __shared__ __align__(16) uint32_t s_vt[D][ROW_WORDS];
+    int item = (int)(gridDim.x - 1 - blockIdx.x), bh = item / nblk, blk = item % nblk, t0 = blk * SAGE_CUDA_BLOCK;
+    int rows = min(SAGE_CUDA_BLOCK, N - t0), tid = threadIdx.x;
     size_t at = ((size_t)bh * N + t0) * D;
-    quantize_block<D>(qv.q8 + at, qv.q_scale + (size_t)bh * nblk + blk, q + at, NULL, q_mul, rows, s_red);
-    quantize_block<D>(qv.k8 + at, qv.k_scale + (size_t)bh * nblk + blk, k + at,
-                      qv.k_mean + (size_t)bh * D, 1.0f, rows, s_red);
-    const float *vs = qv.v_scale + (size_t)bh * D;
-    for (int vid = threadIdx.x; vid < SAGE_CUDA_BLOCK * VEC; vid += QUANT_THREADS) {
-        int row = vid / VEC, col = (vid % VEC) * 8;
-        float x[8] = {0};
-        if (row < rows) load_bf16x8(x, v + at + (size_t)row * D + col);
+    int col = (tid % VEC) * 8, row0 = tid / VEC;
+    int c = tid % 4, g = tid / 4 % 4, cb = tid / 16, flip = cb & 1;
+    uint4 qr[4], kr[4], vr[4];
+    for (int j = 0; j < 4; j++) {
+        int row = row0 + 16 * j, tok = 16 * g + 2 * c + (j & 1) + 8 * (j >> 1);
+        qr[j] = kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
+        if (row < rows) {
+            qr[j] = __ldcs((const uint4 *)(q + at + (size_t)row * D + col));
+            kr[j] = __ldcs((const uint4 *)(k + at + (size_t)row * D + col));
+        }
+        if (tok < rows) vr[j] = __ldcs((const uint4 *)(v + at + (size_t)tok * D + 8 * cb));
+    }
+    float mean[8], scale[8], y[8], qmax = 0.0f, kmax = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        mean[i] = qv.k_mean[(size_t)bh * D + col + i];
+        scale[i] = qv.v_scale[(size_t)bh * D + 8 * cb + i];
+    }
+    for (int j = 0; j < 4; j++) {
+        if (row0 + 16 * j >= rows) continue;
+        bf16x8_to_float(y, qr[j]);
+        for (int i = 0; i < 8; i++) qmax = fmaxf(qmax, fabsf(__fmul_rn(y[i], q_mul)));
+        bf16x8_to_float(y, kr[j]);
+        for (int i = 0; i < 8; i++) kmax = fmaxf(kmax, fabsf(__fmul_rn(__fsub_rn(y[i], mean[i]), 1.0f)));
+    }
+    float x[4][8];   // V: token j, channel 8·cb + i (zero beyond N)
+    for (int j = 0; j < 4; j++) bf16x8_to_float(x[j], vr[j]);
+    uint32_t w[8];
+    if (FP8) {
+        for (int i = 0; i < 8; i++)
+            w[i] = fp8_byte(x[0][i], scale[i]) | fp8_byte(x[1][i], scale[i]) << 8 |
+                   fp8_byte(x[2][i], scale[i]) << 16 | fp8_byte(x[3][i], scale[i]) << 24;
+        for (int i = 0; i < 8; i++) s_vt[8 * cb + (i ^ flip)][4 * g + c] = flip ? w[i ^ 1] : w[i];
+    } else {
         for (int i = 0; i < 8; i++) {
-            int d = col + i;
-            if (FP8) {
-                float y = vs[d] > 0.0f ? __fdiv_rn(x[i], vs[d]) : 0.0f;
-                int slot = (row / 16) * 16 + fp8_slot(row % 16);
-                s_vt[d][slot] = (uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-            } else {
-                ((__half *)s_vt[d])[row] = __float2half_rn(x[i]);
-            }
+            s_vt[8 * cb + i][(8 * g + c) ^ (4 * flip)] = half2_bits(x[0][i], x[1][i]);
+            s_vt[8 * cb + i][(8 * g + 4 + c) ^ (4 * flip)] = half2_bits(x[2][i], x[3][i]);
         }
     }
+    qmax = warp_max(qmax);
+    kmax = warp_max(kmax);
+    if (tid % 32 == 0) { s_red[0][tid / 32] = qmax; s_red[1][tid / 32] = kmax; }
     __syncthreads();
+    for (int wp = 0; wp < THREADS / 32; wp++) { qmax = fmaxf(qmax, s_red[0][wp]); kmax = fmaxf(kmax, s_red[1][wp]); }
+    float qinv = qmax > 0.0f ? __fdiv_rn(127.0f, qmax) : 0.0f, kinv = kmax > 0.0f ? __fdiv_rn(127.0f, kmax) : 0.0f;
+    for (int j = 0; j < 4; j++) {
+        int row = row0 + 16 * j;
+        if (row >= rows) continue;
+        bf16x8_to_float(y, qr[j]);
+        for (int i = 0; i < 8; i++) y[i] = __fmul_rn(y[i], q_mul);
+        __stcs((uint2 *)(qv.q8 + at + (size_t)row * D + col), pack_int8(y, qinv));
+        bf16x8_to_float(y, kr[j]);
+        for (int i = 0; i < 8; i++) y[i] = __fmul_rn(__fsub_rn(y[i], mean[i]), 1.0f);
+        __stcs((uint2 *)(qv.k8 + at + (size_t)row * D + col), pack_int8(y, kinv));
+    }
+    if (tid == 0) {
+        qv.q_scale[(size_t)bh * nblk + blk] = __fdiv_rn(qmax, 127.0f);
+        qv.k_scale[(size_t)bh * nblk + blk] = __fdiv_rn(kmax, 127.0f);
+    }
+    // v_t rows d = 0..D-1 of this block: ROW_WORDS / 4 chunks of 16 bytes each (FP16: chunk r of
+    // row d sits at r ^ (d/8 & 1) in shared memory)
+    constexpr int CHUNKS = ROW_WORDS / 4, ELT = FP8 ? 1 : 2;
     size_t npad = (size_t)nblk * SAGE_CUDA_BLOCK;
-    uint8_t *vt = (uint8_t *)qv.v_t + ((size_t)bh * D * npad + (size_t)blk * SAGE_CUDA_BLOCK) * ELT;
-    for (int i = threadIdx.x; i < D * ROW_BYTES / 16; i += QUANT_THREADS) {
-        int d = i / (ROW_BYTES / 16), c = i % (ROW_BYTES / 16);
-        *(uint4 *)(vt + (size_t)d * npad * ELT + c * 16) = *(const uint4 *)(s_vt[d] + c * 16);
+    uint8_t *vt = (uint8_t *)qv.v_t + ((size_t)bh * D * npad + (size_t)t0) * ELT;
+    for (int i = tid; i < D * CHUNKS; i += THREADS) {
+        int d = i / CHUNKS, r = i % CHUNKS, r_smem = FP8 ? r : r ^ (d / 8 & 1);
+        __stcs((uint4 *)(vt + (size_t)d * npad * ELT + r * 16), *(const uint4 *)&s_vt[d][4 * r_smem]);
     }
 }
 
@@ -189,34 +242,38 @@ static int check_shape(const char *fn, int B, int H, int N, int D, char *err) {
     return 0;
 }
 
-// Launches 1 and 2 of the quantization pass: k_mean[bh][d] = (Σ_t k) / divisor and
-// v_scale[bh][d] = max_t |v| / 448 (0 in FP16 mode), through the workspace's column partials.
-static int launch_stats(float *k_mean, float *v_scale, void *workspace, const uint16_t *k, const uint16_t *v,
+// The memset of the per-head counters and kernel 1: k_out[bh][d] = (Σ_t k) / divisor and
+// v_out[bh][d] = max_t |v| / 448 (0 in FP16 mode), through the workspace's column partials.
+static int launch_stats(float *k_out, float *v_out, void *workspace, const uint16_t *k, const uint16_t *v,
                         int B, int H, int N, int D, SagePV pv, float divisor, cudaStream_t stream, char *err) {
-    float *part = partials(workspace, B, H, N, D, pv);
-    int BH = B * H, nchunk = ceil_div(N, STATS_CHUNK);
+    char *at[WS_PARTS];
+    layout(NULL, at, (char *)workspace, B, H, N, D, pv);
+    int BH = B * H, fp8 = pv == SAGE_PV_FP8;
+    float *part = (float *)at[WS_PARTIALS];
+    unsigned *done = (unsigned *)at[WS_DONE];
     const __nv_bfloat16 *kb = (const __nv_bfloat16 *)k, *vb = (const __nv_bfloat16 *)v;
-    dim3 stats_grid(nchunk, BH);
-    if (D == 64) sage_stats_kernel<64><<<stats_grid, 128, 0, stream>>>(part, kb, vb, N);
-    else sage_stats_kernel<128><<<stats_grid, 128, 0, stream>>>(part, kb, vb, N);
+    SAGE_CUDA_CHECK(cudaMemsetAsync(done, 0, (size_t)BH * sizeof(unsigned), stream), err,
+                    "cudaMemsetAsync(sage quantization counters)");
+    dim3 grid(ceil_div(N, STATS_CHUNK), BH);
+    if (D == 64) sage_stats_kernel<64><<<grid, STATS_THREADS, 0, stream>>>(k_out, v_out, part, done, kb, vb, N, divisor, fp8);
+    else sage_stats_kernel<128><<<grid, STATS_THREADS, 0, stream>>>(k_out, v_out, part, done, kb, vb, N, divisor, fp8);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_kernel");
-    sage_stats_reduce_kernel<<<BH, D, 0, stream>>>(k_mean, v_scale, part, nchunk, divisor, D, pv == SAGE_PV_FP8);
-    SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_reduce_kernel");
     return 0;
 }
 
-// Launch 3: Q, K (with the k_mean in qv) and V (with the v_scale in qv) per 64-token block.
+// Kernel 2: Q, K (with the k_mean in qv) and V (with the v_scale in qv) per 64-token block.
 static int launch_quantize(const SageCudaQuant *qv, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                            int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
     const __nv_bfloat16 *qb = (const __nv_bfloat16 *)q, *kb = (const __nv_bfloat16 *)k,
                         *vb = (const __nv_bfloat16 *)v;
     float q_mul = (1.0f / sqrtf((float)D)) * 1.44269504f;   // host arithmetic, as the CPU definition
-    dim3 quant_grid(ceil_div(N, SAGE_CUDA_BLOCK), B * H);
+    int nblk = ceil_div(N, SAGE_CUDA_BLOCK);
+    unsigned grid = (unsigned)((long long)nblk * B * H);
     bool fp8 = pv == SAGE_PV_FP8;
-    if (D == 64 && fp8) sage_quantize_kernel<64, true><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
-    if (D == 64 && !fp8) sage_quantize_kernel<64, false><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
-    if (D == 128 && fp8) sage_quantize_kernel<128, true><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
-    if (D == 128 && !fp8) sage_quantize_kernel<128, false><<<quant_grid, QUANT_THREADS, 0, stream>>>(*qv, qb, kb, vb, N, q_mul);
+    if (D == 64 && fp8) sage_quantize_kernel<64, true><<<grid, 128, 0, stream>>>(*qv, qb, kb, vb, N, nblk, q_mul);
+    if (D == 64 && !fp8) sage_quantize_kernel<64, false><<<grid, 128, 0, stream>>>(*qv, qb, kb, vb, N, nblk, q_mul);
+    if (D == 128 && fp8) sage_quantize_kernel<128, true><<<grid, 256, 0, stream>>>(*qv, qb, kb, vb, N, nblk, q_mul);
+    if (D == 128 && !fp8) sage_quantize_kernel<128, false><<<grid, 256, 0, stream>>>(*qv, qb, kb, vb, N, nblk, q_mul);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_quantize_kernel");
     return 0;
 }
