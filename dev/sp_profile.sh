@@ -65,7 +65,7 @@ run() {
     local W=/tmp/sp_profile; rm -rf $W; mkdir -p $W
     { nvidia-smi -L; date -u; ldd $B/train_dit | grep -E 'nccl|cupti|not found'; ldd $B/libsp_trace.so | grep -E 'cupti|not found'; } > $W/env.txt 2>&1
     python3 $B/sp_timeline.py --self-test > $W/self_test.txt 2>&1
-    local MODEL="--data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn sage --ckpt-every 0 --sample-every 0 --seed 1"
+    local MODEL="--device gpu --data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn sage --ckpt-every 0 --sample-every 0 --seed 1"
     traced() {   # name, binary, image size, extra flags: one traced run of 8 steps
         local name=$1 bin=$2 size=$3 left=$(( DEADLINE - $(date +%s) )); shift 3
         [ $left -gt 90 ] && left=90
@@ -86,15 +86,19 @@ run() {
     if [ $(( DEADLINE - $(date +%s) )) -gt 60 ]; then
         for v in main bf16a2a; do
             local bin=train_dit_main; [ $v = bf16a2a ] && bin=train_dit
-            timeout 40 $B/$bin --data synthetic --model S --batch 8 --attn sage --steps 6 --ckpt-every 6 \
+            timeout 40 $B/$bin --device gpu --data synthetic --model S --batch 8 --attn sage --steps 6 --ckpt-every 6 \
                 --sample-every 0 --seed 3 --gpus 2 --sp-ulysses 2 --out $W/bit_$v > $W/bit_$v.log 2>&1
         done
-        { for f in $(cd $W/bit_main && ls ckpt_* 2>/dev/null); do
-              if cmp -s $W/bit_main/$f $W/bit_bf16a2a/$f; then echo "$f: bitwise EQUAL"
-              else echo "$f: DIFFERENT, $(cmp -l $W/bit_main/$f $W/bit_bf16a2a/$f 2>/dev/null | wc -l) bytes differ"; fi
-          done
-          diff <(cut -d, -f1-3 $W/bit_main/train_log.csv) <(cut -d, -f1-3 $W/bit_bf16a2a/train_log.csv) \
-              && echo "train_log.csv step,loss,grad_norm: identical"; } > $W/bitwise.txt 2>&1
+        { if [ ! -f $W/bit_main/train_log.csv ] || [ ! -f $W/bit_bf16a2a/train_log.csv ]; then
+              echo "bitwise: a run FAILED (see bit_main.log, bit_bf16a2a.log)"
+          else
+              for f in $(ls $W/bit_main | grep '^ckpt_'); do
+                  if cmp -s $W/bit_main/$f $W/bit_bf16a2a/$f; then echo "$f: bitwise EQUAL"
+                  else echo "$f: DIFFERENT, $(cmp -l $W/bit_main/$f $W/bit_bf16a2a/$f 2>/dev/null | wc -l) bytes differ"; fi
+              done
+              diff <(cut -d, -f1-3 $W/bit_main/train_log.csv) <(cut -d, -f1-3 $W/bit_bf16a2a/train_log.csv) \
+                  && echo "train_log.csv step,loss,grad_norm: identical"
+          fi; } > $W/bitwise.txt 2>&1
     fi
     # 3. the Ulysses model tests with this branch's build (gradients against one GPU)
     if [ $(( DEADLINE - $(date +%s) )) -gt 70 ]; then
@@ -113,7 +117,7 @@ run() {
     rm -rf $W/*/out/ckpt_* $W/bit_*/ckpt_*
     echo "total $(( $(date +%s) - T0 )) s" >> $W/times.txt
     tar czf $OUT/sp_profile.tgz -C /tmp sp_profile
-    cat $W/self_test.txt $W/times.txt $W/bitwise.txt 2>/dev/null
+    tail -1 $W/self_test.txt; cat $W/times.txt $W/bitwise.txt 2>/dev/null
     grep -E "PASS|FAIL|Synthesis" $W/test_ulysses.txt 2>/dev/null | tail -4
     grep -E "^## |^### |sum of the differences" $W/account_352.md 2>/dev/null
 }
