@@ -100,6 +100,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
         TAKE(ar, sb->q_local, BT * h); TAKE(ar, sb->k_local, BT * h); TAKE(ar, sb->v_local, BT * h);
         TAKE(ar, sb->att_local, BT * h); TAKE(ar, sb->dout_heads, BT * h);
         TAKE(ar, sb->dq_heads, BT * h); TAKE(ar, sb->dk_heads, BT * h); TAKE(ar, sb->dv_heads, BT * h);
+        TAKE(ar, sb->dqkv_heads, 3 * BT * h); TAKE(ar, sb->dqkv_local, 3 * BT * h);
     }
     if (m->sp.ring > 1 && m->attention == DIT_ATTN_SAGE) {
         size_t stats = L * B * heads_here(m) * (h / c->heads);
@@ -544,12 +545,18 @@ __global__ void split_qkv_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int
     if (valid) store_bf16x8((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + c, x, VEC, true);
 }
 
-// dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32: split_heads_backward
-// (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when rotate, rounded to bf16
-// once.
-template <int D>
-__global__ void merge_qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *dk, const float *dv, int T, int H,
-                                      bool rotate, float norm, size_t rows) {
+// One row's 8 values of lane l (channels 8l .. 8l + 7) as fp32, from fp32 or bf16 gradients.
+__device__ __forceinline__ void load_grad8(float (&x)[HADAMARD_VALUES_PER_LANE], const float *p) { load_f32x8(x, p); }
+__device__ __forceinline__ void load_grad8(float (&x)[HADAMARD_VALUES_PER_LANE], const bf16 *p) {
+    load_bf16x8(x, p, VEC, true);
+}
+
+// dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32 (or bf16):
+// split_heads_backward (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when
+// rotate, rounded to bf16 once (bf16 inputs: copied bit for bit when rotate is off).
+template <int D, typename G>
+__global__ void merge_qkv_grad_kernel(bf16 *dqkv, const G *dq, const G *dk, const G *dv, int T, int H, bool rotate,
+                                      float norm, size_t rows) {
     constexpr int L = D / HADAMARD_VALUES_PER_LANE;
     const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
     const bool valid = row < rows;
@@ -557,9 +564,27 @@ __global__ void merge_qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *
     const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
     const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
     float x[HADAMARD_VALUES_PER_LANE];
-    load_f32x8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
+    load_grad8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
     if (rotate) rotate_if<D>(x, which < 2, norm);
     if (valid) store_bf16x8(dqkv + r * D + c, x, VEC, true);
+}
+
+// Ulysses: the same rotation and rounding on the head-sharded gradients, before the all-to-all:
+// out = [bf16(dq·H) | bf16(dk·H) | bf16(dv)] (H when rotate), rows of D values in the layout they
+// come in (rows_per_tensor each). The values of merge_qkv_grad_kernel's (the same operations on
+// the same row), so the exchange can move bf16 instead of fp32.
+template <int D>
+__global__ void round_qkv_grad_kernel(bf16 *out, const float *dq, const float *dk, const float *dv,
+                                      size_t rows_per_tensor, bool rotate, float norm, size_t rows) {
+    constexpr int L = D / HADAMARD_VALUES_PER_LANE;
+    const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    const bool valid = row < rows;
+    const size_t r = valid ? row : 0;
+    const int which = (int)(r / rows_per_tensor), c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
+    float x[HADAMARD_VALUES_PER_LANE];
+    load_f32x8(x, (which == 0 ? dq : which == 1 ? dk : dv) + (r % rows_per_tensor) * D + c);
+    if (rotate) rotate_if<D>(x, which < 2, norm);
+    if (valid) store_bf16x8(out + r * D + c, x, VEC, true);
 }
 
 // Launches either kernel over the B·T·3·H rows, 256 threads per block (D is 64 or 128:
@@ -572,22 +597,35 @@ __global__ void merge_qkv_grad_kernel(bf16 *dqkv, const float *dq, const float *
         else kernel<64><<<blocks_, 256, 0, s>>>(__VA_ARGS__, rows);                                   \
     } while (0)
 
+static bool sage_rotates(const DitGpu *m) { return m->attention == DIT_ATTN_SAGE && m->sage.rotate; }
+
 static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, char *err) {
     int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
     size_t rows = (size_t)B * T * 3 * H;
-    bool rotate = m->attention == DIT_ATTN_SAGE && m->sage.rotate;
-    LAUNCH_HEAD_ROWS(split_qkv_kernel, D, rows, m->stream, q, k, v, qkv, T, H, rotate, 1.0f / sqrtf((float)D));
+    LAUNCH_HEAD_ROWS(split_qkv_kernel, D, rows, m->stream, q, k, v, qkv, T, H, sage_rotates(m), 1.0f / sqrtf((float)D));
     LAUNCH_CHECK(err, "split_qkv_kernel", "B·T=%d H=%d D=%d", B * T, H, D);
     return 0;
 }
 
-static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const float *dq, const float *dk, const float *dv, int B,
+// rotate: sage's rotation of dq and dk here (off when round_qkv_grad has applied it already).
+template <typename G>
+static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk, const G *dv, bool rotate, int B,
                           char *err) {
     int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
     size_t rows = (size_t)B * T * 3 * H;
-    bool rotate = m->attention == DIT_ATTN_SAGE && m->sage.rotate;
     LAUNCH_HEAD_ROWS(merge_qkv_grad_kernel, D, rows, m->stream, dqkv, dq, dk, dv, T, H, rotate, 1.0f / sqrtf((float)D));
     LAUNCH_CHECK(err, "merge_qkv_grad_kernel", "B·T=%d H=%d D=%d", B * T, H, D);
+    return 0;
+}
+
+// out (3 tensors of B·T·H rows of D, this rank's share in either layout) from dq, dk, dv fp32.
+static int round_qkv_grad(const DitGpu *m, bf16 *out, const float *dq, const float *dk, const float *dv, int B,
+                          char *err) {
+    int H = m->cfg.heads, D = m->cfg.hidden / H;
+    size_t per_tensor = (size_t)B * m->tokens * H, rows = 3 * per_tensor;
+    LAUNCH_HEAD_ROWS(round_qkv_grad_kernel, D, rows, m->stream, out, dq, dk, dv, per_tensor, sage_rotates(m),
+                     1.0f / sqrtf((float)D));
+    LAUNCH_CHECK(err, "round_qkv_grad_kernel", "%zu rows of D=%d", rows, D);
     return 0;
 }
 
@@ -766,13 +804,15 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
             TRY(ulysses_move(m, sb->dout_heads, g->att, sizeof(bf16), 1, B, err));
             TRY(attention_backward_gpu(m, l, B, sb->dq_heads, sb->dk_heads, sb->dv_heads, sb->dout_heads, err));
-            TRY(ulysses_move(m, g->dq, sb->dq_heads, sizeof(float), 0, B, err));
-            TRY(ulysses_move(m, g->dk, sb->dk_heads, sizeof(float), 0, B, err));
-            TRY(ulysses_move(m, g->dv, sb->dv_heads, sizeof(float), 0, B, err));
+            // rotation and rounding are per row of D values, the exchange moves whole rows: both
+            // orders give the same bits, and this one moves bf16 (dq, dk, dv as a batch of 3·B)
+            TRY(round_qkv_grad(m, sb->dqkv_heads, sb->dq_heads, sb->dk_heads, sb->dv_heads, B, err));
+            TRY(ulysses_move(m, sb->dqkv_local, sb->dqkv_heads, sizeof(bf16), 0, 3 * B, err));
+            TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false, B, err));
         } else {
             TRY(attention_backward_gpu(m, l, B, g->dq, g->dk, g->dv, g->att, err));
+            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), B, err));
         }
-        TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, B, err));
         TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
                                  g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, ctx, s, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,

@@ -87,6 +87,7 @@ typedef struct {
     bf16 *att_local;                   // (B, H, T/(U·R), D): the attention output after the inverse
     bf16 *dout_heads;                  // head-sharded dL/d(attention output)
     float *dq_heads, *dk_heads, *dv_heads;  // head-sharded attention gradients
+    bf16 *dqkv_heads, *dqkv_local;     // [dq | dk | dv] rotated and rounded, head- and sequence-sharded
     float *k_mean, *v_scale;           // (depth, B, H/U, D): sage under ring, kept for the backward
 } DitGpuSeqBuffers;
 
