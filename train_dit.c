@@ -3,7 +3,7 @@
 //   batch -> drop labels -> sample t and noise -> x_t -> forward -> MSE on the velocity ->
 //   backward -> clip by global norm -> AdamW -> EMA -> log.
 // The model runs on the CPU (model/dit.h, fp32) or the GPU (model/dit_gpu.h, bf16 compute with
-// fp32 master weights) behind the same step functions (step_gradients, step_update, ...); the
+// fp32 master weights) behind the same step functions (queue_step, wait_step, ...); the
 // host does the rest (data, RNG, logging, checkpoints) the same way for both.
 // Data parallel on several GPUs (--gpus N, mpirun, srun; model/distributed.h): every rank runs
 // the same step on its own share of the batch; between backward and update the gradients and
@@ -389,65 +389,87 @@ static void trainer_to_host(Trainer *tr) {
 }
 
 #ifdef DIT_CUDA
-// Several ranks: one NCCL group of two in-place all-reduces. The loss becomes the mean over the
-// ranks (each rank's is the mean over its images, the same on every rank of a sequence-parallel
-// group, so this is the global batch's). The gradients are summed over the ranks and scaled by
-// 1/dp: the sum over a sequence-parallel group completes each image's gradient (every rank
-// back-propagated its tokens' share of the global loss), the 1/dp averages the data-parallel
-// groups' images (dp = world without sequence parallelism: the mean). Waits for it.
+// Several ranks: one NCCL group of two in-place all-reduces, queued on the model's stream (the
+// step's end event waits for it). The loss becomes the mean over the ranks (each rank's is the
+// mean over its images, the same on every rank of a sequence-parallel group, so this is the
+// global batch's). The gradients are summed over the ranks and scaled by 1/dp: the sum over a
+// sequence-parallel group completes each image's gradient (every rank back-propagated its tokens'
+// share of the global loss), the 1/dp averages the data-parallel groups' images (dp = world
+// without sequence parallelism: the mean).
 static int reduce_over_ranks(Trainer *tr, char *err) {
     if (!tr->dist) return 0;
     float *buffers[2] = {tr->gpu.grads_memory, tr->gpu.acts.loss};
     size_t counts[2] = {tr->gpu.num_params, 1};
     float scales[2] = {1.0f / tr->mesh.dp, 1.0f / tr->mesh.world};
-    return dist_all_reduce_scaled(tr->dist, buffers, counts, scales, 2, tr->gpu.stream, err);
+    return dist_all_reduce_scaled_queue(tr->dist, buffers, counts, scales, 2, tr->gpu.stream, err);
 }
 #endif
+
+// One training step: its batch on the host (pinned for the GPU) and, once it is done, its loss
+// and gradient norm. Two slots alternate, so the host fills one with the next batch while the
+// GPU still runs the step of the other.
+typedef struct {
+    int step;
+    float lr;
+    double started;          // wall time when the host began the step's batch
+    float *x0, *noise, *t;   // (B, C, S, S), (B, C, S, S), (B)
+    int *labels;             // (B)
+    float *scalars;          // [0] loss, [1] gradient norm (GPU: valid once `done` has completed)
+#ifdef DIT_CUDA
+    cudaEvent_t done;
+#endif
+} StepSlot;
 
 // x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward; with
-// several ranks, the mean over the ranks of the gradients and loss. Returns the loss.
-static float step_gradients(Trainer *tr, const float *x0, const float *noise, const float *t,
-                            const int *labels, int B) {
+// several ranks the mean over the ranks of the gradients and loss; then clip by the global
+// gradient norm, AdamW, EMA. On the GPU this queues the work and returns (wait_step waits); on
+// the CPU it runs it.
+static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
     const DitConfig *c = &tr->cpu.cfg;
-    size_t img = (size_t)c->channels * c->image_size * c->image_size;
+    int B = a->batch / tr->mesh.dp;
+    float ema_decay = ema_decay_warmup(a->ema_decay, s->step);
 #ifdef DIT_CUDA
     if (tr->on_gpu) {
         char err[DIT_ERR_LEN];
-        float loss;
         DitGpu *g = &tr->gpu;
-        if (dit_gpu_set_flow_batch(g, x0, noise, t, labels, B, err) || dit_gpu_forward(g, &g->weights, B, err) ||
-            dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) || dit_gpu_backward(g, B, err) ||
-            reduce_over_ranks(tr, err) || dit_gpu_read_scalars(g, &loss, NULL, err))
+        if (dit_gpu_set_flow_batch(g, s->x0, s->noise, s->t, s->labels, B, err) ||
+            dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
+            dit_gpu_backward(g, B, err) || reduce_over_ranks(tr, err) ||
+            dit_gpu_update(g, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay, s->step, err) ||
+            dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err))
             die(err);
-        return loss;
+        return;
     }
 #endif
     Dit *m = &tr->cpu;
-    flow_matching_inputs(tr->x_t, tr->v_target, x0, noise, t, B, (int)img);
-    dit_forward(m, &m->params, tr->x_t, t, labels, B);
-    float loss = mse_loss_forward_backward(tr->dout, m->acts.out, tr->v_target, B * img);
+    size_t img = (size_t)c->channels * c->image_size * c->image_size;
+    flow_matching_inputs(tr->x_t, tr->v_target, s->x0, s->noise, s->t, B, (int)img);
+    dit_forward(m, &m->params, tr->x_t, s->t, s->labels, B);
+    s->scalars[0] = mse_loss_forward_backward(tr->dout, m->acts.out, tr->v_target, B * img);
     dit_zero_grad(m);
-    dit_backward(m, tr->dout, labels, B);
-    return loss;
+    dit_backward(m, tr->dout, s->labels, B);
+    float grad_norm = s->scalars[1] = global_norm(m->grads_memory, m->num_params);
+    dit_adamw_step(m, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, clip_grad_scale(grad_norm, a->grad_clip), s->step);
+    ema_update(m->ema_memory, m->params_memory, m->num_params, ema_decay);
 }
 
-// Clip by the global gradient norm, AdamW, EMA. Returns the norm (before clipping).
-static float step_update(Trainer *tr, const TrainArgs *a, float lr, int step) {
+// Waits until the step queued in s is done (several ranks: polling for NCCL errors and the
+// timeout, so a dead rank ends the run with a message instead of a hang).
+static void wait_step(Trainer *tr, StepSlot *s) {
 #ifdef DIT_CUDA
-    if (tr->on_gpu) {
-        char err[DIT_ERR_LEN];
-        float grad_norm;
-        if (dit_gpu_update(&tr->gpu, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay_warmup(a->ema_decay, step), step, err) ||
-            dit_gpu_read_scalars(&tr->gpu, NULL, &grad_norm, err))
-            die(err);
-        return grad_norm;
+    char err[DIT_ERR_LEN];
+    if (!tr->on_gpu) return;
+    if (tr->dist) {
+        char what[64];
+        snprintf(what, sizeof(what), "training step %d", s->step);
+        if (dist_wait_event(tr->dist, s->done, what, err) != 0) die(err);
+    } else if (cudaEventSynchronize(s->done) != cudaSuccess) {
+        dit_set_error(err, "training step %d: %s", s->step, cudaGetErrorString(cudaGetLastError()));
+        die(err);
     }
+#else
+    (void)tr; (void)s;
 #endif
-    Dit *m = &tr->cpu;
-    float grad_norm = global_norm(m->grads_memory, m->num_params);
-    dit_adamw_step(m, lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, clip_grad_scale(grad_norm, a->grad_clip), step);
-    ema_update(m->ema_memory, m->params_memory, m->num_params, ema_decay_warmup(a->ema_decay, step));
-    return grad_norm;
 }
 
 // The last step's output (B, C, S, S) and parameter gradients, for --dump-parity.
@@ -489,6 +511,27 @@ static void batch_free(const Trainer *tr, void *p) {
 #endif
     (void)tr;
     free(p);
+}
+
+static void slot_alloc(const Trainer *tr, StepSlot *s, size_t n_batch, int B) {
+    memset(s, 0, sizeof(*s));
+    s->x0 = batch_alloc(tr, n_batch * sizeof(float));
+    s->noise = batch_alloc(tr, n_batch * sizeof(float));
+    s->t = batch_alloc(tr, B * sizeof(float));
+    s->labels = batch_alloc(tr, B * sizeof(int));
+    s->scalars = batch_alloc(tr, 2 * sizeof(float));
+#ifdef DIT_CUDA
+    if (tr->on_gpu && cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming) != cudaSuccess)
+        die("cudaEventCreate: the training step's end event");
+#endif
+}
+
+static void slot_free(const Trainer *tr, StepSlot *s) {
+    batch_free(tr, s->x0); batch_free(tr, s->noise); batch_free(tr, s->t); batch_free(tr, s->labels);
+    batch_free(tr, s->scalars);
+#ifdef DIT_CUDA
+    if (s->done) cudaEventDestroy(s->done);
+#endif
 }
 
 // Euler sampling with guidance from the EMA weights (model/sample.h).
@@ -728,6 +771,30 @@ static void parity_free(ParityDump *p) {
     free(p->losses); free(p->grad_norms); free(p->lrs);
 }
 
+// Waits for the step in s and checks it (a non-finite loss or norm ends the run); records it for
+// --dump-parity; rank 0 logs it (console and train_log.csv). ms: the wall time since the previous
+// step was done (or since this one began, if later), i.e. the time per step.
+static void finish_step(Trainer *tr, const TrainArgs *a, StepSlot *s, FILE *log, ParityDump *parity,
+                        double *last_done) {
+    char err[DIT_ERR_LEN];
+    wait_step(tr, s);
+    double now = now_seconds(), ms = 1e3 * (now - (s->started > *last_done ? s->started : *last_done));
+    *last_done = now;
+    float loss = s->scalars[0], grad_norm = s->scalars[1];
+    if (!isfinite(loss) || !isfinite(grad_norm)) {
+        dit_set_error(err, "step %d: loss %g, grad norm %g: training diverged", s->step, loss, grad_norm);
+        die(err);
+    }
+    if (a->dump_parity) parity_record(parity, tr, a, s->step, s->x0, s->noise, s->t, s->labels, loss, grad_norm, s->lr);
+    if (tr->rank != 0) return;
+    char device_stats[256];
+    format_device_stats(tr, a->batch, ms, device_stats, sizeof(device_stats));
+    printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s%s\n", s->step, a->steps, loss,
+           grad_norm, s->lr, ms, a->batch / (ms / 1e3), device_stats);
+    fprintf(log, "%d,%.7g,%.7g,%.7g,%.3f,%.2f\n", s->step, loss, grad_norm, s->lr, ms, a->batch / (ms / 1e3));
+    fflush(log);
+}
+
 static void parity_save(const ParityDump *p, const Dit *m, const TrainArgs *a) {
     const DitConfig *c = &m->cfg;
     int n = dit_num_tensors(c);
@@ -882,9 +949,8 @@ int main(int argc, char **argv) {
     }
 
     size_t img = (size_t)cfg.channels * cfg.image_size * cfg.image_size, n_batch = B * img;
-    float *x0 = batch_alloc(&tr, n_batch * sizeof(float)), *noise = batch_alloc(&tr, n_batch * sizeof(float));
-    float *t = batch_alloc(&tr, B * sizeof(float));
-    int *labels = batch_alloc(&tr, B * sizeof(int));
+    StepSlot slots[2];
+    for (int i = 0; i < 2; i++) slot_alloc(&tr, &slots[i], n_batch, B);
 
     ParityDump parity = {0};
     if (a->dump_parity) parity_begin(&parity, model, a->steps, a->batch, n_batch);
@@ -900,43 +966,44 @@ int main(int argc, char **argv) {
         fprintf(log, "step,loss,grad_norm,lr,ms,images_per_s\n");
     if (a->save_init && !a->resume) save_checkpoint(&tr, a, dl, &rng, 0);
 
+    // One step in flight on the GPU: while it runs, the host draws the next step's batch and
+    // queues that step, and only then waits for the running one and logs it. A step that writes a
+    // checkpoint or samples (they read the weights it leaves), the last step and every step of
+    // --dump-parity are waited for at once, as is every step on the CPU.
+    StepSlot *in_flight = NULL;
+    int overlap = tr.on_gpu && !a->dump_parity;   // the CPU runs the step inside queue_step
+    double last_done = now_seconds();
     for (int step = first_step; step <= a->steps; step++) {
-        double t0 = now_seconds();
+        StepSlot *s = &slots[step % 2];   // free: its previous step (step - 2) is done
+        s->step = step;
+        s->started = now_seconds();
 
         // 1. a batch of images and labels
-        if (dataloader_next_batch(dl, x0, labels, err) != 0) die(err);
+        if (dataloader_next_batch(dl, s->x0, s->labels, err) != 0) die(err);
 
         // 2. drop labels to the null class for guidance; flow-matching time t and noise ε (the
         //    model makes x_t = (1 - t)·x0 + t·ε, v = ε - x0)
-        flow_matching_sample(&rng, labels, t, noise, B, img, a->label_dropout, cfg.num_classes,
+        flow_matching_sample(&rng, s->labels, s->t, s->noise, B, img, a->label_dropout, cfg.num_classes,
                              !strcmp(a->t_sampling, "uniform"));
 
-        // 3. forward, loss, backward (several ranks: then the mean gradients and loss over the ranks)
-        float loss = step_gradients(&tr, x0, noise, t, labels, B);
+        // 3. forward, loss, backward (several ranks: then the mean gradients and loss over the
+        //    ranks); 4. clip by the global gradient norm, AdamW, EMA
+        s->lr = learning_rate(a, step);
+        queue_step(&tr, a, s);
 
-        // 4. clip by the global gradient norm, AdamW, EMA
-        float lr = learning_rate(a, step);
-        float grad_norm = step_update(&tr, a, lr, step);
-        if (!isfinite(loss) || !isfinite(grad_norm)) {
-            dit_set_error(err, "step %d: loss %g, grad norm %g: training diverged", step, loss, grad_norm);
-            die(err);
-        }
-        if (a->dump_parity) parity_record(&parity, &tr, a, step, x0, noise, t, labels, loss, grad_norm, lr);
-
-        // 5. log, checkpoint, samples (rank 0; the checkpoint gathers every rank's data position)
-        double ms = 1e3 * (now_seconds() - t0);
-        if (rank == 0) {
-            char device_stats[256];
-            format_device_stats(&tr, a->batch, ms, device_stats, sizeof(device_stats));
-            printf("step %5d/%d | loss %.6f | grad norm %.4f | lr %.2e | %.1f ms | %.1f images/s%s\n",
-                   step, a->steps, loss, grad_norm, lr, ms, a->batch / (ms / 1e3), device_stats);
-            fprintf(log, "%d,%.7g,%.7g,%.7g,%.3f,%.2f\n", step, loss, grad_norm, lr, ms, a->batch / (ms / 1e3));
-            fflush(log);
-        }
-        int last = step == a->steps;
-        if (a->ckpt_every && (step % a->ckpt_every == 0 || last)) save_checkpoint(&tr, a, dl, &rng, step);
+        // 5. the previous step's loss and gradient norm: log
+        if (in_flight) finish_step(&tr, a, in_flight, log, &parity, &last_done);
+        in_flight = s;
+        int last = step == a->steps, checkpoint = a->ckpt_every && (step % a->ckpt_every == 0 || last);
+        int samples = a->sample_every && (step % a->sample_every == 0 || last);
+        if (overlap && !checkpoint && !samples && !last) continue;
+        finish_step(&tr, a, s, log, &parity, &last_done);
+        in_flight = NULL;
+        // 6. checkpoint (every rank: it gathers every rank's data position), samples
+        if (checkpoint) save_checkpoint(&tr, a, dl, &rng, step);
         // (sequence parallel: the ranks of rank 0's group run the sampling's forwards together)
-        if (rank < mesh.sp && a->sample_every && (step % a->sample_every == 0 || last)) write_samples(&tr, a, dl, step);
+        if (samples && rank < mesh.sp) write_samples(&tr, a, dl, step);
+        last_done = now_seconds();
     }
     if (a->dump_parity) {
         trainer_to_host(&tr);
@@ -945,7 +1012,7 @@ int main(int argc, char **argv) {
 
     if (log) fclose(log);
     dataloader_close(dl);
-    batch_free(&tr, x0); batch_free(&tr, noise); batch_free(&tr, t); batch_free(&tr, labels);
+    for (int i = 0; i < 2; i++) slot_free(&tr, &slots[i]);
     trainer_free(&tr);
     parity_free(&parity);
     return 0;

@@ -439,12 +439,13 @@ static int settle(DistComm *c, ncclResult_t r, const char *what, char *err) {
     return 0;
 }
 
-// Waits for the work queued on stream, polling for asynchronous NCCL errors and the timeout:
-// a collective whose peer exited never completes, and this is where it is noticed.
-static int wait_stream(DistComm *c, cudaStream_t stream, const char *what, char *err) {
+// Waits for the work queued on stream (event NULL) or for event, polling for asynchronous NCCL
+// errors and the timeout: a collective whose peer exited never completes, and this is where it is
+// noticed.
+static int wait_until(DistComm *c, cudaStream_t stream, cudaEvent_t event, const char *what, char *err) {
     double start = now_seconds();
     for (;;) {
-        cudaError_t q = cudaStreamQuery(stream);
+        cudaError_t q = event ? cudaEventQuery(event) : cudaStreamQuery(stream);
         if (q == cudaSuccess) return 0;
         if (q != cudaErrorNotReady) return fail(c, err, "%s: %s", what, cudaGetErrorString(q));
         ncclResult_t async = ncclSuccess, q_nccl = ncclCommGetAsyncError(c->comm, &async);
@@ -459,6 +460,15 @@ static int wait_stream(DistComm *c, cudaStream_t stream, const char *what, char 
         }
         sleep_seconds(5e-5);
     }
+}
+
+static int wait_stream(DistComm *c, cudaStream_t stream, const char *what, char *err) {
+    return wait_until(c, stream, NULL, what, err);
+}
+
+int dist_wait_event(DistComm *c, cudaEvent_t event, const char *what, char *err) {
+    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
+    return wait_until(c, NULL, event, what, err);
 }
 
 // The unique id: made by rank 0 and sent by TCP or published in the file; fetched by the others.
@@ -546,13 +556,17 @@ int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *count
     return wait_stream(c, stream, what, err);
 }
 
-int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
-                           int n_buffers, cudaStream_t stream, char *err) {
-    enum { MAX_BUFFERS = 8 };
-    char what[128];
+static void scaled_what(char *what, size_t cap, const size_t *counts, int n_buffers) {
     size_t total = 0;
     for (int i = 0; i < n_buffers; i++) total += counts[i];
-    snprintf(what, sizeof(what), "ncclAllReduce (scaled sum) of %d buffers, %zu floats", n_buffers, total);
+    snprintf(what, cap, "ncclAllReduce (scaled sum) of %d buffers, %zu floats", n_buffers, total);
+}
+
+int dist_all_reduce_scaled_queue(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                                 int n_buffers, cudaStream_t stream, char *err) {
+    enum { MAX_BUFFERS = 8 };
+    char what[128];
+    scaled_what(what, sizeof(what), counts, n_buffers);
     if (n_buffers > MAX_BUFFERS) {
         dit_set_error(err, "dist_all_reduce_scaled: %d buffers, at most %d", n_buffers, MAX_BUFFERS);
         return -1;
@@ -571,6 +585,14 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
     ncclResult_t end = ncclGroupEnd();
     if (settle(c, r != ncclSuccess ? r : end, what, err) != 0) return -1;
     for (int i = 0; i < n_buffers; i++) ncclRedOpDestroy(ops[i], c->comm);
+    return 0;
+}
+
+int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                           int n_buffers, cudaStream_t stream, char *err) {
+    char what[128];
+    scaled_what(what, sizeof(what), counts, n_buffers);
+    if (dist_all_reduce_scaled_queue(c, buffers, counts, scales, n_buffers, stream, err) != 0) return -1;
     return wait_stream(c, stream, what, err);
 }
 
@@ -688,6 +710,17 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
                            int n_buffers, cudaStream_t stream, char *err) {
     (void)c; (void)buffers; (void)counts; (void)scales; (void)n_buffers; (void)stream;
     dit_set_error(err, "dist_all_reduce_scaled: this build has no NCCL");
+    return -1;
+}
+
+int dist_all_reduce_scaled_queue(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                                 int n_buffers, cudaStream_t stream, char *err) {
+    return dist_all_reduce_scaled(c, buffers, counts, scales, n_buffers, stream, err);
+}
+
+int dist_wait_event(DistComm *c, cudaEvent_t event, const char *what, char *err) {
+    (void)c; (void)event;
+    dit_set_error(err, "dist_wait_event (%s): this build has no NCCL", what);
     return -1;
 }
 

@@ -98,6 +98,13 @@ int dist_all_reduce_mean(DistComm *c, float *const *buffers, const size_t *count
 // them over data parallel: scale 1/dp.
 int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
                            int n_buffers, cudaStream_t stream, char *err);
+// dist_all_reduce_scaled without the wait: the collective is only queued on stream. Wait for it
+// with dist_wait_event on an event recorded after it (or after later work on the stream).
+int dist_all_reduce_scaled_queue(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
+                                 int n_buffers, cudaStream_t stream, char *err);
+// Waits until event has completed, polling ncclCommGetAsyncError and the timeout as the waits of
+// the collectives do (on an error or the timeout: abort, err names the rank and `what`).
+int dist_wait_event(DistComm *c, cudaEvent_t event, const char *what, char *err);
 // all[r·n .. r·n + n) = rank r's mine[0..n) on every rank (host arrays), with the same waiting.
 int dist_all_gather_u64(DistComm *c, const uint64_t *mine, size_t n, uint64_t *all, char *err);
 // NCCL's communicator type (ncclComm_t is `struct ncclComm *`), opaque outside the NCCL files.

@@ -864,12 +864,18 @@ int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, flo
     return ema_update_cuda(m->ema_memory, m->params_memory, m->num_params, ema_decay, s, err);
 }
 
-int dit_gpu_read_scalars(DitGpu *m, float *loss, float *grad_norm, char *err) {
+int dit_gpu_queue_scalars(DitGpu *m, float *loss, float *grad_norm, cudaEvent_t done, char *err) {
     if (loss)
         CUDA_CHECK(err, cudaMemcpyAsync(loss, m->acts.loss, sizeof(float), cudaMemcpyDeviceToHost, m->stream), "read the loss");
     if (grad_norm)
         CUDA_CHECK(err, cudaMemcpyAsync(grad_norm, m->acts.grad_norm, sizeof(float), cudaMemcpyDeviceToHost, m->stream),
                    "read the gradient norm");
+    if (done) CUDA_CHECK(err, cudaEventRecord(done, m->stream), "record the step's end");
+    return 0;
+}
+
+int dit_gpu_read_scalars(DitGpu *m, float *loss, float *grad_norm, char *err) {
+    TRY(dit_gpu_queue_scalars(m, loss, grad_norm, NULL, err));
     CUDA_CHECK(err, cudaStreamSynchronize(m->stream), "the step's kernels");
     return 0;
 }

@@ -163,6 +163,10 @@ int dit_gpu_backward(DitGpu *m, int B, char *err);
 // the bf16 weights; then ema = ema_decay·ema + (1 - ema_decay)·params.
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
                    float grad_clip, float ema_decay, int step, char *err);
+// Queues copies of the last loss and gradient norm (either may be NULL) into host memory, then
+// records done (if not NULL). With pinned host memory the copies are asynchronous: the values
+// are there once done has completed.
+int dit_gpu_queue_scalars(DitGpu *m, float *loss, float *grad_norm, cudaEvent_t done, char *err);
 // Waits for the queued work and reads the last loss and gradient norm (either may be NULL).
 int dit_gpu_read_scalars(DitGpu *m, float *loss, float *grad_norm, char *err);
 // Waits and copies out: the output (B, C, S, S) as fp32; all parameter gradients (num_params).

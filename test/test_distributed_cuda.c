@@ -215,7 +215,9 @@ Test(data_parallel, two_half_batches_equal_one_full_batch, .timeout = 300) {
 // ---- 2. no hang when a rank goes away ------------------------------------------------------
 
 // Exit codes of the surviving rank: 2 = failed as expected with an error naming it, 3 = failed
-// with another message, 4 = succeeded (it should not have), 1 = setup failed.
+// with another message, 4 = succeeded (it should not have), 1 = setup failed. do_all_reduce: 0 none,
+// 1 dist_all_reduce_mean (waits), 2 dist_all_reduce_scaled_queue then dist_wait_event on an event
+// recorded after it (train_dit's step).
 static void survivor(int rank, const char *dir, const char *run_id, double timeout_s, int do_all_reduce) {
     char err[DIT_ERR_LEN] = "";
     DistEnv env = rank_env(rank, run_id);
@@ -228,7 +230,16 @@ static void survivor(int rank, const char *dir, const char *run_id, double timeo
             cudaStreamCreate(&s) != cudaSuccess || cudaMemset(x, 0, (1 << 20) * sizeof(float)) != cudaSuccess)
             _exit(1);
         size_t count = 1 << 20;
-        rc = dist_all_reduce_mean(comm, &x, &count, 1, s, err);
+        float scale = 0.5f;
+        cudaEvent_t done;
+        if (do_all_reduce == 1) {
+            rc = dist_all_reduce_mean(comm, &x, &count, 1, s, err);
+        } else {
+            if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) _exit(1);
+            rc = dist_all_reduce_scaled_queue(comm, &x, &count, &scale, 1, s, err);
+            if (rc == 0 && cudaEventRecord(done, s) != cudaSuccess) _exit(1);
+            if (rc == 0) rc = dist_wait_event(comm, done, "the queued step", err);
+        }
     }
     fprintf(stderr, "surviving rank %d: %s\n", rank, rc ? err : "(no error)");
     char expect[32];
@@ -236,14 +247,14 @@ static void survivor(int rank, const char *dir, const char *run_id, double timeo
     _exit(rc == 0 ? 4 : strstr(err, expect) ? 2 : 3);
 }
 
-Test(faults, a_rank_that_exits_after_joining_fails_the_other_within_the_timeout, .timeout = 200) {
-    REQUIRE_2_GPUS();
+// mode: survivor's do_all_reduce (1 or 2)
+static void exit_after_joining(int mode) {
     char dir[] = "/tmp/test_distributed_cuda_XXXXXX", run_id[64];
     cr_assert(mkdtemp(dir));
     snprintf(run_id, sizeof(run_id), "exit-%d", (int)getpid());
     fflush(NULL);
     pid_t pids[WORLD];
-    if ((pids[0] = fork()) == 0) survivor(0, dir, run_id, 20.0, 1);
+    if ((pids[0] = fork()) == 0) survivor(0, dir, run_id, 20.0, mode);
     if ((pids[1] = fork()) == 0) {
         char err[DIT_ERR_LEN];
         DistEnv env = rank_env(1, run_id);
@@ -257,6 +268,16 @@ Test(faults, a_rank_that_exits_after_joining_fails_the_other_within_the_timeout,
     cr_assert_eq(statuses[0], 2, "rank 0: status %d (2: failed naming the rank; 3: other message; 4: no error; "
                  "-1: killed after 150 s, a hang)", statuses[0]);
     cr_assert(took < 100.0, "took %.1f s", took);
+}
+
+Test(faults, a_rank_that_exits_after_joining_fails_the_other_within_the_timeout, .timeout = 200) {
+    REQUIRE_2_GPUS();
+    exit_after_joining(1);
+}
+
+Test(faults, a_rank_that_exits_fails_the_others_queued_step_within_the_timeout, .timeout = 200) {
+    REQUIRE_2_GPUS();
+    exit_after_joining(2);
 }
 
 Test(faults, a_rank_that_never_starts_fails_the_other_within_the_timeout, .timeout = 200) {
