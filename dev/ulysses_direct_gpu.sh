@@ -18,6 +18,10 @@
 #   bugA      the forward's received run of head h' placed at head (h'+1) mod H/R
 #   bugB      the own runs' copy not ordered after stream (fork wait removed)
 #   bugC      stream not ordered after the own runs' copy (join wait removed)
+# and train_dit_commstream: the branch with model/dit_gpu.cu patched to create its comm_stream
+# for Ulysses too (today only for the ring: under Ulysses alone comm_stream is the legacy
+# default stream, which serializes with the blocking model stream, so the own runs' copy cannot
+# overlap the exchange); the proposed one-line change to dit_gpu.cu, measured.
 set -uo pipefail
 MODE=${1:-}
 DEV=${DEV:-/work/main/.devrun_a2a}
@@ -37,6 +41,8 @@ edits = {
     "bugA": [(": head_offset(b, p, h, hs, R, run);", ": head_offset(b, p, (h + 1) % hs, hs, R, run);")],
     "bugB": [("        SP_CUDA_CHECK(cudaStreamWaitEvent(c->comm_stream[i], ready, 0), err,\n"
               "                      \"%s: cudaStreamWaitEvent(comm_stream, ready) on rank %d\", fn, c->rank[i]);\n", "")],
+    "commstream": [("    if (sp->ring > 1 && cudaStreamCreateWithFlags(&m->comm_stream",
+                    "    if ((sp->ring > 1 || sp->ulysses > 1) && cudaStreamCreateWithFlags(&m->comm_stream")],
     "bugC": [("        SP_CUDA_CHECK(cudaStreamWaitEvent(c->stream[i], joined[i], 0), err,\n"
               "                      \"%s: cudaStreamWaitEvent(stream, joined) on rank %d\", fn, c->rank[i]);\n", "")],
 }[name]
@@ -57,6 +63,7 @@ prepare() {
     local changed
     changed=$(git diff --name-only "$(git -C "$MAIN" rev-parse HEAD)" HEAD -- attention layers model dataloader \
               | grep -v -E '^attention/(ulysses_nccl\.cu|sequence_parallel_cuda\.h)$' || true)
+    # (the header's change is comments only: main's other objects are this branch's)
     [ -z "$changed" ] || { echo "prepare: library sources differ from main's: $changed"; exit 1; }
     [ -z "$(git status --porcelain -- attention)" ] || { echo "prepare: commit attention/ first"; exit 1; }
     [ -z "$(git -C "$MAIN" status --porcelain -- attention layers model dataloader train_dit.c)" ] ||
@@ -76,7 +83,6 @@ prepare() {
         mkdir -p "$tmp/$v"
         if [ $v = branch ]; then cp attention/ulysses_nccl.cu "$tmp/$v/ulysses_nccl.cu"
         else patch_variant $v attention/ulysses_nccl.cu "$tmp/$v/ulysses_nccl.cu"; fi
-        cp attention/ulysses_nccl.cu "$tmp/$v/orig.cu"
         $NV -c -o "$tmp/$v/ulysses_nccl.o" "$tmp/$v/ulysses_nccl.cu"
         cp "$MAIN/build/libditc.a" "$tmp/$v/libditc.a"
         ar r "$tmp/$v/libditc.a" "$tmp/$v/ulysses_nccl.o"
@@ -84,6 +90,11 @@ prepare() {
     gcc $F -o "$DEV/train_dit" train_dit.c "$tmp/branch/libditc.a" $L
     gcc $F -o "$DEV/train_dit_selfnccl" train_dit.c "$tmp/selfnccl/libditc.a" $L
     gcc $F -o "$DEV/train_dit_bugA" train_dit.c "$tmp/bugA/libditc.a" $L
+    patch_variant commstream model/dit_gpu.cu "$tmp/dit_gpu.cu"
+    $NV -c -o "$tmp/dit_gpu.o" "$tmp/dit_gpu.cu"
+    cp "$tmp/branch/libditc.a" "$tmp/commstream.a"
+    ar r "$tmp/commstream.a" "$tmp/dit_gpu.o"
+    gcc $F -o "$DEV/train_dit_commstream" train_dit.c "$tmp/commstream.a" $L
     gcc $F -o "$DEV/test_sequence_parallel_cuda" test/test_sequence_parallel_cuda.c "$tmp/branch/libditc.a" $L -lcriterion
     gcc $F -o "$DEV/test_sp_model_cuda" test/test_sp_model_cuda.c "$tmp/branch/libditc.a" $L -lcriterion
     for v in bugA bugB bugC; do
@@ -144,30 +155,31 @@ run() {
         diff -q <(cut -d, -f1-3 $W/bit_main/train_log.csv) <(cut -d, -f1-3 $W/bit_$1/train_log.csv) > /dev/null \
             && echo "bitwise $1: train_log step,loss,grad_norm identical" || echo "bitwise $1: train_log DIFFERS"
     }
-    # 1. this branch's tests: the whole sequence-parallel file, then the Ulysses model tests
-    step tests_sp 20 50 $B/test_sequence_parallel_cuda --jobs 1 --verbose
+    # 1. this branch's tests: the all-to-all, Ulysses and shape tests, the Ulysses model tests
+    step tests_sp 20 45 $B/test_sequence_parallel_cuda --jobs 1 --verbose \
+        --filter 'sequence_parallel_cuda/@(all_to_all*|ulysses*|shape*)'
+    step tests_sp_model 25 50 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ulysses2*'
     # 2. bit for bit: main's and this branch's 6 steps
     step bit_main_run 15 30 $B/train_dit_main $BIT --out $W/bit_main
     step bit_branch_run 15 30 $B/train_dit $BIT --out $W/bit_branch
     bitwise branch > $W/bitwise.txt
-    # 3. step time at 30,976 tokens, interleaved
-    timed t352_main_1 train_dit_main 352; timed t352_branch_1 train_dit 352
-    timed t352_main_2 train_dit_main 352; timed t352_branch_2 train_dit 352
-    # 4. planted bugs: each must FAIL
+    # 3. planted bugs: each must FAIL
     for v in bugA bugB bugC; do
         step planted_$v 8 20 $B/test_sequence_parallel_cuda_$v --jobs 1 --verbose --filter 'sequence_parallel_cuda/all_to_all*'
     done
-    step tests_sp_model 25 60 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ulysses2*'
+    # 4. step time at 30,976 tokens, interleaved: main, branch, branch + Ulysses comm_stream,
+    #    own runs by NCCL to self; twice
+    for k in 1 2; do
+        timed t352_main_$k train_dit_main 352; timed t352_branch_$k train_dit 352
+        timed t352_commstream_$k train_dit_commstream 352; timed t352_selfnccl_$k train_dit_selfnccl 352
+    done
+    # 5. if time is left: bugA through the bitwise check, 16,384 tokens
     step bit_bugA_run 15 30 $B/train_dit_bugA $BIT --out $W/bit_bugA && bitwise bugA >> $W/bitwise.txt
-    # 5. the own runs by NCCL to self instead of the copy on comm_stream; 16,384 tokens
-    timed t352_selfnccl_1 train_dit_selfnccl 352; timed t352_branch_3 train_dit 352
-    timed t352_selfnccl_2 train_dit_selfnccl 352
     timed t256_main_1 train_dit_main 256; timed t256_branch_1 train_dit 256
-    timed t256_main_2 train_dit_main 256; timed t256_branch_2 train_dit 256
+    timed t256_commstream_1 train_dit_commstream 256
     {
         echo "median ms/step, steps 4-10 (--image-size 352 = 30,976 tokens; 256 = 16,384):"
-        for r in t352_main_1 t352_branch_1 t352_main_2 t352_branch_2 t352_selfnccl_1 t352_branch_3 t352_selfnccl_2 \
-                 t256_main_1 t256_branch_1 t256_main_2 t256_branch_2; do
+        for r in t352_{main,branch,commstream,selfnccl}_{1,2} t256_{main,branch,commstream}_1; do
             [ -d $W/$r ] && echo "  $r: $(median $r)"
         done
     } > $W/timing.txt
