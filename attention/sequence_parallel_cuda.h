@@ -11,9 +11,9 @@
 // (B, H, N/R, D) bf16 (raw 16-bit patterns) and of lse (B, H, N/R) fp32 base 2; gradients
 // dq, dk, dv (B, H, N/R, D) fp32 ACCUMULATE (+=). Non-causal; D 64 or 128 (the kernels').
 // Ordering: every function is ordered after the work already on stream[i] and the work enqueued
-// on stream[i] afterwards is ordered after it; the ring also uses comm_stream[i] internally
-// (communication overlapped with compute). Buffers are allocated stream-ordered
-// (cudaMallocAsync) and freed the same way; nothing synchronizes the host.
+// on stream[i] afterwards is ordered after it; the ring (communication overlapped with compute)
+// and the Ulysses all-to-all (its own runs' copy) also use comm_stream[i]. Buffers are allocated
+// stream-ordered (cudaMallocAsync) and freed the same way; nothing synchronizes the host.
 // Every function returns 0, or -1 with a message in err (DIT_ERR_LEN bytes, may be NULL) naming
 // the operation, sizes and rank.
 #pragma once
@@ -54,9 +54,10 @@ int sp_cuda_accumulate(float *y, const float *x, size_t n, cudaStream_t stream, 
 
 // ---- Ulysses --------------------------------------------------------------------------------
 // All-to-all from sequence-sharded src[i] (B, H, N/R, D) to head-sharded dst[i] (B, H/R, N, D)
-// (heads rank·H/R..), elements of elem_bytes bytes (2: bf16, 4: fp32; lse uses D = 1): rank r
-// packs the chunk for each p (heads of p, cudaMemcpy2DAsync), grouped ncclSend/ncclRecv with
-// every rank, unpacks the chunk from p at tokens p·N/R. Error when H or N % R != 0.
+// (heads rank·H/R..), elements of elem_bytes bytes (2: bf16, 4: fp32; lse uses D = 1): for each
+// (b, head h of p's H/R) rank r sends its run of N/R·D elements straight from src to rank p,
+// which receives it straight into its dst at tokens r·N/R (grouped ncclSend/ncclRecv, no pack or
+// unpack); r's own runs are copied on comm_stream[i] meanwhile. Error when H or N % R != 0.
 int ulysses_all_to_all_cuda(const SpCudaComm *c, void *const *dst, const void *const *src,
                             int B, int H, int N, int D, size_t elem_bytes, char *err);
 // The inverse (and adjoint): head-sharded src (B, H/R, N, D) to sequence-sharded dst (B, H, N/R, D).

@@ -1,7 +1,8 @@
 // Ulysses sequence parallelism over NCCL (attention/sequence_parallel_cuda.h): the all-to-all
-// between sequence-sharded and head-sharded layouts (pack with cudaMemcpy2DAsync, grouped
-// ncclSend/ncclRecv with every rank, unpack), and attention forward and backward around the
-// single-GPU flash or sage kernels on H/R heads. The GPU version of attention/ulysses_cpu.c.
+// between sequence-sharded and head-sharded layouts (grouped ncclSend/ncclRecv of every run of
+// one head's tokens straight from its place in one layout to its place in the other, no staging),
+// and attention forward and backward around the single-GPU flash or sage kernels on H/R heads.
+// The GPU version of attention/ulysses_cpu.c.
 #include <stdio.h>
 #include "attention/sequence_parallel_cuda.h"
 #include "attention/flash_cuda.h"
@@ -37,39 +38,69 @@ static int check_shape(const SpCudaComm *c, int H, int N, const char *fn, char *
     return sp_check_comm(c, fn, err);
 }
 
-// A strided copy of `rows` runs of `width` bytes on `stream` (device to device).
-static int copy_runs(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t rows,
-                     cudaStream_t stream, const char *what, int rank, char *err) {
-    SP_CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDeviceToDevice, stream), err,
-                  "%s on rank %d: cudaMemcpy2DAsync of %zu runs of %zu bytes", what, rank, rows, width);
-    return 0;
-}
+// The offset, in bytes, of run (b, h') of peer p's share in the two layouts, `run` = n·D·eb
+// bytes (one head's tokens of one shard): sequence-sharded (B, H, n, D), heads p·H/R + h' of
+// batch b; head-sharded (B, H/R, N, D), tokens p·n.. of head h' of batch b.
+static size_t seq_offset(int b, int p, int h, int H, int hs, size_t run) { return ((size_t)b * H + (size_t)p * hs + h) * run; }
+static size_t head_offset(int b, int p, int h, int hs, int R, size_t run) { return (((size_t)b * hs + h) * R + p) * run; }
 
-// The exchange of ncclAlltoAll: chunk p of every rank's send buffer goes to rank p, which
-// receives it as chunk r (r the sender). chunk_bytes per chunk.
-static int exchange(const SpCudaComm *c, char *const *recv, char *const *send, size_t chunk_bytes, char *err) {
-    SP_NCCL_CHECK(ncclGroupStart(), err, "ncclGroupStart (all-to-all, %zu bytes per chunk)", chunk_bytes);
+// NCCL allows 2048 operations in one group; the exchange is split into groups of whole runs
+// under half of that (every rank splits the same way, so sends and receives still pair up).
+#define A2A_GROUP_OPS 1024
+
+// Runs j = b·hs + h' in [j0, j1) with every other rank, one ncclGroupStart/End over the local
+// ranks: rank r sends src + send_off(b, p, h') to each p != r, which receives it at
+// dst + recv_off(b, r, h'); n_local·(R-1)·2·(j1-j0) operations.
+static int exchange_runs(const SpCudaComm *c, void *const *dst, const void *const *src, int H, int hs,
+                         size_t run, int inverse, int j0, int j1, char *err) {
+    int R = c->ranks;
+    SP_NCCL_CHECK(ncclGroupStart(), err, "ncclGroupStart (all-to-all runs %d..%d of %zu bytes)", j0, j1, run);
     int rc = 0;
     for (int i = 0; i < c->n_local && rc == 0; i++)
-        for (int p = 0; p < c->ranks && rc == 0; p++) {
-            ncclResult_t s = ncclSend(send[i] + (size_t)p * chunk_bytes, chunk_bytes, ncclChar, p, c->comm[i],
-                                      c->stream[i]);
-            ncclResult_t r = s == ncclSuccess ? ncclRecv(recv[i] + (size_t)p * chunk_bytes, chunk_bytes, ncclChar,
-                                                         p, c->comm[i], c->stream[i]) : s;
-            if (r != ncclSuccess) {
-                dit_set_error(err, "ulysses all-to-all: %s of %zu bytes between rank %d and rank %d: %s",
-                              s != ncclSuccess ? "ncclSend" : "ncclRecv", chunk_bytes, c->rank[i], p,
-                              ncclGetErrorString(r));
-                rc = -1;
+        for (int p = 0; p < R && rc == 0; p++) {
+            if (p == c->rank[i]) continue;
+            for (int j = j0; j < j1 && rc == 0; j++) {
+                int b = j / hs, h = j % hs;
+                size_t send_off = inverse ? head_offset(b, p, h, hs, R, run) : seq_offset(b, p, h, H, hs, run);
+                size_t recv_off = inverse ? seq_offset(b, p, h, H, hs, run) : head_offset(b, p, h, hs, R, run);
+                ncclResult_t s = ncclSend((const char *)src[i] + send_off, run, ncclChar, p, c->comm[i], c->stream[i]);
+                ncclResult_t r = s == ncclSuccess ? ncclRecv((char *)dst[i] + recv_off, run, ncclChar, p, c->comm[i],
+                                                             c->stream[i]) : s;
+                if (r != ncclSuccess) {
+                    dit_set_error(err, "ulysses all-to-all: %s of run (b=%d, head %d) of %zu bytes between rank %d "
+                                  "and rank %d: %s", s != ncclSuccess ? "ncclSend" : "ncclRecv", b, h, run,
+                                  c->rank[i], p, ncclGetErrorString(r));
+                    rc = -1;
+                }
             }
         }
     ncclResult_t end = ncclGroupEnd();
     if (rc != 0) return -1;
-    SP_NCCL_CHECK(end, err, "ncclGroupEnd (all-to-all of %d ranks, %zu bytes per chunk)", c->ranks, chunk_bytes);
+    SP_NCCL_CHECK(end, err, "ncclGroupEnd (all-to-all of %d ranks, runs %d..%d of %zu bytes)", R, j0, j1, run);
     return 0;
 }
 
-// inverse = 0: src (B, H, n, D) -> dst (B, H/R, N, D); inverse = 1: the other way.
+// Local entry i's own share, src -> dst on `stream`: per batch b one strided copy of its hs runs
+// (sequence-sharded runs are `run` apart, head-sharded ones R·run).
+static int copy_own_runs(const SpCudaComm *c, int i, void *dst, const void *src, int B, int H, int hs, size_t run,
+                         int inverse, cudaStream_t stream, char *err) {
+    int R = c->ranks, r = c->rank[i];
+    size_t seq_pitch = run, head_pitch = (size_t)R * run;
+    for (int b = 0; b < B; b++) {
+        size_t send_off = inverse ? head_offset(b, r, 0, hs, R, run) : seq_offset(b, r, 0, H, hs, run);
+        size_t recv_off = inverse ? seq_offset(b, r, 0, H, hs, run) : head_offset(b, r, 0, hs, R, run);
+        SP_CUDA_CHECK(cudaMemcpy2DAsync((char *)dst + recv_off, inverse ? seq_pitch : head_pitch,
+                                        (const char *)src + send_off, inverse ? head_pitch : seq_pitch, run, hs,
+                                        cudaMemcpyDeviceToDevice, stream), err,
+                      "own runs of rank %d, batch %d: cudaMemcpy2DAsync of %d runs of %zu bytes", r, b, hs, run);
+    }
+    return 0;
+}
+
+// inverse = 0: src (B, H, n, D) -> dst (B, H/R, N, D); inverse = 1: the other way. No staging:
+// every run of n·D elements goes from its place in src straight to its place in dst, the other
+// ranks' over NCCL on stream[i], the rank's own by copy_own_runs on comm_stream[i] meanwhile
+// (forked after and joined before stream[i]'s work).
 static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *src, int B, int H, int N, int D,
                       size_t eb, int inverse, char *err) {
     const char *fn = inverse ? "ulysses_all_to_all_inverse_cuda" : "ulysses_all_to_all_cuda";
@@ -78,37 +109,40 @@ static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *
         dit_set_error(err, "%s: dst and src (one device pointer per local rank) must not be NULL", fn);
         return -1;
     }
-    int R = c->ranks, hs = H / R, n = N / R;
-    size_t run = (size_t)n * D * eb;                 // one head's tokens of one shard, bytes
-    size_t chunk = (size_t)B * hs * run;
-    char *send[64], *recv[64];
+    if (!c->comm_stream) {
+        dit_set_error(err, "%s: the all-to-all needs a comm_stream array (its own runs are copied there)", fn);
+        return -1;
+    }
     if (c->n_local > 64) { dit_set_error(err, "%s: at most 64 local ranks (got %d)", fn, c->n_local); return -1; }
+    int R = c->ranks, hs = H / R, runs = B * hs;
+    size_t run = (size_t)(N / R) * D * eb;
+    cudaEvent_t joined[64];
     for (int i = 0; i < c->n_local; i++) {
         SP_CUDA_CHECK(cudaSetDevice(c->device[i]), err, "%s: cudaSetDevice(%d)", fn, c->device[i]);
-        SP_CUDA_CHECK(cudaMallocAsync((void **)&send[i], 2 * chunk * R, c->stream[i]), err,
-                      "%s: cudaMallocAsync of 2 x %d chunks of %zu bytes on rank %d", fn, R, chunk, c->rank[i]);
-        recv[i] = send[i] + chunk * R;
-        for (int p = 0; p < R; p++) {
-            int rc = inverse
-                ? copy_runs(send[i] + p * chunk, run, (const char *)src[i] + p * run, (size_t)N * D * eb, run,
-                            (size_t)B * hs, c->stream[i], "pack (tokens of p)", c->rank[i], err)
-                : copy_runs(send[i] + p * chunk, hs * run, (const char *)src[i] + p * hs * run, H * run, hs * run,
-                            (size_t)B, c->stream[i], "pack (heads of p)", c->rank[i], err);
-            if (rc != 0) return -1;
+        cudaEvent_t ready;
+        SP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), err, "%s: cudaEventCreate", fn);
+        SP_CUDA_CHECK(cudaEventRecord(ready, c->stream[i]), err, "%s: cudaEventRecord(ready) on rank %d", fn, c->rank[i]);
+        SP_CUDA_CHECK(cudaStreamWaitEvent(c->comm_stream[i], ready, 0), err,
+                      "%s: cudaStreamWaitEvent(comm_stream, ready) on rank %d", fn, c->rank[i]);
+        SP_CUDA_CHECK(cudaEventDestroy(ready), err, "%s: cudaEventDestroy(ready)", fn);
+        if (copy_own_runs(c, i, dst[i], src[i], B, H, hs, run, inverse, c->comm_stream[i], err) != 0) return -1;
+        SP_CUDA_CHECK(cudaEventCreateWithFlags(&joined[i], cudaEventDisableTiming), err, "%s: cudaEventCreate", fn);
+        SP_CUDA_CHECK(cudaEventRecord(joined[i], c->comm_stream[i]), err, "%s: cudaEventRecord(joined) on rank %d",
+                      fn, c->rank[i]);
+    }
+    if (R > 1) {
+        int per_group = A2A_GROUP_OPS / (2 * (R - 1) * c->n_local);
+        if (per_group < 1) per_group = 1;
+        for (int j0 = 0; j0 < runs; j0 += per_group) {
+            int j1 = j0 + per_group < runs ? j0 + per_group : runs;
+            if (exchange_runs(c, dst, src, H, hs, run, inverse, j0, j1, err) != 0) return -1;
         }
     }
-    if (exchange(c, recv, send, chunk, err) != 0) return -1;
     for (int i = 0; i < c->n_local; i++) {
         SP_CUDA_CHECK(cudaSetDevice(c->device[i]), err, "%s: cudaSetDevice(%d)", fn, c->device[i]);
-        for (int p = 0; p < R; p++) {
-            int rc = inverse
-                ? copy_runs((char *)dst[i] + p * hs * run, H * run, recv[i] + p * chunk, hs * run, hs * run,
-                            (size_t)B, c->stream[i], "unpack (heads of p)", c->rank[i], err)
-                : copy_runs((char *)dst[i] + p * run, (size_t)N * D * eb, recv[i] + p * chunk, run, run,
-                            (size_t)B * hs, c->stream[i], "unpack (tokens of p)", c->rank[i], err);
-            if (rc != 0) return -1;
-        }
-        SP_CUDA_CHECK(cudaFreeAsync(send[i], c->stream[i]), err, "%s: cudaFreeAsync on rank %d", fn, c->rank[i]);
+        SP_CUDA_CHECK(cudaStreamWaitEvent(c->stream[i], joined[i], 0), err,
+                      "%s: cudaStreamWaitEvent(stream, joined) on rank %d", fn, c->rank[i]);
+        SP_CUDA_CHECK(cudaEventDestroy(joined[i]), err, "%s: cudaEventDestroy(joined)", fn);
     }
     return 0;
 }

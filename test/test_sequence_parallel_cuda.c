@@ -510,6 +510,142 @@ Test(sequence_parallel_cuda, ring_backward_without_return_trip_fails, .timeout =
     group_free(&g);
 }
 
+// ---- the direct all-to-all: runs straight between the layouts, no pack/unpack (issue 6) --------
+// A bf16 tensor of D elements per row is the same bytes as an fp32 one of D/2, so the CPU spec
+// with D·eb/4 floats is the byte-exact reference for either element size.
+
+#define A2A_GUARD 4096                     // bytes on either side of every dst that must survive
+#define A2A_POISON 0xA5
+
+// Per rank a device buffer of `bytes` between two guards, all poisoned; returns the inside.
+static char *guarded_poisoned(int dev, size_t bytes) {
+    char *base = dmalloc_on(dev, bytes + 2 * A2A_GUARD);
+    CUDA_OK(cudaMemset(base, A2A_POISON, bytes + 2 * A2A_GUARD));
+    return base + A2A_GUARD;
+}
+
+// Downloads the guarded buffer of rank i; fails when a guard byte changed.
+static void *download_guarded(int i, const char *dev, size_t bytes, const char *what) {
+    unsigned char *all = xmalloc(bytes + 2 * A2A_GUARD);
+    CUDA_OK(cudaSetDevice(i));
+    CUDA_OK(cudaMemcpy(all, dev - A2A_GUARD, bytes + 2 * A2A_GUARD, cudaMemcpyDeviceToHost));
+    for (size_t j = 0; j < A2A_GUARD; j++)
+        cr_assert(all[j] == A2A_POISON && all[A2A_GUARD + bytes + j] == A2A_POISON,
+                  "%s, rank %d: the all-to-all wrote outside dst (guard byte %zu)", what, i, j);
+    void *inside = xmalloc(bytes);
+    memcpy(inside, all + A2A_GUARD, bytes);
+    free(all);
+    return inside;
+}
+
+// Forward against the CPU spec and inverse back to x, byte for byte, dst within its bounds.
+static void check_direct_shape(Group *g, int B, int H, int N, int D, size_t eb, uint64_t seed) {
+    char what[96], err[DIT_ERR_LEN] = "";
+    snprintf(what, sizeof(what), "B=%d H=%d N=%d D=%d elem_bytes=%zu", B, H, N, D, eb);
+    int Df = (int)(D * eb / 4);
+    size_t count = (size_t)B * H * N * Df / R, bytes = count * 4;
+    float *x_host[R], *x_dev[R], *cpu_heads[R];
+    char *heads_dev[R], *back_dev[R];
+    random_rank_data(x_host, x_dev, count, seed);
+    for (int i = 0; i < R; i++) {
+        heads_dev[i] = guarded_poisoned(i, bytes);
+        back_dev[i] = guarded_poisoned(i, bytes);
+        cpu_heads[i] = xmalloc(bytes);
+    }
+    sync_devices();
+    cr_assert_eq(ulysses_all_to_all_cuda(&g->c, (void *const *)heads_dev, (const void *const *)x_dev, B, H, N, D, eb,
+                                         err), 0, "%s: %s", what, err);
+    cr_assert_eq(ulysses_all_to_all_inverse_cuda(&g->c, (void *const *)back_dev, (const void *const *)heads_dev, B, H,
+                                                 N, D, eb, err), 0, "%s: %s", what, err);
+    group_sync(g);
+    SpComm cpu = {R, NULL};
+    cr_assert_eq(ulysses_all_to_all(&cpu, cpu_heads, (const float *const *)x_host, B, H, N, Df, err), 0, "%s", err);
+    for (int i = 0; i < R; i++) {
+        void *heads = download_guarded(i, heads_dev[i], bytes, what), *back = download_guarded(i, back_dev[i], bytes, what);
+        cr_assert(memcmp(heads, cpu_heads[i], bytes) == 0, "%s, rank %d: the all-to-all differs from the CPU spec", what, i);
+        cr_assert(memcmp(back, x_host[i], bytes) == 0, "%s, rank %d: inverse(all-to-all(x)) != x", what, i);
+        free(heads); free(back); free(x_host[i]); free(cpu_heads[i]);
+        cudaFree(x_dev[i]); cudaFree(heads_dev[i] - A2A_GUARD); cudaFree(back_dev[i] - A2A_GUARD);
+    }
+}
+
+// One head per rank (hs = 1), odd B with 3 heads per rank, bf16 rows (2-byte elements), lse
+// rows (D = 1, fp32), and 300 runs per peer: more than one NCCL group takes (256 runs for 2
+// local ranks of 2), so the exchange is split into two groups.
+Test(sequence_parallel_cuda, all_to_all_direct_every_shape_is_the_cpu_layout, .timeout = 60) {
+    Group g;
+    group_init(&g);
+    check_direct_shape(&g, 1, 2, 8, 64, 4, 81);
+    check_direct_shape(&g, 3, 6, 40, 64, 2, 82);
+    check_direct_shape(&g, 2, 4, 96, 1, 4, 83);
+    check_direct_shape(&g, 5, 8, 16, 128, 2, 84);
+    check_direct_shape(&g, 300, 2, 4, 2, 2, 85);
+    check_direct_shape(&g, 150, 4, 6, 1, 4, 86);
+    group_free(&g);
+}
+
+// Ordering around the rank's own runs, copied on comm_stream[i]: (1) src is uploaded (64 MiB per
+// rank, milliseconds) on stream[i] right before the call and nothing else waits: the copy must
+// wait for it (the fork); (2) comm_stream[i] is kept busy (16 GiB of memsets, milliseconds)
+// before the call and dst is downloaded on stream[i] right after: the download must wait for
+// the copy (the join). Both against the CPU spec; dst poisoned before each.
+Test(sequence_parallel_cuda, all_to_all_direct_is_stream_ordered, .timeout = 60) {
+    Group g;
+    group_init(&g);
+    const int B = 1, H = 4, N = 131072, D = 64;
+    size_t count = (size_t)B * H * N * D / R, bytes = count * 4, busy_bytes = (size_t)1 << 30;
+    char err[DIT_ERR_LEN] = "";
+    float *x_host[R], *x_dev[R], *cpu_heads[R], *pinned[R];
+    char *heads_dev[R], *busy[R];
+    random_rank_data(x_host, x_dev, count, 91);
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        CUDA_OK(cudaMallocHost((void **)&pinned[i], bytes));
+        memcpy(pinned[i], x_host[i], bytes);
+        CUDA_OK(cudaMemset(x_dev[i], 0, bytes));
+        heads_dev[i] = guarded_poisoned(i, bytes);
+        busy[i] = dmalloc(busy_bytes);
+        cpu_heads[i] = xmalloc(bytes);
+    }
+    SpComm cpu = {R, NULL};
+    cr_assert_eq(ulysses_all_to_all(&cpu, cpu_heads, (const float *const *)x_host, B, H, N, D, err), 0, "%s", err);
+    sync_devices();
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        CUDA_OK(cudaMemcpyAsync(x_dev[i], pinned[i], bytes, cudaMemcpyHostToDevice, g.stream[i]));
+    }
+    cr_assert_eq(ulysses_all_to_all_cuda(&g.c, (void *const *)heads_dev, (const void *const *)x_dev, B, H, N, D, 4, err),
+                 0, "%s", err);
+    group_sync(&g);
+    for (int i = 0; i < R; i++) {
+        void *heads = download_guarded(i, heads_dev[i], bytes, "upload on stream before");
+        cr_assert(memcmp(heads, cpu_heads[i], bytes) == 0,
+                  "rank %d: the own runs were copied before src was uploaded on stream (no fork)", i);
+        free(heads);
+        CUDA_OK(cudaMemset(heads_dev[i], A2A_POISON, bytes));
+    }
+    sync_devices();
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        for (int k = 0; k < 16; k++) CUDA_OK(cudaMemsetAsync(busy[i], k, busy_bytes, g.comm_stream[i]));
+    }
+    cr_assert_eq(ulysses_all_to_all_cuda(&g.c, (void *const *)heads_dev, (const void *const *)x_dev, B, H, N, D, 4, err),
+                 0, "%s", err);
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        CUDA_OK(cudaMemcpyAsync(pinned[i], heads_dev[i], bytes, cudaMemcpyDeviceToHost, g.stream[i]));
+    }
+    group_sync(&g);
+    for (int i = 0; i < R; i++) {
+        cr_assert(memcmp(pinned[i], cpu_heads[i], bytes) == 0,
+                  "rank %d: dst was read on stream before the own runs' copy on comm_stream ended (no join)", i);
+        CUDA_OK(cudaSetDevice(i));
+        cudaFreeHost(pinned[i]); cudaFree(x_dev[i]); cudaFree(heads_dev[i] - A2A_GUARD); cudaFree(busy[i]);
+        free(x_host[i]); free(cpu_heads[i]);
+    }
+    group_free(&g);
+}
+
 // Shape errors come back before any NCCL call (this runs without GPUs too).
 Test(sequence_parallel_cuda, shape_errors_name_the_problem) {
     int ranks[R] = {0, 1}, devs[R] = {0, 1};
