@@ -11,8 +11,10 @@
 # prepare: main's train_dit (the /work/main build, must be current) as train_dit_main; this
 # branch's attention/ring_nccl.cu compiled with the Makefile's nvcc flags into a copy of main's
 # build/libditc.a in place of main's ring_nccl.o (every other library source must be main's:
-# checked), linked into train_dit, test_sequence_parallel_cuda and test_sp_model_cuda; and two
-# test binaries with a planted bug in a patched copy of ring_nccl.cu:
+# checked), linked into train_dit, test_sequence_parallel_cuda and test_sp_model_cuda; the same
+# for commit $NOSPLIT's ring_nccl.cu (direct return, own step not split by heads: train_dit_nosplit,
+# test_sp_nosplit), measured beside; and two test binaries with a planted bug in a patched copy of
+# ring_nccl.cu:
 #   planted_skip:  ring2_finish_kernel adds no returned term (dk += own only): the direct return
 #                  skipped. Must fail ring2_backward_is_the_ring_bitwise and ring_exact_matches.
 #   planted_order: dq = dq + (own + foreign) instead of (dq + own) + foreign. Must fail
@@ -22,6 +24,7 @@ set -uo pipefail
 MODE=${1:-}
 DEV=${DEV:-/work/main/.devrun_ringret}
 MAIN=${MAIN:-/work/main}
+NOSPLIT=c613124   # this branch's first version: direct return, own step whole (not split by heads)
 
 prepare() {
     set -e
@@ -61,6 +64,8 @@ prepare() {
     # the patched copies compile from the tree root (-I.) like the original
     lib_with "$tmp/skip.cu" skip
     lib_with "$tmp/order.cu" order
+    git show $NOSPLIT:attention/ring_nccl.cu > "$tmp/nosplit.cu"
+    lib_with "$tmp/nosplit.cu" nosplit
     rm -rf "$DEV" && mkdir -p "$DEV"
     gcc $F -o "$DEV/train_dit" train_dit.c "$tmp/branch/libditc.a" $L
     for t in test_sequence_parallel_cuda test_sp_model_cuda; do
@@ -68,6 +73,8 @@ prepare() {
     done
     gcc $F -o "$DEV/test_sp_planted_skip" test/test_sequence_parallel_cuda.c "$tmp/skip/libditc.a" $L -lcriterion
     gcc $F -o "$DEV/test_sp_planted_order" test/test_sequence_parallel_cuda.c "$tmp/order/libditc.a" $L -lcriterion
+    gcc $F -o "$DEV/test_sp_nosplit" test/test_sequence_parallel_cuda.c "$tmp/nosplit/libditc.a" $L -lcriterion
+    gcc $F -o "$DEV/train_dit_nosplit" train_dit.c "$tmp/nosplit/libditc.a" $L
     cp "$MAIN/train_dit" "$DEV/train_dit_main"
     strip "$DEV"/train_dit* "$DEV"/test_*
     cp dev/ring_direct_gpu.sh "$DEV/"
@@ -86,74 +93,90 @@ run() {
     local N; N=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
     export LD_LIBRARY_PATH=$PWD/.devlibs:${N:+$N:}${LD_LIBRARY_PATH:-}
     local W=/tmp/ring_logs; rm -rf $W; mkdir -p $W
-    left() { echo $(( DEADLINE - $(date +%s) )); }
+    # step NAME MAX_S CMD...: CMD under timeout min(MAX_S, time left), stdout+stderr to NAME.txt; rc noted
+    step() {
+        local name=$1 max=$2 left=$(( DEADLINE - $(date +%s) - 2 )); shift 2
+        [ $left -lt $max ] && max=$left
+        if [ $max -lt 8 ]; then echo "$name: SKIPPED (deadline)" >> $W/summary.txt; return 99; fi
+        local t=$(date +%s)
+        timeout $max "$@" > $W/$name.txt 2>&1
+        local rc=$?
+        echo "$name: rc=$rc in $(( $(date +%s) - t )) s" >> $W/steps.txt
+        return $rc
+    }
     { nvidia-smi -L; date -u; cat $B/commit.txt; ldd $B/train_dit | grep -E 'nccl|criterion|not found'; } > $W/env.txt 2>&1
-    # 1. the tests of this branch (the ring ones of the model test)
-    timeout 50 $B/test_sequence_parallel_cuda --jobs 1 --verbose > $W/test_sp.txt 2>&1
-    echo "test_sequence_parallel_cuda rc=$?" >> $W/summary.txt
-    timeout 40 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ring2*' > $W/test_model_ring.txt 2>&1
-    echo "test_sp_model_cuda ring2* rc=$?" >> $W/summary.txt
-    # 2. bit for bit: 6 steps of the small model, main vs branch, sage and bf16 (exact)
-    for attn in sage bf16; do
-        for v in main new; do
-            local bin=train_dit; [ $v = main ] && bin=train_dit_main
-            timeout 25 $B/$bin --device gpu --data synthetic --model S --batch 8 --attn $attn --steps 6 --ckpt-every 6 \
-                --sample-every 0 --seed 3 --gpus 2 --sp-ring 2 --out $W/bit_${attn}_$v > $W/bit_${attn}_$v.log 2>&1
-        done
-        local a=$W/bit_${attn}_main b=$W/bit_${attn}_new
-        if [ ! -f $a/train_log.csv ] || [ ! -f $b/train_log.csv ] || [ -z "$(ls $a | grep '^ckpt_')" ]; then
-            echo "bitwise $attn: a run FAILED (bit_${attn}_main.log, bit_${attn}_new.log)" >> $W/summary.txt
-        else
-            for f in $(ls $a | grep '^ckpt_'); do
-                if cmp -s $a/$f $b/$f; then echo "bitwise $attn $f: EQUAL" >> $W/summary.txt
-                else echo "bitwise $attn $f: DIFFERENT, $(cmp -l $a/$f $b/$f 2>/dev/null | wc -l) bytes" >> $W/summary.txt; fi
-            done
-            diff <(cut -d, -f1-3 $a/train_log.csv) <(cut -d, -f1-3 $b/train_log.csv) > /dev/null \
-                && echo "bitwise $attn train_log step,loss,grad_norm: identical" >> $W/summary.txt \
-                || echo "bitwise $attn train_log step,loss,grad_norm: DIFFER" >> $W/summary.txt
-        fi
-    done
-    # 3. planted bugs: the bitwise unit test (and for skip the tolerance test) must FAIL
-    timeout 25 $B/test_sp_planted_skip --jobs 1 --verbose \
-        --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise' > $W/planted_skip_bitwise.txt 2>&1
-    echo "planted_skip ring2_backward_is_the_ring_bitwise rc=$? (must be != 0)" >> $W/summary.txt
-    timeout 20 $B/test_sp_planted_skip --jobs 1 --verbose \
-        --filter 'sequence_parallel_cuda/ring_exact_matches_single_gpu' > $W/planted_skip_exact.txt 2>&1
-    echo "planted_skip ring_exact_matches_single_gpu rc=$? (must be != 0)" >> $W/summary.txt
-    timeout 25 $B/test_sp_planted_order --jobs 1 --verbose \
-        --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise' > $W/planted_order_bitwise.txt 2>&1
-    echo "planted_order ring2_backward_is_the_ring_bitwise rc=$? (must be != 0)" >> $W/summary.txt
-    # 4. step time: main, new, main, new at 30,976 tokens (and 16,384 if time is left)
+    # 1. the unit tests of this branch
+    step test_sp 45 $B/test_sequence_parallel_cuda --jobs 1 --verbose
+    echo "test_sequence_parallel_cuda (branch) rc=$?" >> $W/summary.txt
+    # 2. step time at 30,976 tokens: main, branch, branch without the head split, twice
     local MODEL="--device gpu --data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn sage --ckpt-every 0 --sample-every 0 --seed 1 --steps 10 --gpus 2 --sp-ring 2"
-    for size in 352 256; do
-        for rep in 1 2; do
-            for v in main new; do
-                local bin=train_dit; [ $v = main ] && bin=train_dit_main
-                local l; l=$(left); [ $l -gt 30 ] && l=30
-                if [ $l -lt 15 ]; then echo "time $size $v $rep: skipped (deadline)" >> $W/summary.txt; continue; fi
-                timeout $l $B/$bin $MODEL --image-size $size --out $W/t${size}_${v}_$rep > $W/t${size}_${v}_$rep.log 2>&1 \
-                    || echo "time $size $v $rep: FAILED or cut" >> $W/summary.txt
-            done
+    timed() {   # size rep variant binary
+        step t$1_$3_$2 25 $B/$4 $MODEL --image-size $1 --out $W/t$1_$3_$2 || echo "time $1 $3 run $2: FAILED, cut or skipped" >> $W/summary.txt
+    }
+    for rep in 1 2; do
+        timed 352 $rep main train_dit_main; timed 352 $rep new train_dit; timed 352 $rep nosplit train_dit_nosplit
+    done
+    # 3. bit for bit: 6 steps of the small model, main vs branch (sage and bf16) and vs nosplit (sage)
+    bit() {   # attn variant binary
+        step bit_$1_$2 20 $B/$3 --device gpu --data synthetic --model S --batch 8 --attn $1 --steps 6 --ckpt-every 6 \
+            --sample-every 0 --seed 3 --gpus 2 --sp-ring 2 --out $W/bit_$1_$2
+    }
+    compare() {   # attn variant
+        local a=$W/bit_$1_main b=$W/bit_$1_$2
+        if [ ! -f $a/train_log.csv ] || [ ! -f $b/train_log.csv ] || [ -z "$(ls $a | grep '^ckpt_')" ]; then
+            echo "bitwise $1 main vs $2: a run FAILED" >> $W/summary.txt; return
+        fi
+        for f in $(ls $a | grep '^ckpt_'); do
+            if cmp -s $a/$f $b/$f; then echo "bitwise $1 main vs $2 $f: EQUAL" >> $W/summary.txt
+            else echo "bitwise $1 main vs $2 $f: DIFFERENT, $(cmp -l $a/$f $b/$f 2>/dev/null | wc -l) bytes" >> $W/summary.txt; fi
         done
-        for v in main new; do
-            local med
-            med=$(cat $W/t${size}_${v}_*/train_log.csv 2>/dev/null | awk -F, '$1 ~ /^[0-9]+$/ && $1 >= 4 && $1 <= 10 {print $5}' \
-                  | sort -g | awk '{a[NR]=$1} END {if (NR) print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2), NR; else print "none"}')
-            local each=""
+        diff <(cut -d, -f1-3 $a/train_log.csv) <(cut -d, -f1-3 $b/train_log.csv) > /dev/null \
+            && echo "bitwise $1 main vs $2 train_log step,loss,grad_norm: identical" >> $W/summary.txt \
+            || echo "bitwise $1 main vs $2 train_log step,loss,grad_norm: DIFFER" >> $W/summary.txt
+    }
+    bit sage main train_dit_main; bit sage new train_dit; bit sage nosplit train_dit_nosplit
+    bit bf16 main train_dit_main; bit bf16 new train_dit
+    compare sage new; compare sage nosplit; compare bf16 new
+    # 4. planted bugs: must FAIL
+    step planted_skip_bitwise 15 $B/test_sp_planted_skip --jobs 1 --verbose \
+        --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise'
+    echo "planted_skip: ring2_backward_is_the_ring_bitwise rc=$? (must be 1)" >> $W/summary.txt
+    step planted_skip_exact 15 $B/test_sp_planted_skip --jobs 1 --verbose \
+        --filter 'sequence_parallel_cuda/ring_exact_matches_single_gpu'
+    echo "planted_skip: ring_exact_matches_single_gpu rc=$? (must be 1)" >> $W/summary.txt
+    step planted_order_bitwise 15 $B/test_sp_planted_order --jobs 1 --verbose \
+        --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise'
+    echo "planted_order: ring2_backward_is_the_ring_bitwise rc=$? (must be 1)" >> $W/summary.txt
+    # 5. the model's ring tests (gradients against one GPU), nosplit's unit test, then 16,384 tokens
+    step test_model_ring 40 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ring2*'
+    echo "test_sp_model_cuda ring2* (branch) rc=$?" >> $W/summary.txt
+    step test_nosplit 15 $B/test_sp_nosplit --jobs 1 --verbose --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise'
+    echo "test_sp nosplit ring2_backward_is_the_ring_bitwise rc=$?" >> $W/summary.txt
+    timed 256 1 main train_dit_main; timed 256 1 new train_dit; timed 256 1 nosplit train_dit_nosplit
+    timed 256 2 main train_dit_main; timed 256 2 new train_dit
+    for size in 352 256; do
+        for v in main new nosplit; do
+            local runs="" all=""
             for rep in 1 2; do
-                each="$each $(awk -F, '$1 ~ /^[0-9]+$/ && $1 >= 4 && $1 <= 10 {print $5}' $W/t${size}_${v}_$rep/train_log.csv 2>/dev/null \
-                              | sort -g | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "-"}')"
+                local f=$W/t${size}_${v}_$rep/train_log.csv
+                [ -f $f ] || continue
+                local m; m=$(awk -F, '$1 ~ /^[0-9]+$/ && $1 >= 4 && $1 <= 10 {print $5}' $f | sort -g \
+                             | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]}')
+                runs="$runs $m"
+                all="$all $(awk -F, '$1 ~ /^[0-9]+$/ && $1 >= 4 && $1 <= 10 {printf "%s ", $5}' $f)"
             done
-            echo "time $size $v: median ms of steps 4-10 (both runs, count) = $med; per run:$each" >> $W/summary.txt
+            [ -z "$runs" ] && continue
+            local med; med=$(echo $all | tr ' ' '\n' | sort -g | awk '{a[NR]=$1} END {print (NR % 2 ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2), "(" NR " steps)"}')
+            echo "time $size $v: median ms of steps 4-10 = $med; per run:$runs" >> $W/summary.txt
         done
     done
     rm -rf $W/*/ckpt_*
     echo "total $(( $(date +%s) - T0 )) s" >> $W/summary.txt
     tar czf $OUT/ring_logs.tgz -C /tmp ring_logs
-    grep -h -E "differs from the ring|ring of 1 rank|Synthesis|FAIL" $W/test_sp.txt | tail -14
-    grep -h -E "Synthesis|FAIL" $W/test_model_ring.txt | tail -4
-    grep -h -E "Synthesis" $W/planted_*.txt
-    cat $W/summary.txt
+    grep -h -E "differs from the ring|ring of 1 rank|Synthesis|FAIL" $W/test_sp.txt | tail -16
+    grep -h -E "Synthesis|FAIL" $W/test_model_ring.txt $W/test_nosplit.txt 2>/dev/null | tail -6
+    grep -h -E "Synthesis" $W/planted_*.txt 2>/dev/null
+    cat $W/steps.txt $W/summary.txt
 }
 
 case $MODE in

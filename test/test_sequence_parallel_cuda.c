@@ -526,8 +526,8 @@ Test(sequence_parallel_cuda, shape_errors_name_the_problem) {
 
 // ---- the 2-rank ring backward (direct return of the foreign dk/dv) against the ring's ------------
 // ring_*_backward_cuda with R = 2 sends each rank's foreign dk/dv straight to its owner (one fp32
-// pass) instead of the packet that travels the ring and comes back (two). It must give bitwise
-// the ring's result: ring2_reference_backward is the ring's schedule for R = 2, test-only, from
+// pass) instead of the packet that travels the ring and comes back (two), and computes the own
+// step in two head groups around the foreign step. It must give bitwise the ring's result: ring2_reference_backward is the ring's schedule for R = 2, test-only, from
 // the library's collectives and kernels, synchronous on stream; both start from the same random
 // dq, dk, dv (the functions accumulate: the order of the adds shows) with the deterministic
 // backwards on. And the generic loop (R != 2) still runs: a 1-rank ring equals one GPU bitwise.
@@ -684,6 +684,8 @@ Test(sequence_parallel_cuda, ring2_backward_is_the_ring_bitwise, .timeout = 120)
     check_ring2_backward_bitwise(&fp8, 2, 4, 256, 64, 84, "ring2 sage fp8");
     check_ring2_backward_bitwise(&fp16, 1, 2, 384, 128, 85, "ring2 sage fp16");
     check_ring2_backward_bitwise(&fp8, 1, 2, 1024, 128, 86, "ring2 sage fp8 (several key blocks)");
+    check_ring2_backward_bitwise(NULL, 1, 3, 256, 64, 87, "ring2 exact (3 heads: own step split 1 + 2)");
+    check_ring2_backward_bitwise(&fp8, 1, 1, 256, 64, 88, "ring2 sage fp8 (1 head: own step not split)");
 }
 
 // The generic ring loop (any R but 2) with one rank on device 0: its forward is flash_forward_cuda
