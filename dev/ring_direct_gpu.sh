@@ -105,18 +105,13 @@ run() {
         return $rc
     }
     { nvidia-smi -L; date -u; cat $B/commit.txt; ldd $B/train_dit | grep -E 'nccl|criterion|not found'; } > $W/env.txt 2>&1
-    # 1. the unit tests of this branch
+    # 1. the unit tests of this branch; the model's ring tests (gradients against one GPU) in the
+    #    background meanwhile, beside the correctness runs (not beside the timed ones)
+    step test_model_ring 70 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ring2*' &
+    local model_pid=$!
     step test_sp 45 $B/test_sequence_parallel_cuda --jobs 1 --verbose
     echo "test_sequence_parallel_cuda (branch) rc=$?" >> $W/summary.txt
-    # 2. step time at 30,976 tokens: main, branch, branch without the head split, twice
-    local MODEL="--device gpu --data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn sage --ckpt-every 0 --sample-every 0 --seed 1 --steps 10 --gpus 2 --sp-ring 2"
-    timed() {   # size rep variant binary
-        step t$1_$3_$2 25 $B/$4 $MODEL --image-size $1 --out $W/t$1_$3_$2 || echo "time $1 $3 run $2: FAILED, cut or skipped" >> $W/summary.txt
-    }
-    for rep in 1 2; do
-        timed 352 $rep main train_dit_main; timed 352 $rep new train_dit; timed 352 $rep nosplit train_dit_nosplit
-    done
-    # 3. bit for bit: 6 steps of the small model, main vs branch (sage and bf16) and vs nosplit (sage)
+    # 2. bit for bit: 6 steps of the small model, main vs branch (sage and bf16) and vs nosplit (sage)
     bit() {   # attn variant binary
         step bit_$1_$2 20 $B/$3 --device gpu --data synthetic --model S --batch 8 --attn $1 --steps 6 --ckpt-every 6 \
             --sample-every 0 --seed 3 --gpus 2 --sp-ring 2 --out $W/bit_$1_$2
@@ -134,10 +129,9 @@ run() {
             && echo "bitwise $1 main vs $2 train_log step,loss,grad_norm: identical" >> $W/summary.txt \
             || echo "bitwise $1 main vs $2 train_log step,loss,grad_norm: DIFFER" >> $W/summary.txt
     }
-    bit sage main train_dit_main; bit sage new train_dit; bit sage nosplit train_dit_nosplit
-    bit bf16 main train_dit_main; bit bf16 new train_dit
-    compare sage new; compare sage nosplit; compare bf16 new
-    # 4. planted bugs: must FAIL
+    bit sage main train_dit_main; bit sage new train_dit; bit bf16 main train_dit_main; bit bf16 new train_dit
+    compare sage new; compare bf16 new
+    # 3. planted bugs: must FAIL
     step planted_skip_bitwise 15 $B/test_sp_planted_skip --jobs 1 --verbose \
         --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise'
     echo "planted_skip: ring2_backward_is_the_ring_bitwise rc=$? (must be 1)" >> $W/summary.txt
@@ -147,13 +141,20 @@ run() {
     step planted_order_bitwise 15 $B/test_sp_planted_order --jobs 1 --verbose \
         --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise'
     echo "planted_order: ring2_backward_is_the_ring_bitwise rc=$? (must be 1)" >> $W/summary.txt
-    # 5. the model's ring tests (gradients against one GPU), nosplit's unit test, then 16,384 tokens
-    step test_model_ring 40 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ring2*'
+    wait $model_pid
     echo "test_sp_model_cuda ring2* (branch) rc=$?" >> $W/summary.txt
+    # 4. step time at 30,976 tokens: main, branch, main, branch; then what time is left: the
+    #    unsplit version (time, bitwise, unit test) and 16,384 tokens
+    local MODEL="--device gpu --data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn sage --ckpt-every 0 --sample-every 0 --seed 1 --steps 10 --gpus 2 --sp-ring 2"
+    timed() {   # size rep variant binary
+        step t$1_$3_$2 25 $B/$4 $MODEL --image-size $1 --out $W/t$1_$3_$2 || echo "time $1 $3 run $2: FAILED, cut or skipped" >> $W/summary.txt
+    }
+    for rep in 1 2; do timed 352 $rep main train_dit_main; timed 352 $rep new train_dit; done
+    timed 352 1 nosplit train_dit_nosplit
+    bit sage nosplit train_dit_nosplit && compare sage nosplit
     step test_nosplit 15 $B/test_sp_nosplit --jobs 1 --verbose --filter 'sequence_parallel_cuda/ring2_backward_is_the_ring_bitwise'
     echo "test_sp nosplit ring2_backward_is_the_ring_bitwise rc=$?" >> $W/summary.txt
-    timed 256 1 main train_dit_main; timed 256 1 new train_dit; timed 256 1 nosplit train_dit_nosplit
-    timed 256 2 main train_dit_main; timed 256 2 new train_dit
+    timed 256 1 main train_dit_main; timed 256 1 new train_dit
     for size in 352 256; do
         for v in main new nosplit; do
             local runs="" all=""
