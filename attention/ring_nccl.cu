@@ -10,6 +10,10 @@
 // packet: step s computes its dk/dv into scratch (overlapping the arrival of the packet), then
 // adds them into the arrived packet and sends it on. After the last step the return trip brings
 // every packet to its owner.
+// With R = 2 the backward takes a shorter road (ring2_backward): each shard's dk, dv are the sum
+// of two terms, so the foreign term goes straight to its owner in one pass; the own step, split
+// by heads, runs around the foreign one, so that both passes hide under it; bitwise the ring's
+// result.
 #include <stdio.h>
 #include "attention/sequence_parallel_cuda.h"
 #include "attention/flash_cuda.h"
@@ -52,6 +56,21 @@ __global__ void ring_merge_kernel(float *acc, float *lse, const __nv_bfloat16 *o
 __global__ void divide_kernel(float *x, size_t n, float divisor) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = __fdiv_rn(x[i], divisor);
+}
+
+// The end of the 2-rank backward, per element i < n (fp32, the ring's sums in the ring's order):
+// dq = (dq + own_dq) + foreign_dq (the ring adds step 0's dq, then step 1's);
+// dk = dk + (own_dk + back_dk), dv likewise (the ring's packet is the owner's term plus the
+// peer's, added into dk on its return; a + b == b + a in fp32).
+// own: (dq, dk, dv) of this rank's q against its own k/v; back: (dk, dv) the peer computed for
+// this rank's k/v.
+__global__ void ring2_finish_kernel(float *dq, float *dk, float *dv, const float *own, const float *foreign_dq,
+                                    const float *back, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        dq[i] = (dq[i] + own[i]) + foreign_dq[i];
+        dk[i] = dk[i] + (own[n + i] + back[i]);
+        dv[i] = dv[i] + (own[2 * n + i] + back[n + i]);
+    }
 }
 
 static unsigned grid_for(size_t n, unsigned threads) {
@@ -273,6 +292,99 @@ static int return_trip(const SpCudaComm *c, RankState *st, void *const *dkv_slot
     return 0;
 }
 
+// One backward step on `stream` of q/dout/out/lse against the k/v shard (ks, vs) held:
+// dq_s, dk_s, dv_s (B, H, n, D) fp32, overwritten; for sage the shard is first quantized with the
+// global k_mean into fwd_ws (the owner's k8 bit for bit).
+static int backward_step(cudaStream_t stream, float *dq_s, float *dk_s, float *dv_s, void *ws, void *fwd_ws,
+                         const uint16_t *ks, const uint16_t *vs, const uint16_t *dout, const uint16_t *q,
+                         const uint16_t *out, const float *lse, const float *k_mean, const float *v_scale,
+                         int B, int H, int n, int D, const SagePV *sage, char *err) {
+    if (!sage) return flash_backward_cuda(dq_s, dk_s, dv_s, ws, dout, q, ks, vs, out, lse, B, H, n, D, stream, err);
+    if (sage_quantize_given_cuda(fwd_ws, q, ks, vs, k_mean, v_scale, B, H, n, D, *sage, stream, err) != 0) return -1;
+    return sage_backward_cuda(dq_s, dk_s, dv_s, ws, fwd_ws, dout, q, ks, vs, out, lse, NULL, B, H, n, D, *sage, stream,
+                              err);
+}
+
+// Rank i's own step (its q against its own k/v) on the heads h0 <= bh < h1 of the flattened B·H:
+// into own (dq, dk, dv) (3 x (B, H, n, D) fp32). Every head is computed on its own, so the heads
+// of two calls are bitwise those of one call over all (the kernels and the quantization are per
+// head; the workspaces are sized for all heads).
+static int own_heads(const SpCudaComm *c, int i, float *own, void *ws, void *fwd_ws, const uint16_t *const *dout,
+                     const uint16_t *const *q, const uint16_t *const *k, const uint16_t *const *v,
+                     const uint16_t *const *out, const float *const *lse, const float *const *k_mean,
+                     const float *const *v_scale, int B, int H, int n, int D, int h0, int h1, const SagePV *sage,
+                     char *err) {
+    if (h1 <= h0) return 0;
+    size_t shard = (size_t)B * H * n * D, at = (size_t)h0 * n * D, stats_at = (size_t)h0 * D;
+    const float *km = sage ? k_mean[i] + stats_at : NULL;
+    const float *vs = sage && v_scale[i] ? v_scale[i] + stats_at : NULL;
+    return backward_step(c->stream[i], own + at, own + shard + at, own + 2 * shard + at, ws, fwd_ws, k[i] + at,
+                         v[i] + at, dout[i] + at, q[i] + at, out[i] + at, lse[i] + (size_t)h0 * n, km, vs, 1, h1 - h0,
+                         n, D, sage, err);
+}
+
+// The backward for R = 2, per rank r and its peer p = 1 - r, the own step split into two head
+// groups: (1) the pass of k, v (bf16, straight from k[i], v[i]) on comm_stream, overlapped with
+// (2) the own step on the first half of the heads; (3) after the arrival, the foreign step, rank r's
+// q against k_p, v_p: foreign (dq, dk, dv); (4) the pass of foreign (dk, dv) (fp32) to their owner p
+// on comm_stream, overlapped with (5) the own step on the other heads; (6) after the arrival of
+// back (dk, dv) from p, ring2_finish_kernel adds everything into dq, dk, dv. Passes: 1 of k/v, 1 of
+// dk/dv (the ring: 1 and 2), both under compute. Per rank the block holds: kv (k, v bf16) |
+// foreign (dq, dk, dv fp32) | own (dq, dk, dv) | back (dk, dv) | backward workspace | for sage
+// the step's forward workspace.
+static int ring2_backward(const SpCudaComm *c, float *const *dq, float *const *dk, float *const *dv,
+                          const uint16_t *const *dout, const uint16_t *const *q, const uint16_t *const *k,
+                          const uint16_t *const *v, const uint16_t *const *out, const float *const *lse,
+                          const float *const *k_mean, const float *const *v_scale, int B, int H, int n, int D,
+                          const SagePV *sage, const char *fn, char *err) {
+    int L = c->n_local, BH = B * H, half = BH / 2;
+    size_t shard = (size_t)BH * n * D;
+    size_t kv_at = 0, foreign_at = (2 * shard * 2 + 255) & ~(size_t)255, own_at = foreign_at + 3 * shard * 4;
+    size_t back_at = own_at + 3 * shard * 4, ws_at = back_at + 2 * shard * 4;
+    size_t fwd_ws_at = ws_at + ((sage_cuda_backward_workspace_size(B, H, n, D) + 255) & ~(size_t)255);
+    size_t total = fwd_ws_at + (sage ? sage_cuda_forward_workspace_size(B, H, n, D, *sage) : 0);
+    RankState st[MAX_LOCAL];
+    if (begin(c, st, total, fn, err) != 0) return -1;
+    void *kv_recv[MAX_LOCAL * 2], *back_recv[MAX_LOCAL];
+    const void *kv_send[MAX_LOCAL * 2], *foreign_send[MAX_LOCAL];
+    for (int i = 0; i < L; i++) {
+        kv_recv[i * 2] = st[i].block + kv_at;
+        kv_recv[i * 2 + 1] = st[i].block + kv_at + shard * 2;
+        kv_send[i * 2] = k[i];
+        kv_send[i * 2 + 1] = v[i];
+        foreign_send[i] = st[i].block + foreign_at + shard * 4;   // the foreign (dk, dv)
+        back_recv[i] = st[i].block + back_at;
+    }
+    size_t kv_bytes[2] = {shard * 2, shard * 2}, dkv_bytes = 2 * shard * 4;
+    if (pass_overlapped(c, st, 0, 2, kv_recv, kv_send, kv_bytes, err) != 0) return -1;
+    for (int i = 0; i < L; i++) {
+        SP_CUDA_CHECK(cudaSetDevice(c->device[i]), err, "%s: cudaSetDevice(%d)", fn, c->device[i]);
+        char *b = st[i].block;
+        float *foreign = (float *)(b + foreign_at), *own = (float *)(b + own_at);
+        if (own_heads(c, i, own, b + ws_at, b + fwd_ws_at, dout, q, k, v, out, lse, k_mean, v_scale, B, H, n, D, 0,
+                      half, sage, err) != 0 ||
+            wait_arrival(c, st, i, 0, err) != 0 ||
+            backward_step(c->stream[i], foreign, foreign + shard, foreign + 2 * shard, b + ws_at, b + fwd_ws_at,
+                          (const uint16_t *)kv_recv[i * 2], (const uint16_t *)kv_recv[i * 2 + 1], dout[i], q[i],
+                          out[i], lse[i], sage ? k_mean[i] : NULL, sage ? v_scale[i] : NULL, B, H, n, D, sage,
+                          err) != 0) return -1;
+    }
+    if (pass_overlapped(c, st, 1, 1, back_recv, foreign_send, &dkv_bytes, err) != 0) return -1;
+    for (int i = 0; i < L; i++) {
+        SP_CUDA_CHECK(cudaSetDevice(c->device[i]), err, "%s: cudaSetDevice(%d)", fn, c->device[i]);
+        char *b = st[i].block;
+        float *foreign = (float *)(b + foreign_at), *own = (float *)(b + own_at);
+        if (own_heads(c, i, own, b + ws_at, b + fwd_ws_at, dout, q, k, v, out, lse, k_mean, v_scale, B, H, n, D, half,
+                      BH, sage, err) != 0 ||
+            wait_arrival(c, st, i, 1, err) != 0) return -1;
+        ring2_finish_kernel<<<grid_for(shard, 256), 256, 0, c->stream[i]>>>(dq[i], dk[i], dv[i], own, foreign,
+                                                                            (const float *)back_recv[i], shard);
+        SP_CUDA_CHECK(cudaGetLastError(), err, "%s: launch ring2_finish_kernel (%zu) on rank %d", fn, shard,
+                      c->rank[i]);
+    }
+    return end(c, st, fn, err);
+}
+
 static int ring_backward(const SpCudaComm *c, float *const *dq, float *const *dk, float *const *dv,
                          const uint16_t *const *dout, const uint16_t *const *q, const uint16_t *const *k,
                          const uint16_t *const *v, const uint16_t *const *out, const float *const *lse,
@@ -280,6 +392,8 @@ static int ring_backward(const SpCudaComm *c, float *const *dq, float *const *dk
                          const SagePV *sage, const char *fn, char *err) {
     if (check_ring_shape(c, N, sage, fn, err) != 0) return -1;
     int R = c->ranks, L = c->n_local, n = N / R;
+    if (R == 2)
+        return ring2_backward(c, dq, dk, dv, dout, q, k, v, out, lse, k_mean, v_scale, B, H, n, D, sage, fn, err);
     size_t shard = (size_t)B * H * n * D;
     BwdLayout lay = bwd_layout(B, H, n, D, sage);
     RankState st[MAX_LOCAL];
@@ -315,20 +429,10 @@ static int ring_backward(const SpCudaComm *c, float *const *dq, float *const *dk
             float *scratch = (float *)(st[i].block + lay.scratch);
             float *packet = (float *)dkv_buf[cur][i];
             float *dks = s == 0 ? packet : scratch + shard;   // step 0 starts the packet
-            void *ws = st[i].block + lay.ws, *fwd_ws = st[i].block + lay.sage_ws;
-            int rc = 0;
-            if (sage) {
-                // the arriving k, quantized with the global k_mean: the owner's k8 bit for bit
-                rc = sage_quantize_given_cuda(fwd_ws, q[i], ks, vs, k_mean[i], v_scale[i], B, H, n, D, *sage,
-                                              c->stream[i], err);
-                if (rc == 0)
-                    rc = sage_backward_cuda(scratch, dks, dks + shard, ws, fwd_ws, dout[i], q[i], ks, vs, out[i],
-                                            lse[i], NULL, B, H, n, D, *sage, c->stream[i], err);
-            } else {
-                rc = flash_backward_cuda(scratch, dks, dks + shard, ws, dout[i], q[i], ks, vs, out[i], lse[i], B, H,
-                                         n, D, c->stream[i], err);
-            }
-            if (rc != 0 || sp_cuda_accumulate(dq[i], scratch, shard, c->stream[i], err) != 0) return -1;
+            if (backward_step(c->stream[i], scratch, dks, dks + shard, st[i].block + lay.ws, st[i].block + lay.sage_ws,
+                              ks, vs, dout[i], q[i], out[i], lse[i], sage ? k_mean[i] : NULL,
+                              sage ? v_scale[i] : NULL, B, H, n, D, sage, err) != 0 ||
+                sp_cuda_accumulate(dq[i], scratch, shard, c->stream[i], err) != 0) return -1;
             if (s > 0 && (wait_arrival(c, st, i, 1, err) != 0 ||
                           sp_cuda_accumulate(packet, scratch + shard, 2 * shard, c->stream[i], err) != 0))
                 return -1;

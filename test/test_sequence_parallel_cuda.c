@@ -660,6 +660,240 @@ Test(sequence_parallel_cuda, shape_errors_name_the_problem) {
     cr_assert(strstr(err, "N/R=96 must be a multiple of 64"), "message: %s", err);
 }
 
+// ---- the 2-rank ring backward (direct return of the foreign dk/dv) against the ring's ------------
+// ring_*_backward_cuda with R = 2 sends each rank's foreign dk/dv straight to its owner (one fp32
+// pass) instead of the packet that travels the ring and comes back (two), and computes the own
+// step in two head groups around the foreign step. It must give bitwise the ring's result: ring2_reference_backward is the ring's schedule for R = 2, test-only, from
+// the library's collectives and kernels, synchronous on stream; both start from the same random
+// dq, dk, dv (the functions accumulate: the order of the adds shows) with the deterministic
+// backwards on. And the generic loop (R != 2) still runs: a 1-rank ring equals one GPU bitwise.
+
+// The ring for R = 2 (ring_backward's loop and return trip), exact (sage == NULL) or sage.
+static void ring2_reference_backward(Group *g, float *const *dq, float *const *dk, float *const *dv, const Inputs *in,
+                                     uint16_t *const *out, float *const *lse, float *const *k_mean,
+                                     float *const *v_scale, const SagePV *sage) {
+    int B = in->B, H = in->H, n = in->n, D = in->D;
+    size_t shard = in->shard;
+    char err[DIT_ERR_LEN] = "";
+    uint16_t *kv[2][2 * R];
+    float *dkv[2][R], *scratch[R];
+    void *ws[R], *fwd_ws[R];
+    for (int i = 0; i < R; i++) {
+        for (int j = 0; j < 2; j++) {
+            kv[j][2 * i] = dmalloc_on(i, shard * 2);
+            kv[j][2 * i + 1] = dmalloc(shard * 2);
+            dkv[j][i] = dmalloc(2 * shard * 4);
+        }
+        scratch[i] = dmalloc(3 * shard * 4);
+        ws[i] = dmalloc(sage_cuda_backward_workspace_size(B, H, n, D));
+        fwd_ws[i] = sage ? dmalloc(sage_cuda_forward_workspace_size(B, H, n, D, *sage)) : NULL;
+        CUDA_OK(cudaMemcpy(kv[0][2 * i], in->dev[1][i], shard * 2, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMemcpy(kv[0][2 * i + 1], in->dev[2][i], shard * 2, cudaMemcpyDeviceToDevice));
+    }
+    sync_devices();
+    size_t kv_bytes[2] = {shard * 2, shard * 2};
+    for (int s = 0; s < R; s++) {
+        int cur = s % 2;
+        for (int i = 0; i < R; i++) {
+            CUDA_OK(cudaSetDevice(i));
+            float *dks = s == 0 ? dkv[cur][i] : scratch[i] + shard;   // step 0 starts the packet
+            const uint16_t *ks = kv[cur][2 * i], *vs = kv[cur][2 * i + 1];
+            int rc = 0;
+            if (sage) {
+                rc = sage_quantize_given_cuda(fwd_ws[i], in->dev[0][i], ks, vs, k_mean[i], v_scale[i], B, H, n, D,
+                                              *sage, g->stream[i], err);
+                if (rc == 0)
+                    rc = sage_backward_cuda(scratch[i], dks, dks + shard, ws[i], fwd_ws[i], in->dev[3][i],
+                                            in->dev[0][i], ks, vs, out[i], lse[i], NULL, B, H, n, D, *sage,
+                                            g->stream[i], err);
+            } else {
+                rc = flash_backward_cuda(scratch[i], dks, dks + shard, ws[i], in->dev[3][i], in->dev[0][i], ks, vs,
+                                         out[i], lse[i], B, H, n, D, g->stream[i], err);
+            }
+            cr_assert_eq(rc, 0, "%s", err);
+            cr_assert_eq(sp_cuda_accumulate(dq[i], scratch[i], shard, g->stream[i], err), 0, "%s", err);
+            if (s > 0)
+                cr_assert_eq(sp_cuda_accumulate(dkv[cur][i], scratch[i] + shard, 2 * shard, g->stream[i], err), 0, "%s",
+                             err);
+        }
+        if (s < R - 1) {
+            cr_assert_eq(sp_cuda_ring_pass_on(&g->c, g->stream, 2, (void *const *)kv[1 - cur],
+                                              (const void *const *)kv[cur], kv_bytes, err), 0, "%s", err);
+            cr_assert_eq(sp_cuda_ring_pass(&g->c, (void *const *)dkv[1 - cur], (const void *const *)dkv[cur],
+                                           2 * shard * 4, err), 0, "%s", err);
+        }
+    }
+    int last = (R - 1) % 2;   // the return trip: each finished packet to its owner
+    cr_assert_eq(sp_cuda_ring_pass(&g->c, (void *const *)dkv[1 - last], (const void *const *)dkv[last], 2 * shard * 4,
+                                   err), 0, "%s", err);
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        const float *packet = dkv[1 - last][i];
+        cr_assert_eq(sp_cuda_accumulate(dk[i], packet, shard, g->stream[i], err), 0, "%s", err);
+        cr_assert_eq(sp_cuda_accumulate(dv[i], packet + shard, shard, g->stream[i], err), 0, "%s", err);
+    }
+    group_sync(g);
+    for (int i = 0; i < R; i++) {
+        for (int j = 0; j < 2; j++) { cudaFree(kv[j][2 * i]); cudaFree(kv[j][2 * i + 1]); cudaFree(dkv[j][i]); }
+        cudaFree(scratch[i]); cudaFree(ws[i]); cudaFree(fwd_ws[i]);
+    }
+}
+
+// Elements of the per-rank fp32 tensors a, b (count each) whose bits differ.
+static size_t bits_differ(float *const *a, float *const *b, size_t count) {
+    size_t differ = 0;
+    float *ha = xmalloc(count * 4), *hb = xmalloc(count * 4);
+    for (int i = 0; i < R; i++) {
+        CUDA_OK(cudaSetDevice(i));
+        CUDA_OK(cudaMemcpy(ha, a[i], count * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(hb, b[i], count * 4, cudaMemcpyDeviceToHost));
+        for (size_t j = 0; j < count; j++) differ += memcmp(&ha[j], &hb[j], 4) != 0;
+    }
+    free(ha); free(hb);
+    return differ;
+}
+
+// The library's 2-rank ring backward and the reference from the same forward and the same random
+// dq, dk, dv: every bit of dq, dk, dv equal.
+static void check_ring2_backward_bitwise(const SagePV *sage, int B, int H, int N, int D, uint64_t seed,
+                                         const char *name) {
+    Group g;
+    group_init(&g);
+    int flash_was = flash_backward_set_deterministic(1), sage_was = sage_backward_set_deterministic(1);
+    Inputs in = make_inputs(B, H, N, D, seed);
+    size_t shard = in.shard, rows = shard / D;
+    char err[DIT_ERR_LEN] = "";
+    uint16_t *out[R];
+    float *lse[R], *k_mean[R], *v_scale[R], *host[3][R], *lib[3][R], *ref[3][R];
+    for (int t = 0; t < 3; t++) random_rank_data(host[t], lib[t], shard, seed * 10 + t);
+    for (int i = 0; i < R; i++) {
+        out[i] = dmalloc_on(i, shard * 2);
+        lse[i] = dmalloc(rows * 4);
+        k_mean[i] = dmalloc((size_t)B * H * D * 4);
+        v_scale[i] = dmalloc((size_t)B * H * D * 4);
+        for (int t = 0; t < 3; t++) {
+            ref[t][i] = dmalloc(shard * 4);
+            CUDA_OK(cudaMemcpy(ref[t][i], host[t][i], shard * 4, cudaMemcpyHostToDevice));
+        }
+    }
+    sync_devices();
+    const uint16_t *const *q = (const uint16_t *const *)in.dev[0], *const *k = (const uint16_t *const *)in.dev[1],
+                   *const *v = (const uint16_t *const *)in.dev[2], *const *dout = (const uint16_t *const *)in.dev[3];
+    const uint16_t *const *outc = (const uint16_t *const *)out;
+    const float *const *lsec = (const float *const *)lse;
+    const float *const *km = (const float *const *)k_mean, *const *vs = (const float *const *)v_scale;
+    if (sage) {
+        cr_assert_eq(ring_sage_stats_cuda(&g.c, k_mean, v_scale, k, v, B, H, N, D, *sage, err), 0, "%s", err);
+        cr_assert_eq(ring_sage_forward_cuda(&g.c, out, lse, q, k, v, km, vs, B, H, N, D, *sage, err), 0, "%s", err);
+        cr_assert_eq(ring_sage_backward_cuda(&g.c, lib[0], lib[1], lib[2], dout, q, k, v, outc, lsec, km, vs, B, H, N,
+                                             D, *sage, err), 0, "%s", err);
+    } else {
+        cr_assert_eq(ring_attention_forward_cuda(&g.c, out, lse, q, k, v, B, H, N, D, err), 0, "%s", err);
+        cr_assert_eq(ring_attention_backward_cuda(&g.c, lib[0], lib[1], lib[2], dout, q, k, v, outc, lsec, B, H, N, D,
+                                                  err), 0, "%s", err);
+    }
+    group_sync(&g);
+    ring2_reference_backward(&g, ref[0], ref[1], ref[2], &in, out, lse, k_mean, v_scale, sage);
+    const char *what[3] = {"dq", "dk", "dv"};
+    for (int t = 0; t < 3; t++) {
+        size_t differ = bits_differ(lib[t], ref[t], shard);
+        fprintf(stderr, "%s B=%d H=%d N=%d D=%d: %s differs from the ring's in %zu of %zu elements\n", name, B, H, N,
+                D, what[t], differ, R * shard);
+        cr_expect_eq(differ, 0, "%s: %s differs from the ring with return trip in %zu of %zu elements", name, what[t],
+                     differ, R * shard);
+    }
+    for (int i = 0; i < R; i++) {
+        cudaFree(out[i]); cudaFree(lse[i]); cudaFree(k_mean[i]); cudaFree(v_scale[i]);
+        for (int t = 0; t < 3; t++) { cudaFree(lib[t][i]); cudaFree(ref[t][i]); free(host[t][i]); }
+    }
+    free_inputs(&in);
+    flash_backward_set_deterministic(flash_was);
+    sage_backward_set_deterministic(sage_was);
+    group_free(&g);
+}
+
+Test(sequence_parallel_cuda, ring2_backward_is_the_ring_bitwise, .timeout = 120) {
+    SagePV fp8 = SAGE_PV_FP8, fp16 = SAGE_PV_FP16;
+    check_ring2_backward_bitwise(NULL, 2, 4, 256, 64, 81, "ring2 exact");
+    check_ring2_backward_bitwise(NULL, 1, 2, 200, 64, 82, "ring2 exact (shard 100, partial tiles)");
+    check_ring2_backward_bitwise(NULL, 1, 2, 1024, 128, 83, "ring2 exact (several key blocks)");
+    check_ring2_backward_bitwise(&fp8, 2, 4, 256, 64, 84, "ring2 sage fp8");
+    check_ring2_backward_bitwise(&fp16, 1, 2, 384, 128, 85, "ring2 sage fp16");
+    check_ring2_backward_bitwise(&fp8, 1, 2, 1024, 128, 86, "ring2 sage fp8 (several key blocks)");
+    check_ring2_backward_bitwise(NULL, 1, 3, 256, 64, 87, "ring2 exact (3 heads: own step split 1 + 2)");
+    check_ring2_backward_bitwise(&fp8, 1, 1, 256, 64, 88, "ring2 sage fp8 (1 head: own step not split)");
+}
+
+// The generic ring loop (any R but 2) with one rank on device 0: its forward is flash_forward_cuda
+// and its backward flash_backward_cuda added into zeros, the dk/dv packet returned to itself by
+// the return trip; so every bit equals one GPU's.
+Test(sequence_parallel_cuda, ring1_generic_loop_equals_single_gpu_bitwise, .timeout = 120) {
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 1) {
+        cudaGetLastError();
+        cr_skip_test("needs a CUDA GPU");
+    }
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    int flash_was = flash_backward_set_deterministic(1);
+    int B = 2, H = 4, N = 384, D = 64, dev = 0, rank = 0;
+    ncclComm_t comm;
+    cudaStream_t stream, comm_stream;
+    NCCL_OK(ncclCommInitAll(&comm, 1, &dev));
+    CUDA_OK(cudaSetDevice(0));
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+    SpCudaComm c = {1, 1, &rank, &dev, &comm, &stream, &comm_stream};
+    Inputs in = {B, H, N, D, N, (size_t)B * H * N * D, (size_t)B * H * N * D, {0}, {{0}}};   // host tensors only
+    Rng rng;
+    rng_seed(&rng, 91);
+    for (int j = 0; j < 4; j++) {
+        in.host[j] = xmalloc(in.total * 2);
+        for (size_t e = 0; e < in.total; e++) in.host[j][e] = to_bf16(rng_normal(&rng));
+    }
+    Result ref = single_gpu(&in, NULL);
+    uint16_t *t[4], *out = dmalloc(in.total * 2);
+    float *lse = dmalloc(in.total / D * 4), *grads = dmalloc(3 * in.total * 4);
+    for (int j = 0; j < 4; j++) {
+        t[j] = dmalloc(in.total * 2);
+        CUDA_OK(cudaMemcpy(t[j], in.host[j], in.total * 2, cudaMemcpyHostToDevice));
+    }
+    CUDA_OK(cudaMemset(grads, 0, 3 * in.total * 4));
+    CUDA_OK(cudaDeviceSynchronize());
+    char err[DIT_ERR_LEN] = "";
+    const uint16_t *q = t[0], *k = t[1], *v = t[2], *dout = t[3], *outc = out;
+    const float *lsec = lse;
+    float *dq = grads, *dk = grads + in.total, *dv = grads + 2 * in.total;
+    cr_assert_eq(ring_attention_forward_cuda(&c, &out, &lse, &q, &k, &v, B, H, N, D, err), 0, "%s", err);
+    cr_assert_eq(ring_attention_backward_cuda(&c, &dq, &dk, &dv, &dout, &q, &k, &v, &outc, &lsec, B, H, N, D, err), 0,
+                 "%s", err);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamSynchronize(comm_stream));
+    float *host = xmalloc(3 * in.total * 4);
+    uint16_t *bits = xmalloc(in.total * 2);
+    CUDA_OK(cudaMemcpy(host, grads, 3 * in.total * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(bits, out, in.total * 2, cudaMemcpyDeviceToHost));
+    size_t differ[4] = {0, 0, 0, 0};
+    const float *want[3] = {ref.dq, ref.dk, ref.dv};
+    for (size_t j = 0; j < in.total; j++) {
+        float o = from_bf16(bits[j]);
+        differ[0] += memcmp(&o, &ref.out[j], 4) != 0;
+        for (int g = 0; g < 3; g++) differ[g + 1] += memcmp(&host[g * in.total + j], &want[g][j], 4) != 0;
+    }
+    fprintf(stderr, "ring of 1 rank vs one GPU: out %zu, dq %zu, dk %zu, dv %zu of %zu elements differ\n", differ[0],
+            differ[1], differ[2], differ[3], in.total);
+    cr_expect(differ[0] == 0 && differ[1] == 0 && differ[2] == 0 && differ[3] == 0,
+              "ring of 1 rank: out %zu, dq %zu, dk %zu, dv %zu elements differ from one GPU", differ[0], differ[1],
+              differ[2], differ[3]);
+    free(host); free(bits);
+    for (int j = 0; j < 4; j++) cudaFree(t[j]);
+    cudaFree(out); cudaFree(lse); cudaFree(grads);
+    free_result(&ref); free_inputs(&in);
+    flash_backward_set_deterministic(flash_was);
+    CUDA_OK(cudaStreamDestroy(stream));
+    CUDA_OK(cudaStreamDestroy(comm_stream));
+    NCCL_OK(ncclCommDestroy(comm));
+}
+
 #else
 Test(sequence_parallel_cuda, needs_nccl) { cr_skip_test("built without NCCL (no nccl.h found by the Makefile)"); }
 #endif
