@@ -222,8 +222,8 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->params_bytes = 5 * fbytes + 2 * hbytes;
     m->acts_bytes = activation_layout(m, NULL);
     CUDA_CHECK(err, cudaStreamCreate(&m->stream), "the model's stream");
-    if (sp->ring > 1 && cudaStreamCreateWithFlags(&m->comm_stream, cudaStreamNonBlocking) != cudaSuccess) {
-        dit_set_error(err, "dit_gpu_create_sp: the ring's communication stream: %s",
+    if (sp->ring * sp->ulysses > 1 && cudaStreamCreateWithFlags(&m->comm_stream, cudaStreamNonBlocking) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create_sp: the sequence-parallel communication stream: %s",
                       cudaGetErrorString(cudaGetLastError()));
         dit_gpu_free(m);
         return -1;

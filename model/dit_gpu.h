@@ -99,7 +99,7 @@ typedef struct {
     DitGpuSeqParallel sp;
     int tokens, token_offset;
     DitGpuSeqBuffers sp_bufs;
-    cudaStream_t comm_stream;          // the ring's communication stream (R > 1)
+    cudaStream_t comm_stream;          // ring passes, Ulysses' own-run copies (U·R > 1)
     int batch;                         // activations are allocated for this batch size
     DitAttention attention;            // DIT_ATTN_SAGE: sage kernels (P·V format in sage.pv); DIT_ATTN_EXACT:
                                        // bf16 flash attention
