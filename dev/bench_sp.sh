@@ -2,11 +2,12 @@
 # Sequence parallelism on 2 GPUs against 1 GPU: training throughput of train_dit at ~16K and
 # ~31K tokens (hidden 2048, 16 heads of dim 128, depth 4, batch 1, sage attention), Ulysses 2 and
 # ring 2; and the bytes each rank sends per step, measured from NCCL's own log of every call
-# (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL, on during the two-GPU runs: one log line per call, a
-# few hundred per step) beside the formulas of dev/notes_sequence_parallel.md.
+# (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL: one log line per call, hundreds per step) in separate
+# short runs, beside the formulas of dev/notes_sequence_parallel.md. The timed runs have no NCCL
+# logging: it costs the host ~15 ms per 2-GPU step at 31K tokens (it inflated session 3's figures).
 #
-#   BIN=.devrun_h4 LOGS=$OUT bash dev/bench_sp.sh        (on a machine with 2 GPUs and NCCL)
-#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu" STEPS=8 ATTN=sage|bf16,
+#   BIN=.devrun LOGS=$OUT bash dev/bench_sp.sh        (on a machine with 2 GPUs and NCCL)
+#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu" STEPS=10 BYTES_STEPS=3 ATTN=sage|bf16,
 #             DEADLINE=<epoch seconds> (runs that would start later than 5 s before it are skipped)
 #
 # Image sizes: 256 (patch 2: 128² = 16,384 tokens) and 352 (176² = 30,976 tokens: 32,768 is no
@@ -15,7 +16,8 @@
 set -uo pipefail
 BIN=${BIN:-.}
 LOGS=${LOGS:-bench_sp_out}
-STEPS=${STEPS:-8}
+STEPS=${STEPS:-10}
+BYTES_STEPS=${BYTES_STEPS:-3}
 ATTN=${ATTN:-sage}
 mkdir -p "$LOGS"
 MODEL="--data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn $ATTN --ckpt-every 0 --sample-every 0 --seed 1"
@@ -32,21 +34,31 @@ run() {   # name, image size, extra flags
         > "$LOGS/$name.log" 2>&1 || { echo "$name: FAILED or cut (see $LOGS/$name.log)"; tail -2 "$LOGS/$name.log"; }
 }
 
+# the timed runs: no NCCL logging (it costs host time on every call: ~15 ms per 2-GPU step at 31K)
 for size in $SIZES; do
     for r in $RUNS; do
         case $r in
             1gpu) run "t${size}_1gpu" "$size" ;;
-            ulysses2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ulysses2.nccl.%p \
-                      run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
-            ring2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/t${size}_ring2.nccl.%p \
-                   run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
+            ulysses2) run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
+            ring2) run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
+        esac
+    done
+done
+# the bytes: short runs with NCCL's log of every call (BYTES_STEPS steps, not timed)
+for size in $SIZES; do
+    for r in $RUNS; do
+        case $r in
+            ulysses2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/b${size}_ulysses2.nccl.%p \
+                      STEPS=$BYTES_STEPS run "b${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
+            ring2) NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL NCCL_DEBUG_FILE=$LOGS/b${size}_ring2.nccl.%p \
+                   STEPS=$BYTES_STEPS run "b${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
         esac
     done
 done
 
-python3 - "$LOGS" "$STEPS" "$ATTN" <<'EOF'
+python3 - "$LOGS" "$STEPS" "$ATTN" "$BYTES_STEPS" <<'EOF'
 import csv, glob, os, re, statistics, sys
-logs, steps, attn = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+logs, steps, attn, bytes_steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 
 def ms_per_step(name):
     path = os.path.join(logs, name, "train_log.csv")
@@ -76,8 +88,8 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
     T = (size // 2) ** 2
     n = T // 2                       # tokens per rank
     Te = B * H * n * D               # elements of one (B, H, T/2, D) shard
-    paths = glob.glob(os.path.join(logs, f"t{size}_{kind}2.nccl.*"))   # one file per rank (NCCL_DEBUG_FILE)
-    if not paths or not ms_per_step(f"t{size}_{kind}2"): continue
+    paths = glob.glob(os.path.join(logs, f"b{size}_{kind}2.nccl.*"))   # one file per rank (NCCL_DEBUG_FILE)
+    if not paths: continue
     sent = {}
     for line in (l for p in paths for l in open(p, errors="replace")):
         m = line_re.search(line)
@@ -92,14 +104,14 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
             b = b * 2 * (nranks - 1) / nranks
         else: continue
         sent.setdefault(dev, {}).setdefault(op, 0)
-        sent[dev][op] += b / steps
-    if kind == "ulysses":   # a2a q, k, v, out (bf16); backward dout (bf16), dq, dk, dv (fp32)
-        fwd, bwd = 4 * 2 * Te / 2, (2 + 3 * 4) * Te / 2
+        sent[dev][op] += b / bytes_steps
+    if kind == "ulysses":   # a2a q, k, v, out (bf16); backward dout, dq, dk, dv (bf16, rotated before)
+        fwd, bwd = 4 * 2 * Te / 2, 4 * 2 * Te / 2
     else:                   # sage ring FP8: (R-1) passes of k8, v e4m3, k_scale + 2 stats all-reduces;
-        fwd = (2 * Te + 4 * B * H * n // 64) + 2 * 4 * B * H * D   # backward: k, v bf16 once, dk, dv fp32 twice
-        bwd = 4 * Te + 8 * Te * 2
+        fwd = (2 * Te + 4 * B * H * n // 64) + 2 * 4 * B * H * D   # backward (R = 2): k, v bf16 once,
+        bwd = 4 * Te + 8 * Te                                       # the foreign dk, dv fp32 once
         if attn != "sage": fwd = 4 * Te
-    print(f"\n## bytes sent per rank and step, {kind} 2, {T:,} tokens (NCCL_DEBUG=INFO COLL, {steps} steps)")
+    print(f"\n## bytes sent per rank and step, {kind} 2, {T:,} tokens (NCCL_DEBUG=INFO COLL, {bytes_steps} steps)")
     for dev in sorted(sent):
         print(f"rank {dev}: " + ", ".join(f"{op} {v / 1e6:.2f} MB" for op, v in sorted(sent[dev].items())))
     att = sum(v for op, v in sent.get(0, {}).items() if op in ("Send",)) + \
