@@ -4,7 +4,7 @@
 # ring 2; and the bytes each rank sends per step, measured from NCCL's own log of every call
 # (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL: one log line per call, hundreds per step) in separate
 # short runs, beside the formulas of dev/notes_sequence_parallel.md. The timed runs have no NCCL
-# logging: it costs the host ~15 ms per 2-GPU step at 31K tokens (it inflated session 3's figures).
+# logging (it costs host time on every call).
 #
 #   BIN=.devrun LOGS=$OUT bash dev/bench_sp.sh        (on a machine with 2 GPUs and NCCL)
 #   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu" STEPS=10 BYTES_STEPS=3 ATTN=sage|bf16,
@@ -34,7 +34,7 @@ run() {   # name, image size, extra flags
         > "$LOGS/$name.log" 2>&1 || { echo "$name: FAILED or cut (see $LOGS/$name.log)"; tail -2 "$LOGS/$name.log"; }
 }
 
-# the timed runs: no NCCL logging (it costs host time on every call: ~15 ms per 2-GPU step at 31K)
+# the timed runs: no NCCL logging
 for size in $SIZES; do
     for r in $RUNS; do
         case $r in
