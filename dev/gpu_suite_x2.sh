@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Everything on the two-GPU machine in one device call (nvidia-h200-x2; carry .devrun and .devlibs
-# from `bash dev/devrun_prepare.sh`): the multi-GPU suites on both GPUs, then the single-GPU suites
-# on GPU 1 (in a copy of the tree, so that their ./train_dit does not clash) beside the benchmarks on
-# GPU 0: bench_step a,b,c,d --compile, bench_attention, bench_flash, profile_step c,a. Logs are tarred
-# into $OUT/logs.tgz every 15 s, so a cut call still returns them. Session 4 ran it in 415 s.
-#   run(command="bash dev/gpu_suite_x2.sh", kind="nvidia-h200-x2", carry=[".devrun", ".devlibs"], timeout_s=500)
+# Everything on the two-GPU machine, in two device calls (nvidia-h200-x2; carry .devrun and .devlibs
+# from `bash dev/devrun_prepare.sh`), logs tarred into $OUT/logs.tgz every 15 s (a cut call still
+# returns them):
+#   multi:  the multi-GPU suites on both GPUs, then dev/bench_sp.sh (1 GPU vs Ulysses 2 vs ring 2 at
+#           16K and 31K tokens, and the bytes per step from NCCL's log);
+#   single: the single-GPU suites on GPU 1 (in a copy of the tree, so that their ./train_dit does not
+#           clash) beside the benchmarks on GPU 0: bench_step a,b,c,d --compile, bench_attention,
+#           bench_flash, profile_step c,a.
+#   run(command="bash dev/gpu_suite_x2.sh multi", kind="nvidia-h200-x2", carry=[".devrun", ".devlibs"], timeout_s=400)
+#   run(command="bash dev/gpu_suite_x2.sh single", kind="nvidia-h200-x2", carry=[".devrun", ".devlibs"], timeout_s=420)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 LD_LIBRARY_PATH="$PWD/.devlibs:${LD_LIBRARY_PATH:-}"
 L=/tmp/L; mkdir -p $L; T0=$SECONDS
@@ -12,15 +16,23 @@ L=/tmp/L; mkdir -p $L; T0=$SECONDS
 TAR=$!
 t() { echo "$1 at $((SECONDS - T0)) s" >> $L/times.txt; }
 t start
-BIN=.devrun LOGS=$L/multi timeout 170 bash dev/gpu_suite.sh multi > $L/multi_out.txt 2>&1; echo "multi rc=$?" >> $L/times.txt; t multi_done
-mkdir -p /tmp/tree2 && cp -r dev test .devrun .devlibs /tmp/tree2/   # the tests' own ./train_dit copy
-( cd /tmp/tree2 && CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 BIN=.devrun LOGS=$L/tests timeout 200 bash dev/gpu_suite.sh tests > $L/tests_out.txt 2>&1; echo "tests rc=$?" >> $L/times.txt; t tests_done ) &
-TESTS=$!
-cp .devrun/train_dit .
-export CUDA_VISIBLE_DEVICES=0
-python3 dev/bench_step.py --configs a,b,c,d --compile > $L/bench_step.log 2>&1; t bench_step_done
-python3 dev/bench_attention.py .devrun/libsage_bench.so > $L/bench_sage.log 2>&1; t bench_sage_done
-python3 dev/bench_flash.py .devrun/libflash_bench.so > $L/bench_flash.log 2>&1; t bench_flash_done
-python3 dev/profile_step.py --configs c,a --steps 8 --lib .devrun/libkernel_times.so > $L/profile_step.log 2>&1; t profile_done
-wait $TESTS
-kill $TAR; tar czf $OUT/logs.tgz -C /tmp L; cat $L/times.txt
+part=${1:-}
+if [ "$part" = multi ]; then
+    BIN=.devrun LOGS=$L/multi timeout 200 bash dev/gpu_suite.sh multi > $L/multi_out.txt 2>&1; echo "multi rc=$?" >> $L/times.txt; t multi_done
+    BIN=.devrun LOGS=$L/sp DEADLINE=$(( $(date +%s) + 200 )) bash dev/bench_sp.sh > $L/bench_sp.log 2>&1; t bench_sp_done
+    kill $TAR; tar czf $OUT/logs.tgz -C /tmp L; cat $L/times.txt $L/bench_sp.log
+elif [ "$part" = single ]; then
+    mkdir -p /tmp/tree2 && cp -r dev test .devrun .devlibs /tmp/tree2/   # the tests' own ./train_dit copy
+    ( cd /tmp/tree2 && CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8 BIN=.devrun LOGS=$L/tests timeout 200 bash dev/gpu_suite.sh tests > $L/tests_out.txt 2>&1; echo "tests rc=$?" >> $L/times.txt; t tests_done ) &
+    TESTS=$!
+    cp .devrun/train_dit .
+    export CUDA_VISIBLE_DEVICES=0
+    python3 dev/bench_step.py --configs a,b,c,d --compile > $L/bench_step.log 2>&1; t bench_step_done
+    python3 dev/bench_attention.py .devrun/libsage_bench.so > $L/bench_sage.log 2>&1; t bench_sage_done
+    python3 dev/bench_flash.py .devrun/libflash_bench.so > $L/bench_flash.log 2>&1; t bench_flash_done
+    python3 dev/profile_step.py --configs c,a --steps 8 --lib .devrun/libkernel_times.so > $L/profile_step.log 2>&1; t profile_done
+    wait $TESTS
+    kill $TAR; tar czf $OUT/logs.tgz -C /tmp L; cat $L/times.txt
+else
+    kill $TAR; echo "usage: bash dev/gpu_suite_x2.sh multi|single" >&2; exit 2
+fi
