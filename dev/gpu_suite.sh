@@ -26,6 +26,19 @@ if [ "$what" = multi ]; then
         timeout 400 "$t" --jobs 1 --verbose 2>&1 | tee -a "$LOGS/multi.log" | grep -E "Synthesis|FAIL|Assertion" || status=1
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
+    # the launchers: 3 deterministic steps on 2 GPUs started by `--gpus 2` and by mpirun must
+    # write the same checkpoint (rank, world and local rank from Open MPI's environment)
+    if [ -x "$BIN/train_dit" ] && command -v mpirun > /dev/null; then
+        run="--device gpu --data synthetic --model S --batch 8 --steps 3 --ckpt-every 3 --sample-every 0 --seed 3 --deterministic"
+        timeout 120 "$BIN/train_dit" $run --gpus 2 --out "$LOGS/launch_gpus" > "$LOGS/launch_gpus.log" 2>&1
+        timeout 120 mpirun -np 2 --allow-run-as-root -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE "$BIN/train_dit" $run \
+            --out "$LOGS/launch_mpirun" > "$LOGS/launch_mpirun.log" 2>&1
+        if cmp -s "$LOGS/launch_gpus/ckpt_000003.safetensors" "$LOGS/launch_mpirun/ckpt_000003.safetensors"; then
+            echo "launchers: --gpus 2 and mpirun -np 2 wrote the same checkpoint" | tee -a "$LOGS/multi.log"
+        else
+            echo "launchers: FAIL (see launch_gpus.log, launch_mpirun.log)" | tee -a "$LOGS/multi.log"; status=1
+        fi
+    fi
     exit $status
 fi
 if [ "$what" != bench ]; then
