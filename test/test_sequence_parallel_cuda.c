@@ -299,17 +299,19 @@ static Result single_gpu(const Inputs *in, const SagePV *sage) {
 
 typedef enum { ULYSSES, RING, RING_NO_RETURN_TRIP } Mode;
 
-// The ring backward WITHOUT the return trip, test-only: ring_attention_backward_cuda's loop from
-// the library's collectives, synchronous on stream (no overlap); after the last step every rank
+// The ring backward, test-only: ring_backward's loop (the schedule the library runs for R != 2)
+// from the library's collectives and kernels, synchronous on stream (no overlap), exact (sage ==
+// NULL) or sage. return_trip = 0 is the bug other projects have: after the last step every rank
 // adds the (dk, dv) packet it holds, which belongs to shard (r + 1) mod R, into its own dk, dv.
-static void ring_backward_without_return_trip(Group *g, float *const *dq, float *const *dk, float *const *dv,
-                                              const Inputs *in, uint16_t *const *out, float *const *lse) {
+static void ring_backward_reference(Group *g, float *const *dq, float *const *dk, float *const *dv, const Inputs *in,
+                                    uint16_t *const *out, float *const *lse, float *const *k_mean,
+                                    float *const *v_scale, const SagePV *sage, int return_trip) {
     int B = in->B, H = in->H, n = in->n, D = in->D;
     size_t shard = in->shard;
     char err[DIT_ERR_LEN] = "";
     uint16_t *kv[2][2 * R];
     float *dkv[2][R], *scratch[R];
-    void *ws[R];
+    void *ws[R], *fwd_ws[R];
     for (int i = 0; i < R; i++) {
         for (int j = 0; j < 2; j++) {
             kv[j][2 * i] = dmalloc_on(i, shard * 2);
@@ -317,7 +319,9 @@ static void ring_backward_without_return_trip(Group *g, float *const *dq, float 
             dkv[j][i] = dmalloc(2 * shard * 4);
         }
         scratch[i] = dmalloc(3 * shard * 4);
-        ws[i] = dmalloc(flash_cuda_backward_workspace_size(B, H, n, D));
+        ws[i] = dmalloc(sage ? sage_cuda_backward_workspace_size(B, H, n, D)
+                             : flash_cuda_backward_workspace_size(B, H, n, D));
+        fwd_ws[i] = sage ? dmalloc(sage_cuda_forward_workspace_size(B, H, n, D, *sage)) : NULL;
         CUDA_OK(cudaMemcpy(kv[0][2 * i], in->dev[1][i], shard * 2, cudaMemcpyDeviceToDevice));
         CUDA_OK(cudaMemcpy(kv[0][2 * i + 1], in->dev[2][i], shard * 2, cudaMemcpyDeviceToDevice));
     }
@@ -327,10 +331,21 @@ static void ring_backward_without_return_trip(Group *g, float *const *dq, float 
         int cur = s % 2;
         for (int i = 0; i < R; i++) {
             CUDA_OK(cudaSetDevice(i));
-            float *dks = s == 0 ? dkv[cur][i] : scratch[i] + shard;
-            cr_assert_eq(flash_backward_cuda(scratch[i], dks, dks + shard, ws[i], in->dev[3][i], in->dev[0][i],
-                                             kv[cur][2 * i], kv[cur][2 * i + 1], out[i], lse[i], B, H, n, D,
-                                             g->stream[i], err), 0, "%s", err);
+            float *dks = s == 0 ? dkv[cur][i] : scratch[i] + shard;   // step 0 starts the packet
+            const uint16_t *ks = kv[cur][2 * i], *vs = kv[cur][2 * i + 1];
+            int rc = 0;
+            if (sage) {
+                rc = sage_quantize_given_cuda(fwd_ws[i], in->dev[0][i], ks, vs, k_mean[i], v_scale[i], B, H, n, D,
+                                              *sage, g->stream[i], err);
+                if (rc == 0)
+                    rc = sage_backward_cuda(scratch[i], dks, dks + shard, ws[i], fwd_ws[i], in->dev[3][i],
+                                            in->dev[0][i], ks, vs, out[i], lse[i], NULL, B, H, n, D, *sage,
+                                            g->stream[i], err);
+            } else {
+                rc = flash_backward_cuda(scratch[i], dks, dks + shard, ws[i], in->dev[3][i], in->dev[0][i], ks, vs,
+                                         out[i], lse[i], B, H, n, D, g->stream[i], err);
+            }
+            cr_assert_eq(rc, 0, "%s", err);
             cr_assert_eq(sp_cuda_accumulate(dq[i], scratch[i], shard, g->stream[i], err), 0, "%s", err);
             if (s > 0)
                 cr_assert_eq(sp_cuda_accumulate(dkv[cur][i], scratch[i] + shard, 2 * shard, g->stream[i], err), 0, "%s",
@@ -343,16 +358,22 @@ static void ring_backward_without_return_trip(Group *g, float *const *dq, float 
                                            2 * shard * 4, err), 0, "%s", err);
         }
     }
-    for (int i = 0; i < R; i++) {   // the bug: no return trip
+    int held = (R - 1) % 2;   // the slot of the finished packets
+    if (return_trip) {        // each finished packet to its owner
+        cr_assert_eq(sp_cuda_ring_pass(&g->c, (void *const *)dkv[1 - held], (const void *const *)dkv[held],
+                                       2 * shard * 4, err), 0, "%s", err);
+        held = 1 - held;
+    }
+    for (int i = 0; i < R; i++) {
         CUDA_OK(cudaSetDevice(i));
-        const float *packet = dkv[(R - 1) % 2][i];
+        const float *packet = dkv[held][i];
         cr_assert_eq(sp_cuda_accumulate(dk[i], packet, shard, g->stream[i], err), 0, "%s", err);
         cr_assert_eq(sp_cuda_accumulate(dv[i], packet + shard, shard, g->stream[i], err), 0, "%s", err);
     }
     group_sync(g);
     for (int i = 0; i < R; i++) {
         for (int j = 0; j < 2; j++) { cudaFree(kv[j][2 * i]); cudaFree(kv[j][2 * i + 1]); cudaFree(dkv[j][i]); }
-        cudaFree(scratch[i]); cudaFree(ws[i]);
+        cudaFree(scratch[i]); cudaFree(ws[i]); cudaFree(fwd_ws[i]);
     }
 }
 
@@ -398,7 +419,7 @@ static Result sequence_parallel(Group *g, const Inputs *in, Mode mode, const Sag
             cr_assert_eq(ring_attention_backward_cuda(&g->c, grads[0], grads[1], grads[2], dout, q, k, v, outc, lsec, B, H,
                                                       N, D, err), 0, "%s", err);
         else
-            ring_backward_without_return_trip(g, grads[0], grads[1], grads[2], in, out, lse);
+            ring_backward_reference(g, grads[0], grads[1], grads[2], in, out, lse, NULL, NULL, NULL, 0);
     }
     group_sync(g);
     Result res = alloc_result(in);
@@ -663,81 +684,9 @@ Test(sequence_parallel_cuda, shape_errors_name_the_problem) {
 // ---- the 2-rank ring backward (direct return of the foreign dk/dv) against the ring's ------------
 // ring_*_backward_cuda with R = 2 sends each rank's foreign dk/dv straight to its owner (one fp32
 // pass) instead of the packet that travels the ring and comes back (two), and computes the own
-// step in two head groups around the foreign step. It must give bitwise the ring's result: ring2_reference_backward is the ring's schedule for R = 2, test-only, from
-// the library's collectives and kernels, synchronous on stream; both start from the same random
-// dq, dk, dv (the functions accumulate: the order of the adds shows) with the deterministic
-// backwards on. And the generic loop (R != 2) still runs: a 1-rank ring equals one GPU bitwise.
-
-// The ring for R = 2 (ring_backward's loop and return trip), exact (sage == NULL) or sage.
-static void ring2_reference_backward(Group *g, float *const *dq, float *const *dk, float *const *dv, const Inputs *in,
-                                     uint16_t *const *out, float *const *lse, float *const *k_mean,
-                                     float *const *v_scale, const SagePV *sage) {
-    int B = in->B, H = in->H, n = in->n, D = in->D;
-    size_t shard = in->shard;
-    char err[DIT_ERR_LEN] = "";
-    uint16_t *kv[2][2 * R];
-    float *dkv[2][R], *scratch[R];
-    void *ws[R], *fwd_ws[R];
-    for (int i = 0; i < R; i++) {
-        for (int j = 0; j < 2; j++) {
-            kv[j][2 * i] = dmalloc_on(i, shard * 2);
-            kv[j][2 * i + 1] = dmalloc(shard * 2);
-            dkv[j][i] = dmalloc(2 * shard * 4);
-        }
-        scratch[i] = dmalloc(3 * shard * 4);
-        ws[i] = dmalloc(sage_cuda_backward_workspace_size(B, H, n, D));
-        fwd_ws[i] = sage ? dmalloc(sage_cuda_forward_workspace_size(B, H, n, D, *sage)) : NULL;
-        CUDA_OK(cudaMemcpy(kv[0][2 * i], in->dev[1][i], shard * 2, cudaMemcpyDeviceToDevice));
-        CUDA_OK(cudaMemcpy(kv[0][2 * i + 1], in->dev[2][i], shard * 2, cudaMemcpyDeviceToDevice));
-    }
-    sync_devices();
-    size_t kv_bytes[2] = {shard * 2, shard * 2};
-    for (int s = 0; s < R; s++) {
-        int cur = s % 2;
-        for (int i = 0; i < R; i++) {
-            CUDA_OK(cudaSetDevice(i));
-            float *dks = s == 0 ? dkv[cur][i] : scratch[i] + shard;   // step 0 starts the packet
-            const uint16_t *ks = kv[cur][2 * i], *vs = kv[cur][2 * i + 1];
-            int rc = 0;
-            if (sage) {
-                rc = sage_quantize_given_cuda(fwd_ws[i], in->dev[0][i], ks, vs, k_mean[i], v_scale[i], B, H, n, D,
-                                              *sage, g->stream[i], err);
-                if (rc == 0)
-                    rc = sage_backward_cuda(scratch[i], dks, dks + shard, ws[i], fwd_ws[i], in->dev[3][i],
-                                            in->dev[0][i], ks, vs, out[i], lse[i], NULL, B, H, n, D, *sage,
-                                            g->stream[i], err);
-            } else {
-                rc = flash_backward_cuda(scratch[i], dks, dks + shard, ws[i], in->dev[3][i], in->dev[0][i], ks, vs,
-                                         out[i], lse[i], B, H, n, D, g->stream[i], err);
-            }
-            cr_assert_eq(rc, 0, "%s", err);
-            cr_assert_eq(sp_cuda_accumulate(dq[i], scratch[i], shard, g->stream[i], err), 0, "%s", err);
-            if (s > 0)
-                cr_assert_eq(sp_cuda_accumulate(dkv[cur][i], scratch[i] + shard, 2 * shard, g->stream[i], err), 0, "%s",
-                             err);
-        }
-        if (s < R - 1) {
-            cr_assert_eq(sp_cuda_ring_pass_on(&g->c, g->stream, 2, (void *const *)kv[1 - cur],
-                                              (const void *const *)kv[cur], kv_bytes, err), 0, "%s", err);
-            cr_assert_eq(sp_cuda_ring_pass(&g->c, (void *const *)dkv[1 - cur], (const void *const *)dkv[cur],
-                                           2 * shard * 4, err), 0, "%s", err);
-        }
-    }
-    int last = (R - 1) % 2;   // the return trip: each finished packet to its owner
-    cr_assert_eq(sp_cuda_ring_pass(&g->c, (void *const *)dkv[1 - last], (const void *const *)dkv[last], 2 * shard * 4,
-                                   err), 0, "%s", err);
-    for (int i = 0; i < R; i++) {
-        CUDA_OK(cudaSetDevice(i));
-        const float *packet = dkv[1 - last][i];
-        cr_assert_eq(sp_cuda_accumulate(dk[i], packet, shard, g->stream[i], err), 0, "%s", err);
-        cr_assert_eq(sp_cuda_accumulate(dv[i], packet + shard, shard, g->stream[i], err), 0, "%s", err);
-    }
-    group_sync(g);
-    for (int i = 0; i < R; i++) {
-        for (int j = 0; j < 2; j++) { cudaFree(kv[j][2 * i]); cudaFree(kv[j][2 * i + 1]); cudaFree(dkv[j][i]); }
-        cudaFree(scratch[i]); cudaFree(ws[i]); cudaFree(fwd_ws[i]);
-    }
-}
+// step in two head groups around the foreign step. It must give bitwise the ring's result
+// (ring_backward_reference, above, with the return trip); both start from the same random dq, dk,
+// dv (the functions accumulate: the order of the adds shows) with the deterministic backwards on. And the generic loop (R != 2) still runs: a 1-rank ring equals one GPU bitwise.
 
 // Elements of the per-rank fp32 tensors a, b (count each) whose bits differ.
 static size_t bits_differ(float *const *a, float *const *b, size_t count) {
@@ -793,7 +742,7 @@ static void check_ring2_backward_bitwise(const SagePV *sage, int B, int H, int N
                                                   err), 0, "%s", err);
     }
     group_sync(&g);
-    ring2_reference_backward(&g, ref[0], ref[1], ref[2], &in, out, lse, k_mean, v_scale, sage);
+    ring_backward_reference(&g, ref[0], ref[1], ref[2], &in, out, lse, k_mean, v_scale, sage, 1);
     const char *what[3] = {"dq", "dk", "dv"};
     for (int t = 0; t < 3; t++) {
         size_t differ = bits_differ(lib[t], ref[t], shard);
