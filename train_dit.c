@@ -47,6 +47,7 @@ typedef struct {
     int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
+    int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -101,6 +102,8 @@ static const char *usage_text =
     "                        batch, split evenly; rank r reads its own data stream (seed mixed with r)\n"
     "  --sp-ulysses U        sequence parallelism: U consecutive GPUs share each image, attention by\n"
     "                        all-to-all over heads (heads % U == 0); default 1\n"
+    "  --sp-head-groups G    Ulysses without ring: each block's attention in G groups of heads, one\n"
+    "                        group's all-to-all beside another's attention (default 2; 1 to 16)\n"
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
@@ -190,6 +193,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         else if (!strcmp(f, "--gpus")) rc = parse_int(f, v, 1, &a->gpus, err);
         else if (!strcmp(f, "--sp-ulysses")) rc = parse_int(f, v, 1, &a->sp_ulysses, err);
         else if (!strcmp(f, "--sp-ring")) rc = parse_int(f, v, 1, &a->sp_ring, err);
+        else if (!strcmp(f, "--sp-head-groups")) rc = parse_int(f, v, 1, &a->sp_head_groups, err);
         else if (!strcmp(f, "--dist-timeout")) rc = parse_float(f, v, 1.0f, 1e6f, &a->dist_timeout, err);
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, &a->warmup, err);
         else if (!strcmp(f, "--ckpt-every")) rc = parse_int(f, v, 0, &a->ckpt_every, err);
@@ -340,7 +344,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
     tr->dist = dist;
     if (tr->on_gpu) {
         DitGpuSeqParallel sp = {.ulysses = mesh->ulysses, .ring = mesh->ring, .ulysses_rank = mesh->ulysses_rank,
-                                .ring_rank = mesh->ring_rank};
+                                .ring_rank = mesh->ring_rank, .head_groups = a->sp_head_groups};
         if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
             die(err);
         if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, &sp, err) != 0) die(err);

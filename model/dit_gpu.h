@@ -30,11 +30,17 @@ extern "C" {
 // so every rank has the whole output image, and the loss (a mean over the GLOBAL elements) and
 // dL/dout are the single-GPU ones. Parameter gradients are then this rank's share: the caller
 // sums them over the group (and averages over data parallel), e.g. dist_all_reduce_scaled.
+// Ulysses without ring pipelines each block's attention over G groups of this rank's (b, head)
+// pairs: the all-to-alls of one group run on group_stream while another group's attention runs
+// (head_groups = G, 0: DIT_ULYSSES_HEAD_GROUPS; at most B·H/U groups are used; 1 under ring).
 struct ncclComm;   // ncclComm_t
+#define DIT_ULYSSES_HEAD_GROUPS 2
+#define DIT_MAX_HEAD_GROUPS 16
 typedef struct {
     int ulysses, ring;                 // U, R (1: that kind is off)
     int ulysses_rank, ring_rank;
     struct ncclComm *sp_comm, *ulysses_comm, *ring_comm;  // NULL where the group has one rank
+    int head_groups;                   // G of the Ulysses pipeline (0: the default)
 } DitGpuSeqParallel;
 
 // bf16 views of one parameter buffer (the weights, or the EMA for sampling), as DitParams.
@@ -100,6 +106,9 @@ typedef struct {
     int tokens, token_offset;
     DitGpuSeqBuffers sp_bufs;
     cudaStream_t comm_stream;          // ring passes, Ulysses' own-run copies (U·R > 1)
+    cudaStream_t group_stream;         // Ulysses' all-to-alls (U > 1; highest priority)
+    cudaEvent_t group_events[2 * DIT_MAX_HEAD_GROUPS + 1];  // its order against `stream`
+    int head_groups;                   // G of the Ulysses pipeline (1 without Ulysses or with ring)
     int batch;                         // activations are allocated for this batch size
     DitAttention attention;            // DIT_ATTN_SAGE: sage kernels (P·V format in sage.pv); DIT_ATTN_EXACT:
                                        // bf16 flash attention
