@@ -32,8 +32,8 @@ s = open(src).read()
 edits = {
     "prio0": [("cudaStreamCreateWithPriority(&m->group_stream, cudaStreamNonBlocking, greatest)",
                "cudaStreamCreateWithPriority(&m->group_stream, cudaStreamNonBlocking, least)")],
-    "bugWait": [("        CUDA_CHECK(err, cudaStreamWaitEvent(s, ev[1 + g], 0), \"wait for group %d's q, k, v\", g);\n", "")],
-    "bugRound": [("sb->dv_heads, B, first, count, err));", "sb->dv_heads, B, 0, count, err));")],
+    "bugWait": [("        CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), \"wait for group %d's q, k, v\", g);\n", "")],
+    "bugRound": [("sb->dv_heads, B, first, count, c, err));", "sb->dv_heads, B, 0, count, c, err));")],
     "bugRuns": [("j = sel->first + k % sel->count, b", "j = k % sel->count, b")],
 }[name]
 for old, new in edits:

@@ -54,8 +54,9 @@ static int group_capacity(const DitGpu *m) {
 
 // The attention workspace of one block's forward (read by its backward; flash needs none) and
 // of the backward, for the attention this rank runs: H/U heads over all T tokens, as B·H/U
-// pairs, or G regions of group_capacity pairs each for the head groups (B = 1, H = pairs). The
-// ring (R > 1) allocates its own, stream-ordered.
+// pairs, or for the head groups (B = 1, H = pairs) G forward regions of group_capacity pairs
+// each and one backward region per compute stream (two when G > 1). The ring (R > 1) allocates
+// its own, stream-ordered.
 static size_t attention_forward_workspace_bytes(const DitGpu *m, int B) {
     int D = m->cfg.hidden / m->cfg.heads, T = dit_tokens(&m->cfg);
     if (m->sp.ring > 1 || m->attention != DIT_ATTN_SAGE) return 0;
@@ -66,12 +67,13 @@ static size_t attention_forward_workspace_bytes(const DitGpu *m, int B) {
 static size_t attention_backward_workspace_bytes(const DitGpu *m, int B) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = dit_tokens(&m->cfg);
     if (m->sp.ring > 1) return 0;
-    if (m->sp.ulysses > 1) {   // one group at a time
+    if (m->sp.ulysses > 1) {   // one group at a time on each compute stream
         B = 1;
         H = group_capacity(m);
     }
-    return m->attention == DIT_ATTN_SAGE ? sage_cuda_backward_workspace_size(B, H, T, D)
-                                         : flash_cuda_backward_workspace_size(B, H, T, D);
+    size_t region = m->attention == DIT_ATTN_SAGE ? sage_cuda_backward_workspace_size(B, H, T, D)
+                                                  : flash_cuda_backward_workspace_size(B, H, T, D);
+    return (region + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
 }
 
 // Lays out the activations, their gradients, the workspaces and the batch (as dit.c's
@@ -113,7 +115,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->att_merged, BT * h); TAKE(ar, g->att, BT * h); TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
-    g->att_workspace = arena_take(ar, attention_backward_workspace_bytes(m, m->batch));
+    g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
     // sequence parallelism
     DitGpuSeqBuffers *sb = &m->sp_bufs;
     if (sp_size(m) > 1) {
@@ -206,12 +208,15 @@ static int check_sequence_parallel(const DitConfig *cfg, DitAttention attention,
 }
 
 // Ulysses' group_stream, at the highest priority (its NCCL kernels take SMs as soon as the
-// attention's blocks free them), and the events that order it against the model stream.
+// attention's blocks free them), odd_stream, and the events that order them against the model
+// stream.
 static int create_group_stream(DitGpu *m, char *err) {
     int least, greatest;
     CUDA_CHECK(err, cudaDeviceGetStreamPriorityRange(&least, &greatest), "dit_gpu_create_sp: stream priorities");
     CUDA_CHECK(err, cudaStreamCreateWithPriority(&m->group_stream, cudaStreamNonBlocking, greatest),
                "dit_gpu_create_sp: the Ulysses all-to-all stream (priority %d)", greatest);
+    CUDA_CHECK(err, cudaStreamCreateWithFlags(&m->odd_stream, cudaStreamNonBlocking),
+               "dit_gpu_create_sp: the stream of the odd head groups' attention");
     for (int i = 0; i < 2 * DIT_MAX_HEAD_GROUPS + 1; i++)
         CUDA_CHECK(err, cudaEventCreateWithFlags(&m->group_events[i], cudaEventDisableTiming),
                    "dit_gpu_create_sp: event %d of the Ulysses pipeline", i);
@@ -312,6 +317,7 @@ void dit_gpu_free(DitGpu *m) {
     if (m->stream) cudaStreamDestroy(m->stream);
     if (m->comm_stream) cudaStreamDestroy(m->comm_stream);
     if (m->group_stream) cudaStreamDestroy(m->group_stream);
+    if (m->odd_stream) cudaStreamDestroy(m->odd_stream);
     for (int i = 0; i < 2 * DIT_MAX_HEAD_GROUPS + 1; i++)
         if (m->group_events[i]) cudaEventDestroy(m->group_events[i]);
     memset(m, 0, sizeof(*m));
@@ -514,16 +520,25 @@ static int take_token_shard(const DitGpu *m, bf16 *dst, const bf16 *src, int B, 
 // (B, H/U), or a group of them as B = 1, H = count (every kernel, sage's quantization and
 // smoothing included, works per pair: the same bits either way).
 
-// The forward workspace of block l, head group g (regions of attention_forward_workspace_bytes).
+// Head group g's stream (even groups on the model stream, odd ones on odd_stream: one group's
+// kernels fill the SMs the other's last wave leaves idle), its forward workspace of block l and
+// its backward workspace.
+static cudaStream_t compute_stream(const DitGpu *m, int g) { return g % 2 ? m->odd_stream : m->stream; }
 static void *forward_workspace(const DitGpu *m, int l, int g) {
     return (char *)m->acts.att_workspace + (size_t)l * m->att_workspace_bytes +
            (size_t)g * (m->att_workspace_bytes / m->head_groups);
 }
+static void *backward_workspace(const DitGpu *m, int g) {
+    return (char *)m->grad_acts.att_workspace + (size_t)(g % 2) * attention_backward_workspace_bytes(m, m->batch);
+}
 
-static int attention_forward_gpu(DitGpu *m, int l, int B, int first, int count, void *ws, char *err) {
+// Group g's attention: the pairs first .. first + count (g = 0: all of them, or the first group).
+static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int count, char *err) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
     size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D, pair = (size_t)T * D;
     int whole = first == 0 && count == B * H, Bc = whole ? B : 1, Hc = whole ? H : count;
+    cudaStream_t stream = compute_stream(m, g);
+    void *ws = forward_workspace(m, l, g);
     DitGpuActivations *a = &m->acts;
     uint16_t *out = (uint16_t *)(a->att + l * blk + first * pair);
     float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
@@ -533,19 +548,21 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int first, int count, 
     if (m->sp.ring > 1)   // (head_groups is 1 under ring: whole)
         return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                             m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
-    if (m->attention == DIT_ATTN_EXACT) return flash_forward_cuda(out, lse, q, k, v, Bc, Hc, T, D, m->stream, err);
-    return sage_forward_cuda(out, lse, ws, q, k, v, Bc, Hc, T, D, m->sage.pv, m->stream, err);
+    if (m->attention == DIT_ATTN_EXACT) return flash_forward_cuda(out, lse, q, k, v, Bc, Hc, T, D, stream, err);
+    return sage_forward_cuda(out, lse, ws, q, k, v, Bc, Hc, T, D, m->sage.pv, stream, err);
 }
 
 // dq, dk, dv of the same pairs from dout (the same layout as the forward's; the pointers are the
-// whole tensors', ws the forward's workspace of these pairs).
-static int attention_backward_gpu(DitGpu *m, int l, int B, int first, int count, const void *fwd_ws, float *dq,
-                                  float *dk, float *dv, const bf16 *dout, char *err) {
+// whole tensors').
+static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int count, float *dq, float *dk,
+                                  float *dv, const bf16 *dout, char *err) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
     size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D, pair = (size_t)T * D;
     int whole = first == 0 && count == B * H, Bc = whole ? B : 1, Hc = whole ? H : count;
+    cudaStream_t stream = compute_stream(m, g);
+    const void *fwd_ws = forward_workspace(m, l, g);
+    void *ws = backward_workspace(m, g);
     DitGpuActivations *a = &m->acts;
-    DitGpuGradActs *g = &m->grad_acts;
     size_t at = l * blk + first * pair;
     const uint16_t *q = (const uint16_t *)(a->q + at), *k = (const uint16_t *)(a->k + at);
     const uint16_t *v = (const uint16_t *)(a->v + at), *out = (const uint16_t *)(a->att + at);
@@ -562,10 +579,10 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int first, int count,
                           m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                           m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err));
     } else if (m->attention == DIT_ATTN_EXACT) {
-        return flash_backward_cuda(dq, dk, dv, g->att_workspace, dy, q, k, v, out, lse, Bc, Hc, T, D, m->stream, err);
+        return flash_backward_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, Bc, Hc, T, D, stream, err);
     } else {
-        TRY(sage_backward_cuda(dq, dk, dv, g->att_workspace, fwd_ws, dy, q, k, v, out, lse, NULL, Bc, Hc, T, D,
-                               m->sage.pv, m->stream, err));
+        TRY(sage_backward_cuda(dq, dk, dv, ws, fwd_ws, dy, q, k, v, out, lse, NULL, Bc, Hc, T, D, m->sage.pv, stream,
+                               err));
     }
     return 0;
 }
@@ -694,10 +711,10 @@ static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk,
 // out (3 tensors of B·T·H rows of D: this rank's share, head-sharded) from dq, dk, dv fp32 of
 // the same layout, on the rows of the (b, head) pairs first .. first + count.
 static int round_qkv_grad(const DitGpu *m, bf16 *out, const float *dq, const float *dk, const float *dv, int B,
-                          int first, int count, char *err) {
+                          int first, int count, cudaStream_t stream, char *err) {
     int H = m->cfg.heads, D = m->cfg.hidden / H, T = ring_shard_tokens(m);
     size_t at = (size_t)first * T * D, per_tensor = (size_t)count * T, rows = 3 * per_tensor;
-    LAUNCH_HEAD_ROWS(round_qkv_grad_kernel, D, rows, m->stream, out + at, dq + at, dk + at, dv + at, per_tensor,
+    LAUNCH_HEAD_ROWS(round_qkv_grad_kernel, D, rows, stream, out + at, dq + at, dk + at, dv + at, per_tensor,
                      (size_t)B * m->tokens * H, sage_rotates(m), 1.0f / sqrtf((float)D));
     LAUNCH_CHECK(err, "round_qkv_grad_kernel", "%zu rows of D=%d", rows, D);
     return 0;
@@ -705,14 +722,16 @@ static int round_qkv_grad(const DitGpu *m, bf16 *out, const float *dq, const flo
 
 // ---- Ulysses attention pipelined by head groups -------------------------------------------
 // Per block, the rank's B·H/U (b, head) pairs in G groups (head_groups_for). The all-to-alls run
-// on group_stream x, the attention on the model stream s; events order them (ev[0] start and end,
-// ev[1 + g] group g's input in place, ev[1 + G + g] group g's attention done):
+// on group_stream x, group g's attention on c_g = compute_stream(g) (the model stream s for even
+// g, odd_stream for odd g); events order them (ev[0] start and end, ev[1 + g] group g's input in
+// place, ev[1 + G + g] group g's attention done):
 //   s: produce the whole input, record ev[0]     x: wait ev[0]; in(0), record ev[1]; in(1), ...
-//   s: per g: wait ev[1 + g], attention(g), record ev[1 + G + g]
+//   c_g: wait ev[1 + g], attention(g), record ev[1 + G + g]
 //   x: per g: wait ev[1 + G + g], out(g); record ev[0]       s: wait ev[0], consume the output
-// so group g+1's input moves while group g computes, and group g's output while g+1 computes.
-// Every buffer is written by one group's part and read after its event; the next block's work
-// on x starts after s has waited for all of this block's.
+// so group g+1's input moves while group g computes, and group g's output while g+1 computes;
+// groups g and g+1 on two streams let g+1's blocks start in g's last wave. Every buffer is
+// written by one group's part and read after its event (the two compute streams share none);
+// the next block's work on x and odd_stream starts after s has waited for all of this block's.
 
 // `to` waits for the work queued on `from` so far.
 static int stream_after(cudaStream_t to, cudaStream_t from, cudaEvent_t ev, char *err) {
@@ -739,10 +758,11 @@ static int ulysses_attention_forward(DitGpu *m, int l, const bf16 *qkv, int B, c
         CUDA_CHECK(err, cudaEventRecord(ev[1 + g], x), "record group %d's q, k, v in place", g);
     }
     for (int g = 0; g < G; g++) {
+        cudaStream_t c = compute_stream(m, g);
         group_pairs(pairs, G, g, &first, &count);
-        CUDA_CHECK(err, cudaStreamWaitEvent(s, ev[1 + g], 0), "wait for group %d's q, k, v", g);
-        TRY(attention_forward_gpu(m, l, B, first, count, forward_workspace(m, l, g), err));
-        TRY(stream_after(x, s, ev[1 + G + g], err));
+        CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), "wait for group %d's q, k, v", g);
+        TRY(attention_forward_gpu(m, l, B, g, first, count, err));
+        TRY(stream_after(x, c, ev[1 + G + g], err));
         TRY(ulysses_runs(m, sb->att_local, a->att + l * blk, 1, 0, 0, 0, B, first, count, err));
     }
     return stream_after(s, x, ev[0], err);
@@ -763,14 +783,15 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
         CUDA_CHECK(err, cudaEventRecord(ev[1 + g], x), "record group %d's dout in place", g);
     }
     for (int g = 0; g < G; g++) {
+        cudaStream_t c = compute_stream(m, g);
         group_pairs(pairs, G, g, &first, &count);
-        CUDA_CHECK(err, cudaStreamWaitEvent(s, ev[1 + g], 0), "wait for group %d's dout", g);
-        TRY(attention_backward_gpu(m, l, B, first, count, forward_workspace(m, l, g), sb->dq_heads, sb->dk_heads,
-                                   sb->dv_heads, sb->dout_heads, err));
+        CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), "wait for group %d's dout", g);
+        TRY(attention_backward_gpu(m, l, B, g, first, count, sb->dq_heads, sb->dk_heads, sb->dv_heads,
+                                   sb->dout_heads, err));
         // rotation and rounding are per row of D values, the exchange moves whole rows: both
         // orders give the same bits, and this one moves bf16
-        TRY(round_qkv_grad(m, sb->dqkv_heads, sb->dq_heads, sb->dk_heads, sb->dv_heads, B, first, count, err));
-        TRY(stream_after(x, s, ev[1 + G + g], err));
+        TRY(round_qkv_grad(m, sb->dqkv_heads, sb->dq_heads, sb->dk_heads, sb->dv_heads, B, first, count, c, err));
+        TRY(stream_after(x, c, ev[1 + G + g], err));
         TRY(ulysses_runs(m, sb->dqkv_local, sb->dqkv_heads, 3, step, step, 0, B, first, count, err));
     }
     return stream_after(s, x, ev[0], err);
@@ -832,7 +853,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
         } else {
             TRY(split_qkv(m, a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, err));
-            TRY(attention_forward_gpu(m, l, B, 0, B * heads_here(m), forward_workspace(m, l, 0), err));
+            TRY(attention_forward_gpu(m, l, B, 0, 0, B * heads_here(m), err));
         }
         TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, s, err));
         TRY(linear_forward_cuda(proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
@@ -948,8 +969,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(ulysses_attention_backward(m, l, g->att, B, err));
             TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false, B, err));
         } else {
-            TRY(attention_backward_gpu(m, l, B, 0, B * heads_here(m), forward_workspace(m, l, 0), g->dq, g->dk, g->dv,
-                                       g->att, err));
+            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->att, err));
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), B, err));
         }
         TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,

@@ -107,6 +107,7 @@ typedef struct {
     DitGpuSeqBuffers sp_bufs;
     cudaStream_t comm_stream;          // ring passes, Ulysses' own-run copies (U·R > 1)
     cudaStream_t group_stream;         // Ulysses' all-to-alls (U > 1; highest priority)
+    cudaStream_t odd_stream;           // the attention of Ulysses' odd head groups (U > 1)
     cudaEvent_t group_events[2 * DIT_MAX_HEAD_GROUPS + 1];  // its order against `stream`
     int head_groups;                   // G of the Ulysses pipeline (1 without Ulysses or with ring)
     int batch;                         // activations are allocated for this batch size
