@@ -14,6 +14,8 @@
 # model/dit_gpu.cu or attention/ulysses_nccl.cu patched here (each edit must apply exactly once),
 # never in the source, each put into a copy of this build's libditc.a:
 #   prio0     the all-to-all stream at the default priority (timing only)
+#   onestream every group's attention on the model stream (timing only: each group's kernels
+#             then end in a partly idle last wave before the next group's start)
 #   bugWait   the model stream does not wait for group g's q, k, v before its attention (a race:
 #             the attention reads the previous step's q, k, v unless the exchange wins)
 #   bugRound  every group's dq, dk, dv rounded from pair 0 on (group offsets lost: deterministic)
@@ -32,6 +34,7 @@ s = open(src).read()
 edits = {
     "prio0": [("cudaStreamCreateWithPriority(&m->group_stream, cudaStreamNonBlocking, greatest)",
                "cudaStreamCreateWithPriority(&m->group_stream, cudaStreamNonBlocking, least)")],
+    "onestream": [("{ return g % 2 ? m->odd_stream : m->stream; }", "{ return g < 0 ? m->odd_stream : m->stream; }")],
     "bugWait": [("        CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), \"wait for group %d's q, k, v\", g);\n", "")],
     "bugRound": [("sb->dv_heads, B, first, count, c, err));", "sb->dv_heads, B, 0, count, c, err));")],
     "bugRuns": [("j = sel->first + k % sel->count, b", "j = k % sel->count, b")],
@@ -64,7 +67,7 @@ prepare() {
     local F="-O3 -g -std=c11 -Wall -Wextra -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA -DDIT_NCCL -I$CUDA/include"
     local L="-lm -lpthread -L$CUDA/lib64 -Wl,-rpath,$CUDA/lib64 -lcublasLt -lcublas -lcudart -lstdc++ -lnccl"
     rm -rf "$DEV" && mkdir -p "$DEV"
-    for v in prio0 bugWait bugRound bugRuns; do
+    for v in prio0 onestream bugWait bugRound bugRuns; do
         mkdir -p "$tmp/$v"
         if [ $v = bugRuns ]; then
             patch_variant $v attention/ulysses_nccl.cu "$tmp/$v/ulysses_nccl.cu"
@@ -73,16 +76,16 @@ prepare() {
             patch_variant $v model/dit_gpu.cu "$tmp/$v/dit_gpu.cu"
             $NV -c -o "$tmp/$v/dit_gpu.o" "$tmp/$v/dit_gpu.cu" &
         fi
-        [ $v = bugWait ] && wait   # two compilations at a time (2 cores)
+        [ $v = onestream ] || [ $v = bugRound ] && wait   # two compilations at a time (2 cores)
     done
     wait
-    for v in prio0 bugWait bugRound bugRuns; do
+    for v in prio0 onestream bugWait bugRound bugRuns; do
         cp build/libditc.a "$tmp/$v/libditc.a"
         ar r "$tmp/$v/libditc.a" "$tmp/$v"/*.o
     done
     cp train_dit "$DEV/train_dit"
     cp build/test_sequence_parallel_cuda build/test_sp_model_cuda "$DEV/"
-    for v in prio0 bugWait bugRound; do gcc $F -o "$DEV/train_dit_$v" train_dit.c "$tmp/$v/libditc.a" $L; done
+    for v in prio0 onestream bugWait bugRound; do gcc $F -o "$DEV/train_dit_$v" train_dit.c "$tmp/$v/libditc.a" $L; done
     gcc $F -o "$DEV/test_sequence_parallel_cuda_bugRuns" test/test_sequence_parallel_cuda.c "$tmp/bugRuns/libditc.a" \
         $L -lcriterion
     cp "$MAIN/train_dit" "$DEV/train_dit_main"
@@ -168,13 +171,15 @@ run() {
         timed t352_g2_$k train_dit 352
         timed t352_g4_$k train_dit 352 --sp-head-groups 4
     done
-    # 5. as time allows: the default-priority stream, 1 group (the pipeline's overhead), 16,384
+    # 5. as time allows: the default-priority stream, one compute stream, 1 group (the pipeline's
+    #    overhead), 16,384 tokens
     timed t352_g2prio0_1 train_dit_prio0 352
+    timed t352_g2onestream_1 train_dit_onestream 352
     timed t352_g1_1 train_dit 352 --sp-head-groups 1
     timed t256_main_1 train_dit_main 256; timed t256_g2_1 train_dit 256; timed t256_g4_1 train_dit 256 --sp-head-groups 4
     {
         echo "median ms/step, steps 4-10 (--image-size 352 = 30,976 tokens; 256 = 16,384):"
-        for r in t352_{main,g2,g4}_{1,2} t352_g2prio0_1 t352_g1_1 t256_{main,g2,g4}_1; do
+        for r in t352_{main,g2,g4}_{1,2} t352_g2prio0_1 t352_g2onestream_1 t352_g1_1 t256_{main,g2,g4}_1; do
             [ -d $W/$r ] && echo "  $r: $(median $r)"
         done
     } > $W/timing.txt
