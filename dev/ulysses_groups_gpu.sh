@@ -152,14 +152,17 @@ run() {
     step tests_sp 15 40 $B/test_sequence_parallel_cuda --jobs 1 --verbose \
         --filter 'sequence_parallel_cuda/@(all_to_all*|ulysses*|shape*)'
     step tests_sp_model 20 50 $B/test_sp_model_cuda --jobs 1 --verbose --filter 'sp_model/ulysses2*'
-    # 2. bit for bit against main: 6 deterministic steps of DiT-S batch 8 (3 heads per rank, 24
-    #    pairs), sage 2 groups, bf16 2 groups, sage 4 groups
+    # 2. bit for bit against main: 6 deterministic steps of DiT-S batch 8 (head dim 64, 3 heads per
+    #    rank: 24 pairs), sage 2 groups, bf16 2 groups, sage 4 groups; then head dim 128 (hidden
+    #    256, 2 heads: the persistent Hopper forward of the 31K runs), sage 2 groups
     bit bit_main_sage train_dit_main sage; bit bit_g2_sage train_dit sage
     bitwise bit_main_sage bit_g2_sage > $W/bitwise.txt
     bit bit_main_bf16 train_dit_main bf16; bit bit_g2_bf16 train_dit bf16
     bitwise bit_main_bf16 bit_g2_bf16 >> $W/bitwise.txt
     bit bit_g4_sage train_dit sage --sp-head-groups 4
     bitwise bit_main_sage bit_g4_sage >> $W/bitwise.txt
+    bit bit_main_d128 train_dit_main sage --hidden 256 --heads 2; bit bit_g2_d128 train_dit sage --hidden 256 --heads 2
+    bitwise bit_main_d128 bit_g2_d128 >> $W/bitwise.txt
     # 3. planted bugs: each must FAIL (differ, or the test fail)
     bit bit_bugRound train_dit_bugRound sage; bitwise bit_main_sage bit_bugRound >> $W/bitwise.txt
     bit bit_bugWait train_dit_bugWait sage; bitwise bit_main_sage bit_bugWait >> $W/bitwise.txt
@@ -193,7 +196,7 @@ run() {
     done
     grep -h -E '\[FAIL\]' $W/tests_sp.log $W/tests_sp_model.log 2>/dev/null | head -8
     grep -h -E '\[FAIL\]|differs|written' $W/planted_*.log 2>/dev/null | head -4
-    echo "=== bitwise (g2, g4 EQUAL; bugRound, bugWait DIFFERENT)"; cat $W/bitwise.txt
+    echo "=== bitwise (g2, g4, d128 EQUAL; bugRound, bugWait DIFFERENT)"; cat $W/bitwise.txt
     echo "=== timing"; cat $W/timing.txt
 }
 
