@@ -63,7 +63,8 @@ typedef struct {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;  // (depth, B, T)
     float *att_lse;                    // (depth, B, H, T), base 2 (attention/attention.h)
     void *att_workspace;               // depth × att_workspace_bytes: what the attention's
-                                       // backward reads (sage: the quantized Q, K, V)
+                                       // backward reads (sage: the quantized Q, K, V; Ulysses:
+                                       // one region per head group)
     bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h)
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
@@ -82,7 +83,8 @@ typedef struct {
     bf16 *fc2, *ln2, *proj, *att_merged, *att, *ln1;
     bf16 *fc1, *qkv;                   // written, not accumulated
     float *dq, *dk, *dv;               // (B, H, T, D) fp32 from the attention backward
-    void *att_workspace;               // the attention backward's workspace
+    void *att_workspace;               // the attention backward's workspace (Ulysses with head
+                                       // groups: one per compute stream)
 } DitGpuGradActs;
 
 // Buffers of sequence parallelism (NULL when unused). Head-sharded tensors are (B, H/U, T/R, D).
