@@ -20,7 +20,8 @@
 //    an error naming the rank; a rank that never starts makes the other's communicator creation fail.
 // 3. ZeRO-1 (model/zero.h) equals the replicated update: ZERO_STEPS data-parallel steps, each rank
 //    once with the gradients all-reduced and the whole buffer updated (what train_dit did before),
-//    once with zero_step_queue, clipping not acting (grad_clip 1e9). AdamW and EMA are elementwise
+//    once with zero_step_queue, clipping not acting (grad_clip 1e9), sage's backward
+//    deterministic (both paths must see the same gradients bit for bit). AdamW and EMA are elementwise
 //    and with 2 ranks a·s + b·s is the same sum whichever collective makes it, so after
 //    zero_gather_state the fp32 weights, EMA, both moments, the bf16 weights and the losses must be
 //    BITWISE the replicated ones, on both ranks; the norm (Σ g² summed per slice, then over the
@@ -36,6 +37,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <cuda_runtime_api.h>
+#include "attention/sage_cuda.h"
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "model/distributed.h"
@@ -382,6 +384,7 @@ static void zero_rank(int rank, const char *dir) {
     snprintf(run_id, sizeof(run_id), "zero-%d", (int)getppid());
     DistEnv env = rank_env(rank, run_id);
     DistComm *comm;
+    sage_backward_set_deterministic(1);
     if (dist_comm_create(&comm, &env, dir, 60.0, err) != 0 || zero_or_replicated(comm, rank, 0, dir, err) != 0 ||
         zero_or_replicated(comm, rank, 1, dir, err) != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
