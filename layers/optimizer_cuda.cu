@@ -72,9 +72,16 @@ __global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grad
         *(uint2 *)(params_bf16 + i0) = out.raw;
         return;
     }
+    // the same arithmetic as a float4 lane (on registers: through the pointers, which may alias,
+    // the compiler contracts the moments' sums into other FMAs), so a slice edge (ZeRO-1) or a
+    // tail changes no bit
     for (size_t i = i0; i < n && i < i0 + 4; i++) {
-        adamw_one(&params[i], &m[i], &v[i], grads[i] * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
-        params_bf16[i] = __float2bfloat16(params[i]);
+        float p = params[i], mi = m[i], vi = v[i];
+        adamw_one(&p, &mi, &vi, grads[i] * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        params[i] = p;
+        m[i] = mi;
+        v[i] = vi;
+        params_bf16[i] = __float2bfloat16(p);
     }
 }
 
