@@ -140,7 +140,8 @@ run() {
     wait $bg
     echo "correctness done at $(( $(date +%s) - T0 )) s" >> $S
     # 4. time per step (no NCCL logging), main and branch interleaved: 30,976 then 16,384 tokens,
-    #    then a second round at 30,976, the default clip's checkpoints (information), the fault tests
+    #    then a second round at 30,976, DiT-S data parallel, the default clip's checkpoints
+    #    (information), the fault tests
     local big="--device gpu --data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn sage --ckpt-every 0 --sample-every 0 --seed 1 --steps 10 --gpus 2"
     timed() {   # size rep mode
         local m=$3 args="--sp-ulysses 2"; [ $m = ring2 ] && args="--sp-ring 2"
@@ -152,10 +153,19 @@ run() {
     }
     timed 352 1 ulysses2; timed 352 1 ring2; timed 256 1 ulysses2; timed 256 1 ring2
     timed 352 2 ulysses2; timed 352 2 ring2
+    # the small step (host-bound: three NCCL calls per step instead of one), data parallel
+    local b
+    for b in main new; do
+        local bin=train_dit; [ $b = main ] && bin=train_dit_main
+        step s_dp2_$b 25 $B/$bin --device gpu --data synthetic --model S --batch 8 --attn sage --steps 30 --ckpt-every 0 \
+            --sample-every 0 --seed 1 --gpus 2 --out $W/s_dp2_$b
+        echo "time DiT-S batch 8 dp2 $b: median ms of steps 4-30 = $(awk -F, '$1 ~ /^[0-9]+$/ && $1 >= 4 {print $5}' \
+            $W/s_dp2_$b/train_log.csv 2>/dev/null | sort -g | awk '{a[NR]=$1} END {print NR ? a[int((NR+1)/2)] : "no run"}')" >> $S
+    done
     bitwise ulysses2_defaultclip 1 --sample-every 0 --gpus 2 --sp-ulysses 2
     step test_faults 60 $B/test_distributed_cuda --jobs 3 --verbose --filter 'faults/*'
     echo "test_distributed_cuda faults/* rc=$? (want 0): $(grep Synthesis $W/test_faults.txt)" >> $S
-    local size m b
+    local size m
     for size in 352 256; do
         for m in ulysses2 ring2; do
             for b in main new; do
