@@ -462,4 +462,16 @@ Test(zero1, sharded_update_equals_the_replicated_one_bitwise, .timeout = 300) {
     system(cmd);
 }
 
+// The model's check of the shard (no GPU needed: it comes before any allocation).
+Test(zero1, an_optimizer_rank_outside_the_shards_is_an_error) {
+    char err[DIT_ERR_LEN];
+    DitGpu m;
+    DitGpuSeqParallel outside = {.ulysses = 1, .ring = 1, .optimizer_shards = 2, .optimizer_rank = 2};
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, &outside, err), -1);
+    cr_assert(strstr(err, "optimizer_rank 2 outside the 2 optimizer shards"), "%s", err);
+    DitGpuSeqParallel unsharded = {.ulysses = 1, .ring = 1, .optimizer_rank = 1};
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, &unsharded, err), -1);
+    cr_assert(strstr(err, "optimizer_rank 1 outside the 1 optimizer shards"), "%s", err);
+}
+
 #endif
