@@ -329,6 +329,7 @@ static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char 
     full_batch(&b);
     Dit cpu;
     DitGpu gpu;
+    memset(&gpu, 0, sizeof(gpu));   // freed below also when an allocation failed first
     if (dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err) != 0) return -1;
     randomize_params(&cpu, 7);
     size_t n = cpu.num_params;
@@ -338,6 +339,7 @@ static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char 
                              .optimizer_rank = sharded ? rank : 0};
     float loss[ZERO_STEPS], norm[ZERO_STEPS], *x = malloc(n * sizeof(float));
     bf16 *w = malloc(n * sizeof(bf16));
+    if (!x || !w) dit_set_error(err, "out of host memory for %zu parameters", n);
     int rc = !x || !w || dit_gpu_create_sp(&gpu, &config, B, DIT_ATTN_SAGE, &par, err) ||
              dit_gpu_upload(&gpu, &cpu, err);
     for (int k = 0; rc == 0 && k < ZERO_STEPS; k++) {
