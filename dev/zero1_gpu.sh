@@ -126,7 +126,8 @@ run() {
     }
     bitwise ulysses2 1e9 --sample-every 0 --gpus 2 --sp-ulysses 2
     bitwise ring2 1e9 --sample-every 0 --gpus 2 --sp-ring 2
-    bitwise dp2_samples 1e9 --sample-every 6 --samples-per-class 1 --sample-steps 4 --gpus 2
+    # (samples at step 4, where no checkpoint gathered the slices: the EMA-only gather makes that grid)
+    bitwise dp2_samples 1e9 --sample-every 4 --samples-per-class 1 --sample-steps 4 --gpus 2
     bitwise one_gpu 1 --sample-every 0
     # 3. planted bugs: zero1/* must FAIL (rc 1)
     local p pids=()

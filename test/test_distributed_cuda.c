@@ -24,8 +24,8 @@
 //    deterministic (both paths must see the same gradients bit for bit). AdamW and EMA are elementwise
 //    and with 2 ranks a·s + b·s is the same sum whichever collective makes it, so after
 //    zero_gather_state the fp32 weights, EMA, both moments, the bf16 weights and the losses must be
-//    BITWISE the replicated ones, on both ranks; the norm (Σ g² summed per slice, then over the
-//    slices) within 1e-6 relative. Negative control: before the gather, rank 0's fp32 weights of
+//    BITWISE the replicated ones, on both ranks (the EMA also after the EMA-only gather that
+//    sampling does); the norm (Σ g² summed per slice, then over the slices) within 1e-6 relative. Negative control: before the gather, rank 0's fp32 weights of
 //    rank 1's slice are stale (differ from the gathered ones).
 #include <criterion/criterion.h>
 #include <math.h>
@@ -313,9 +313,10 @@ Test(faults, a_rank_that_never_starts_fails_the_other_within_the_timeout, .timeo
 enum { ZERO_STEPS = 3 };
 static const float NO_CLIP = 1e9f;
 // Per rank and path: the fp32 weights, EMA, moments, the bf16 weights (as floats), the losses and
-// norms of the steps, and (ZeRO) the fp32 weights before the gather.
-static const char *const zero_names[] = {"params", "ema", "m", "v", "weights", "loss", "norm", "stale"};
-enum { Z_PARAMS, Z_EMA, Z_M, Z_V, Z_WEIGHTS, Z_LOSS, Z_NORM, Z_STALE, Z_COUNT };
+// norms of the steps, and (ZeRO) the fp32 weights before any gather and the EMA after the
+// EMA-only gather (what sampling does).
+static const char *const zero_names[] = {"params", "ema", "m", "v", "weights", "loss", "norm", "stale", "ema_only"};
+enum { Z_PARAMS, Z_EMA, Z_M, Z_V, Z_WEIGHTS, Z_LOSS, Z_NORM, Z_STALE, Z_EMA_ONLY };
 
 static int write_result(const char *dir, int rank, const char *path_kind, int what, const float *x, size_t n) {
     char path[512];
@@ -361,8 +362,9 @@ static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char 
         rc = rc || dit_gpu_read_scalars(&gpu, &loss[k], &norm[k], err);
     }
     if (rc == 0 && sharded) {
-        rc = dit_gpu_download(&gpu, &cpu, err) ||
-             write_result(dir, rank, kind, Z_STALE, cpu.params_memory, n) || zero_gather_state(comm, &gpu, 0, err);
+        rc = dit_gpu_download(&gpu, &cpu, err) || write_result(dir, rank, kind, Z_STALE, cpu.params_memory, n) ||
+             zero_gather_state(comm, &gpu, 1, err) || dit_gpu_download(&gpu, &cpu, err) ||
+             write_result(dir, rank, kind, Z_EMA_ONLY, cpu.ema_memory, n) || zero_gather_state(comm, &gpu, 0, err);
     }
     rc = rc || dit_gpu_download(&gpu, &cpu, err);
     if (rc == 0 && cudaMemcpy(w, gpu.params_bf16_memory, n * sizeof(bf16), cudaMemcpyDeviceToHost) != cudaSuccess) {
@@ -451,6 +453,13 @@ Test(zero1, sharded_update_equals_the_replicated_one_bitwise, .timeout = 300) {
             cr_expect(rn[k] < NO_CLIP, "step %d: norm %g: clipping would act", k + 1, rn[k]);
         }
         free(zl); free(rl); free(zn); free(rn);
+    }
+    for (int r = 0; r < WORLD; r++) {
+        float *ema_only = read_result(dir, r, "zero", Z_EMA_ONLY, n), *ref = read_result(dir, r, "replicated", Z_EMA, n);
+        cr_expect_eq(count_differing(ema_only, ref, n), 0, "rank %d: the EMA after the EMA-only gather differs in %zu "
+                     "elements", r, count_differing(ema_only, ref, n));
+        free(ema_only);
+        free(ref);
     }
     float *stale = read_result(dir, 0, "zero", Z_STALE, n);
     size_t d = count_differing(stale, zero0_params, n);
