@@ -18,8 +18,8 @@ static int check_shards(DistComm *comm, const DitGpu *m, const char *what, char 
 int zero_step_queue(DistComm *comm, DitGpu *m, float grad_scale, float loss_scale, float lr, float beta1, float beta2,
                     float eps, float weight_decay, float grad_clip, float ema_decay, int step, char *err) {
     if (!comm)
-        return dit_gpu_grad_sumsq(m, err) ||
-               dit_gpu_update(m, lr, beta1, beta2, eps, weight_decay, grad_clip, ema_decay, step, err) ? -1 : 0;
+        return (dit_gpu_grad_sumsq(m, err) ||
+                dit_gpu_update(m, lr, beta1, beta2, eps, weight_decay, grad_clip, ema_decay, step, err)) ? -1 : 0;
     if (check_shards(comm, m, "zero_step_queue", err) != 0) return -1;
     float *scalars[2] = {m->acts.loss, m->acts.grad_sumsq};
     size_t counts[2] = {1, 1};
