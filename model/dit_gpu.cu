@@ -15,6 +15,7 @@
 #endif
 
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
+#define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -103,7 +104,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->final_ada, B * 2 * h);
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
-    TAKE(ar, a->loss, 1); TAKE(ar, a->grad_norm, 1);
+    TAKE(ar, a->loss, 1); TAKE(ar, a->grad_sumsq, 1); TAKE(ar, a->grad_norm, 1);
     TAKE(ar, m->pos_embed, (size_t)dit_tokens(c) * h);
     // gradients: the non-block ones, then one block's (accumulated ones contiguous)
     TAKE(ar, g->out, img); TAKE(ar, g->residual, BT * h); TAKE(ar, g->out_tokens, BT * P);
@@ -234,6 +235,12 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     DitGpuSeqParallel one = {.ulysses = 1, .ring = 1};
     if (!sp) sp = &one;
     TRY(check_sequence_parallel(cfg, attention, sp, err));
+    int shards = sp->optimizer_shards > 1 ? sp->optimizer_shards : 1;
+    if (sp->optimizer_rank < 0 || sp->optimizer_rank >= shards) {
+        dit_set_error(err, "dit_gpu_create_sp: optimizer_rank %d outside the %d optimizer shards", sp->optimizer_rank,
+                      shards);
+        return -1;
+    }
     int D = cfg->hidden / cfg->heads;
     if (attention != DIT_ATTN_SAGE && attention != DIT_ATTN_SAGE_FP16 && attention != DIT_ATTN_EXACT) {
         dit_set_error(err, "dit_gpu_create: unknown attention %d (expected DIT_ATTN_EXACT, DIT_ATTN_SAGE or "
@@ -264,11 +271,14 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
         int pairs = batch * heads_here(m), G = sp->head_groups ? sp->head_groups : DIT_ULYSSES_HEAD_GROUPS;
         m->head_groups = G < pairs ? G : pairs;
     }
+    m->shards = shards;
+    m->shard_rank = sp->optimizer_rank;
+    m->shard_size = ((m->num_params + shards - 1) / shards + SHARD_ALIGN - 1) / SHARD_ALIGN * SHARD_ALIGN;
     m->att_workspace_bytes = attention_forward_workspace_bytes(m, batch);
     m->att_workspace_bytes = (m->att_workspace_bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
 
-    // parameter-sized buffers: 5 fp32 + 2 bf16 copies
-    size_t n = m->num_params, fbytes = (n * sizeof(float) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    // parameter-sized buffers: 5 fp32 + 2 bf16 copies, each padded to the shards
+    size_t n = m->shard_size * shards, fbytes = (n * sizeof(float) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
     size_t hbytes = (n * sizeof(bf16) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
     m->params_bytes = 5 * fbytes + 2 * hbytes;
     m->acts_bytes = activation_layout(m, NULL);
@@ -286,6 +296,12 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
         dit_set_error(err, "dit_gpu_create: cudaMalloc failed: %s (parameters %.1f MiB, activations %.1f MiB "
                       "for batch %d)", cudaGetErrorString(cudaGetLastError()), m->params_bytes / 1048576.0,
                       m->acts_bytes / 1048576.0, batch);
+        dit_gpu_free(m);
+        return -1;
+    }
+    if (cudaMemset(m->params_alloc, 0, m->params_bytes) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create: zeroing the parameter buffers (and their padding): %s",
+                      cudaGetErrorString(cudaGetLastError()));
         dit_gpu_free(m);
         return -1;
     }
@@ -994,12 +1010,32 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
 
 // ---- optimizer ---------------------------------------------------------------------------
 
+// This rank's slice of the parameter buffer: [*lo, *hi) (empty when the padding is all of it).
+static void shard_range(const DitGpu *m, size_t *lo, size_t *hi) {
+    *lo = m->shard_rank * m->shard_size;
+    *hi = *lo + m->shard_size < m->num_params ? *lo + m->shard_size : m->num_params;
+    if (*lo > *hi) *lo = *hi;
+}
+
+int dit_gpu_grad_sumsq(DitGpu *m, char *err) {
+    size_t lo, hi;
+    shard_range(m, &lo, &hi);
+    if (lo == hi) {
+        CUDA_CHECK(err, cudaMemsetAsync(m->acts.grad_sumsq, 0, sizeof(float), m->stream), "an empty slice's Σ g²");
+        return 0;
+    }
+    return sum_squares_cuda(m->acts.grad_sumsq, m->grads_memory + lo, hi - lo, &m->ctx, m->stream, err);
+}
+
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
                    float grad_clip, float ema_decay, int step, char *err) {
     cudaStream_t s = m->stream;
-    TRY(global_norm_cuda(m->acts.grad_norm, m->grads_memory, m->num_params, &m->ctx, s, err));
-    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors):
-    // the per-block copies of a tensor are adjacent, so this is one launch per tensor kind.
+    TRY(sqrt_cuda(m->acts.grad_norm, m->acts.grad_sumsq, s, err));
+    size_t lo, hi;
+    shard_range(m, &lo, &hi);
+    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors),
+    // cut to the slice: the per-block copies of a tensor are adjacent, so this is one launch per
+    // tensor kind (and slice edge).
     int n = dit_num_tensors(&m->cfg);
     DitTensorInfo *info = (DitTensorInfo *)malloc(n * sizeof(DitTensorInfo));
     if (!info) {
@@ -1011,16 +1047,19 @@ int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, flo
     for (int i = 0; i < n && status == 0;) {
         int j = i + 1;
         while (j < n && (info[j].ndim >= 2) == (info[i].ndim >= 2)) j++;
-        size_t o = info[i].offset, count = info[j - 1].offset + info[j - 1].numel - o;
+        size_t o = info[i].offset, end = info[j - 1].offset + info[j - 1].numel;
+        if (o < lo) o = lo;
+        if (end > hi) end = hi;
         float wd = info[i].ndim >= 2 ? weight_decay : 0.0f;
-        status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
-                                   m->adam_m_memory + o, m->adam_v_memory + o, count, lr, beta1, beta2, eps, wd,
-                                   m->acts.grad_norm, grad_clip, step, s, err);
+        if (o < end)
+            status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
+                                       m->adam_m_memory + o, m->adam_v_memory + o, end - o, lr, beta1, beta2, eps, wd,
+                                       m->acts.grad_norm, grad_clip, step, s, err);
         i = j;
     }
     free(info);
     TRY(status);
-    return ema_update_cuda(m->ema_memory, m->params_memory, m->num_params, ema_decay, s, err);
+    return ema_update_cuda(m->ema_memory + lo, m->params_memory + lo, hi - lo, ema_decay, s, err);
 }
 
 int dit_gpu_queue_scalars(DitGpu *m, float *loss, float *grad_norm, cudaEvent_t done, char *err) {
