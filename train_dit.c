@@ -105,7 +105,7 @@ static const char *usage_text =
     "  --sp-ulysses U        sequence parallelism: U consecutive GPUs share each image, attention by\n"
     "                        all-to-all over heads (heads % U == 0); default 1\n"
     "  --sp-head-groups G    Ulysses without ring: each block's attention in G groups of heads, one\n"
-    "                        group's all-to-all beside another's attention (default 2; 1 to 16)\n"
+    "                        group's all-to-all beside another's attention (default 4; 1 to 16)\n"
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"

@@ -38,7 +38,7 @@ extern "C" {
 // none, the whole buffer is this rank's); this rank updates slice optimizer_rank of the padded
 // parameter buffer (DitGpu.shard_size elements each).
 struct ncclComm;   // ncclComm_t
-#define DIT_ULYSSES_HEAD_GROUPS 2
+#define DIT_ULYSSES_HEAD_GROUPS 4
 #define DIT_MAX_HEAD_GROUPS 16
 typedef struct {
     int ulysses, ring;                 // U, R (1: that kind is off)
