@@ -6,9 +6,10 @@
 // fp32 master weights) behind the same step functions (queue_step, wait_step, ...); the
 // host does the rest (data, RNG, logging, checkpoints) the same way for both.
 // Data parallel on several GPUs (--gpus N, mpirun, srun; model/distributed.h): every rank runs
-// the same step on its own share of the batch; between backward and update the gradients and
-// the loss become their means over the ranks (one NCCL all-reduce), so every rank applies the
-// same update. Rank 0 logs and writes checkpoints and samples.
+// the same step on its own share of the batch; after the backward the ranks sum their gradients
+// with ZeRO-1 (model/zero.h): each gets the sums of its slice of the parameters, updates that
+// slice (AdamW, EMA) and the bf16 weights are all-gathered, so every rank has the same model.
+// Rank 0 logs and writes checkpoints and samples.
 // Sequence parallelism (--sp-ulysses U --sp-ring R): groups of U·R ranks share each image, every
 // rank of a group holding T/(U·R) of its tokens (model/dit_gpu.h); the group reads one data
 // stream (its data-parallel rank's) and data parallel runs over the world / (U·R) groups.
@@ -35,6 +36,7 @@
 #include "attention/flash_cuda.h"
 #include "attention/sage_cuda.h"
 #include "model/dit_gpu.h"
+#include "model/zero.h"
 #endif
 
 #define DEFAULT_DATA "data/fashion-mnist"
@@ -47,6 +49,7 @@ typedef struct {
     int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
+    int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -101,6 +104,8 @@ static const char *usage_text =
     "                        batch, split evenly; rank r reads its own data stream (seed mixed with r)\n"
     "  --sp-ulysses U        sequence parallelism: U consecutive GPUs share each image, attention by\n"
     "                        all-to-all over heads (heads % U == 0); default 1\n"
+    "  --sp-head-groups G    Ulysses without ring: each block's attention in G groups of heads, one\n"
+    "                        group's all-to-all beside another's attention (default 4; 1 to 16)\n"
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
@@ -190,6 +195,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         else if (!strcmp(f, "--gpus")) rc = parse_int(f, v, 1, &a->gpus, err);
         else if (!strcmp(f, "--sp-ulysses")) rc = parse_int(f, v, 1, &a->sp_ulysses, err);
         else if (!strcmp(f, "--sp-ring")) rc = parse_int(f, v, 1, &a->sp_ring, err);
+        else if (!strcmp(f, "--sp-head-groups")) rc = parse_int(f, v, 1, &a->sp_head_groups, err);
         else if (!strcmp(f, "--dist-timeout")) rc = parse_float(f, v, 1.0f, 1e6f, &a->dist_timeout, err);
         else if (!strcmp(f, "--warmup")) rc = parse_int(f, v, 0, &a->warmup, err);
         else if (!strcmp(f, "--ckpt-every")) rc = parse_int(f, v, 0, &a->ckpt_every, err);
@@ -340,7 +346,8 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
     tr->dist = dist;
     if (tr->on_gpu) {
         DitGpuSeqParallel sp = {.ulysses = mesh->ulysses, .ring = mesh->ring, .ulysses_rank = mesh->ulysses_rank,
-                                .ring_rank = mesh->ring_rank};
+                                .ring_rank = mesh->ring_rank, .head_groups = a->sp_head_groups,
+                                .optimizer_shards = mesh->world, .optimizer_rank = mesh->rank};
         if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
             die(err);
         if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, &sp, err) != 0) die(err);
@@ -378,7 +385,7 @@ static void trainer_to_device(Trainer *tr) {
 #endif
 }
 
-// Before a checkpoint: the weights, EMA and moments into tr->cpu.
+// Before a checkpoint: the weights, EMA and moments into tr->cpu (several ranks: after trainer_gather).
 static void trainer_to_host(Trainer *tr) {
 #ifdef DIT_CUDA
     char err[DIT_ERR_LEN];
@@ -388,22 +395,16 @@ static void trainer_to_host(Trainer *tr) {
 #endif
 }
 
+// Several ranks: every rank calls it before the fp32 weights, moments or EMA (ema_only) are read:
+// ZeRO-1 keeps them current only on each rank's slice (model/zero.h).
+static void trainer_gather(Trainer *tr, int ema_only) {
 #ifdef DIT_CUDA
-// Several ranks: one NCCL group of two in-place all-reduces, queued on the model's stream (the
-// step's end event waits for it). The loss becomes the mean over the ranks (each rank's is the
-// mean over its images, the same on every rank of a sequence-parallel group, so this is the
-// global batch's). The gradients are summed over the ranks and scaled by 1/dp: the sum over a
-// sequence-parallel group completes each image's gradient (every rank back-propagated its tokens'
-// share of the global loss), the 1/dp averages the data-parallel groups' images (dp = world
-// without sequence parallelism: the mean).
-static int reduce_over_ranks(Trainer *tr, char *err) {
-    if (!tr->dist) return 0;
-    float *buffers[2] = {tr->gpu.grads_memory, tr->gpu.acts.loss};
-    size_t counts[2] = {tr->gpu.num_params, 1};
-    float scales[2] = {1.0f / tr->mesh.dp, 1.0f / tr->mesh.world};
-    return dist_all_reduce_scaled_queue(tr->dist, buffers, counts, scales, 2, tr->gpu.stream, err);
-}
+    char err[DIT_ERR_LEN];
+    if (tr->on_gpu && zero_gather_state(tr->dist, &tr->gpu, ema_only, err) != 0) die(err);
+#else
+    (void)tr; (void)ema_only;
 #endif
+}
 
 // One training step: its batch on the host (pinned for the GPU) and, once it is done, its loss
 // and gradient norm. Two slots alternate, so the host fills one with the next batch while the
@@ -420,10 +421,14 @@ typedef struct {
 #endif
 } StepSlot;
 
-// x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward; with
-// several ranks the mean over the ranks of the gradients and loss; then clip by the global
-// gradient norm, AdamW, EMA. On the GPU this queues the work and returns (wait_step waits); on
-// the CPU it runs it.
+// x_t = (1 - t)·x0 + t·ε, target v = ε - x0; forward; MSE loss; zero grads; backward; then clip
+// by the global gradient norm, AdamW, EMA. On the GPU this queues the work and returns (wait_step
+// waits); on the CPU it runs it. Several ranks (ZeRO-1, model/zero.h): the loss becomes the mean
+// over the ranks (each rank's is the mean over its images, the same on every rank of a
+// sequence-parallel group, so this is the global batch's); the gradients are summed over the
+// ranks and scaled by 1/dp: the sum over a sequence-parallel group completes each image's
+// gradient (every rank back-propagated its tokens' share of the global loss), the 1/dp averages
+// the data-parallel groups' images (dp = world without sequence parallelism: the mean).
 static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
     const DitConfig *c = &tr->cpu.cfg;
     int B = a->batch / tr->mesh.dp;
@@ -434,8 +439,9 @@ static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
         DitGpu *g = &tr->gpu;
         if (dit_gpu_set_flow_batch(g, s->x0, s->noise, s->t, s->labels, B, err) ||
             dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
-            dit_gpu_backward(g, B, err) || reduce_over_ranks(tr, err) ||
-            dit_gpu_update(g, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay, s->step, err) ||
+            dit_gpu_backward(g, B, err) ||
+            zero_step_queue(tr->dist, g, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
+                            a->weight_decay, a->grad_clip, ema_decay, s->step, err) ||
             dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err))
             die(err);
         return;
@@ -696,12 +702,13 @@ static int read_rank_positions(const char *ckpt_path, int rank, int world, DataP
     return 0;
 }
 
-// Every rank calls it (the ranks' positions are gathered); rank 0 writes.
+// Every rank calls it (the ranks' positions and optimizer slices are gathered); rank 0 writes.
 static void save_checkpoint(Trainer *tr, const TrainArgs *a, DataLoader *dl, const Rng *rng, int step) {
     char path[1024], err[DIT_ERR_LEN], names[4096] = "";
     snprintf(path, sizeof(path), "%s/ckpt_%06d.safetensors", a->out, step);
     DataPosition pos = dataloader_position(dl);
     if (tr->world > 1) save_rank_positions(tr, path, pos, rng);
+    trainer_gather(tr, 0);
     if (tr->rank != 0) return;
     trainer_to_host(tr);
     const Dit *m = &tr->cpu;
@@ -999,9 +1006,11 @@ int main(int argc, char **argv) {
         if (overlap && !checkpoint && !samples && !last) continue;
         finish_step(&tr, a, s, log, &parity, &last_done);
         in_flight = NULL;
-        // 6. checkpoint (every rank: it gathers every rank's data position), samples
+        // 6. checkpoint (every rank: it gathers every rank's data position and optimizer slice),
+        //    samples (every rank gathers the EMA; the ranks of rank 0's sequence-parallel group run
+        //    the sampling's forwards together)
         if (checkpoint) save_checkpoint(&tr, a, dl, &rng, step);
-        // (sequence parallel: the ranks of rank 0's group run the sampling's forwards together)
+        if (samples) trainer_gather(&tr, 1);
         if (samples && rank < mesh.sp) write_samples(&tr, a, dl, step);
         last_done = now_seconds();
     }

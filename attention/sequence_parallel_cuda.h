@@ -63,6 +63,15 @@ int ulysses_all_to_all_cuda(const SpCudaComm *c, void *const *dst, const void *c
 // The inverse (and adjoint): head-sharded src (B, H/R, N, D) to sequence-sharded dst (B, H, N/R, D).
 int ulysses_all_to_all_inverse_cuda(const SpCudaComm *c, void *const *dst, const void *const *src,
                                     int B, int H, int N, int D, size_t elem_bytes, char *err);
+// A part of either, for attention pipelined by groups of heads: only the runs of the
+// head-sharded pairs j = b·H/R + h' in [first, first + count) (of the B·H/R pairs of every rank;
+// for B = 1 a range of heads), of each of `tensors` tensors, tensor t at dst[i] + t·dst_step and
+// src[i] + t·src_step bytes (e.g. dq, dk, dv in one call). inverse 0: sequence- to head-sharded,
+// 1: back. tensors = 1, first = 0, count = B·H/R is ulysses_all_to_all_cuda (_inverse_cuda).
+// Error when the range is outside [0, B·H/R) or empty.
+int ulysses_all_to_all_runs_cuda(const SpCudaComm *c, void *const *dst, const void *const *src,
+                                 int tensors, size_t dst_step, size_t src_step, int B, int H, int N, int D,
+                                 size_t elem_bytes, int first, int count, int inverse, char *err);
 
 // What the forward keeps for the backward, per local rank, head-sharded: q, k, v, out
 // (B, H/R, N, D) bf16, lse (B, H/R, N) fp32, and for sage the forward workspace (NULL for exact).

@@ -48,27 +48,39 @@ static size_t head_offset(int b, int p, int h, int hs, int R, size_t run) { retu
 // under half of that (every rank splits the same way, so sends and receives still pair up).
 #define A2A_GROUP_OPS 1024
 
-// Runs j = b·hs + h' in [j0, j1) with every other rank, one ncclGroupStart/End over the local
-// ranks: rank r sends src + send_off(b, p, h') to each p != r, which receives it at
-// dst + recv_off(b, r, h'); n_local·(R-1)·2·(j1-j0) operations.
-static int exchange_runs(const SpCudaComm *c, void *const *dst, const void *const *src, int H, int hs,
-                         size_t run, int inverse, int j0, int j1, char *err) {
+// Which runs a call moves: of each of `tensors` tensors (tensor t at dst/src + t·dst_step/src_step
+// bytes), the (b, h') pairs j = b·hs + h' in [first, first + count) of the B·hs head-sharded ones.
+// Selected run k in [0, tensors·count) is tensor k / count, pair first + k % count.
+typedef struct { int tensors, first, count, H, hs; size_t run, dst_step, src_step; } Runs;
+
+static void run_offsets(const Runs *sel, int k, int p, int R, int inverse, size_t *send_off, size_t *recv_off) {
+    int t = k / sel->count, j = sel->first + k % sel->count, b = j / sel->hs, h = j % sel->hs;
+    size_t seq = seq_offset(b, p, h, sel->H, sel->hs, sel->run), head = head_offset(b, p, h, sel->hs, R, sel->run);
+    *send_off = t * sel->src_step + (inverse ? head : seq);
+    *recv_off = t * sel->dst_step + (inverse ? seq : head);
+}
+
+// Selected runs k in [k0, k1) with every other rank, one ncclGroupStart/End over the local
+// ranks: rank r sends its run for p to each p != r, which receives it at its place for r;
+// n_local·(R-1)·2·(k1-k0) operations.
+static int exchange_runs(const SpCudaComm *c, void *const *dst, const void *const *src, const Runs *sel,
+                         int inverse, int k0, int k1, char *err) {
     int R = c->ranks;
-    SP_NCCL_CHECK(ncclGroupStart(), err, "ncclGroupStart (all-to-all runs %d..%d of %zu bytes)", j0, j1, run);
+    SP_NCCL_CHECK(ncclGroupStart(), err, "ncclGroupStart (all-to-all runs %d..%d of %zu bytes)", k0, k1, sel->run);
     int rc = 0;
     for (int i = 0; i < c->n_local && rc == 0; i++)
         for (int p = 0; p < R && rc == 0; p++) {
             if (p == c->rank[i]) continue;
-            for (int j = j0; j < j1 && rc == 0; j++) {
-                int b = j / hs, h = j % hs;
-                size_t send_off = inverse ? head_offset(b, p, h, hs, R, run) : seq_offset(b, p, h, H, hs, run);
-                size_t recv_off = inverse ? seq_offset(b, p, h, H, hs, run) : head_offset(b, p, h, hs, R, run);
-                ncclResult_t s = ncclSend((const char *)src[i] + send_off, run, ncclChar, p, c->comm[i], c->stream[i]);
-                ncclResult_t r = s == ncclSuccess ? ncclRecv((char *)dst[i] + recv_off, run, ncclChar, p, c->comm[i],
-                                                             c->stream[i]) : s;
+            for (int k = k0; k < k1 && rc == 0; k++) {
+                size_t send_off, recv_off;
+                run_offsets(sel, k, p, R, inverse, &send_off, &recv_off);
+                ncclResult_t s = ncclSend((const char *)src[i] + send_off, sel->run, ncclChar, p, c->comm[i],
+                                          c->stream[i]);
+                ncclResult_t r = s == ncclSuccess ? ncclRecv((char *)dst[i] + recv_off, sel->run, ncclChar, p,
+                                                             c->comm[i], c->stream[i]) : s;
                 if (r != ncclSuccess) {
-                    dit_set_error(err, "ulysses all-to-all: %s of run (b=%d, head %d) of %zu bytes between rank %d "
-                                  "and rank %d: %s", s != ncclSuccess ? "ncclSend" : "ncclRecv", b, h, run,
+                    dit_set_error(err, "ulysses all-to-all: %s of selected run %d of %zu bytes between rank %d "
+                                  "and rank %d: %s", s != ncclSuccess ? "ncclSend" : "ncclRecv", k, sel->run,
                                   c->rank[i], p, ncclGetErrorString(r));
                     rc = -1;
                 }
@@ -76,33 +88,39 @@ static int exchange_runs(const SpCudaComm *c, void *const *dst, const void *cons
         }
     ncclResult_t end = ncclGroupEnd();
     if (rc != 0) return -1;
-    SP_NCCL_CHECK(end, err, "ncclGroupEnd (all-to-all of %d ranks, runs %d..%d of %zu bytes)", R, j0, j1, run);
+    SP_NCCL_CHECK(end, err, "ncclGroupEnd (all-to-all of %d ranks, runs %d..%d of %zu bytes)", R, k0, k1, sel->run);
     return 0;
 }
 
-// Local entry i's own share, src -> dst on `stream`: per batch b one strided copy of its hs runs
-// (sequence-sharded runs are `run` apart, head-sharded ones R·run).
-static int copy_own_runs(const SpCudaComm *c, int i, void *dst, const void *src, int B, int H, int hs, size_t run,
-                         int inverse, cudaStream_t stream, char *err) {
+// Local entry i's own share of the selected runs, src -> dst on `stream`: one strided copy per
+// tensor and batch b of the selected heads of b (sequence-sharded runs are `run` apart,
+// head-sharded ones R·run).
+static int copy_own_runs(const SpCudaComm *c, int i, void *dst, const void *src, const Runs *sel, int inverse,
+                         cudaStream_t stream, char *err) {
     int R = c->ranks, r = c->rank[i];
-    size_t seq_pitch = run, head_pitch = (size_t)R * run;
-    for (int b = 0; b < B; b++) {
-        size_t send_off = inverse ? head_offset(b, r, 0, hs, R, run) : seq_offset(b, r, 0, H, hs, run);
-        size_t recv_off = inverse ? seq_offset(b, r, 0, H, hs, run) : head_offset(b, r, 0, hs, R, run);
+    size_t seq_pitch = sel->run, head_pitch = (size_t)R * sel->run;
+    for (int k = 0; k < sel->tensors * sel->count;) {
+        int h = (sel->first + k % sel->count) % sel->hs, left = sel->count - k % sel->count;
+        int n = sel->hs - h < left ? sel->hs - h : left;   // runs of this tensor and batch
+        size_t send_off, recv_off;
+        run_offsets(sel, k, r, R, inverse, &send_off, &recv_off);
         SP_CUDA_CHECK(cudaMemcpy2DAsync((char *)dst + recv_off, inverse ? seq_pitch : head_pitch,
-                                        (const char *)src + send_off, inverse ? head_pitch : seq_pitch, run, hs,
+                                        (const char *)src + send_off, inverse ? head_pitch : seq_pitch, sel->run, n,
                                         cudaMemcpyDeviceToDevice, stream), err,
-                      "own runs of rank %d, batch %d: cudaMemcpy2DAsync of %d runs of %zu bytes", r, b, hs, run);
+                      "own runs of rank %d, selected run %d: cudaMemcpy2DAsync of %d runs of %zu bytes", r, k, n,
+                      sel->run);
+        k += n;
     }
     return 0;
 }
 
-// inverse = 0: src (B, H, n, D) -> dst (B, H/R, N, D); inverse = 1: the other way. No staging:
-// every run of n·D elements goes from its place in src straight to its place in dst, the other
-// ranks' over NCCL on stream[i], the rank's own by copy_own_runs on comm_stream[i] meanwhile
-// (forked after and joined before stream[i]'s work).
-static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *src, int B, int H, int N, int D,
-                      size_t eb, int inverse, char *err) {
+// inverse = 0: src (B, H, n, D) -> dst (B, H/R, N, D); inverse = 1: the other way; the runs
+// selected by tensors, first, count. No staging: every run of n·D elements goes from its place in
+// src straight to its place in dst, the other ranks' over NCCL on stream[i], the rank's own by
+// copy_own_runs on comm_stream[i] meanwhile (forked after and joined before stream[i]'s work).
+static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *src, int tensors, size_t dst_step,
+                      size_t src_step, int B, int H, int N, int D, size_t eb, int first, int count, int inverse,
+                      char *err) {
     const char *fn = inverse ? "ulysses_all_to_all_inverse_cuda" : "ulysses_all_to_all_cuda";
     if (check_shape(c, H, N, fn, err) != 0) return -1;
     if (!dst || !src) {
@@ -114,8 +132,16 @@ static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *
         return -1;
     }
     if (c->n_local > 64) { dit_set_error(err, "%s: at most 64 local ranks (got %d)", fn, c->n_local); return -1; }
-    int R = c->ranks, hs = H / R, runs = B * hs;
-    size_t run = (size_t)(N / R) * D * eb;
+    int R = c->ranks, hs = H / R;
+    if (tensors < 1 || first < 0 || count < 1 || first + count > B * hs) {
+        dit_set_error(err, "%s: runs %d..%d of %d tensors outside the B·H/R = %d (b, head) pairs (expected "
+                           "tensors >= 1, 0 <= first < first + count <= %d)", fn, first, first + count, tensors,
+                      B * hs, B * hs);
+        return -1;
+    }
+    Runs sel = {.tensors = tensors, .first = first, .count = count, .H = H, .hs = hs,
+                .run = (size_t)(N / R) * D * eb, .dst_step = dst_step, .src_step = src_step};
+    int runs = tensors * count;
     cudaEvent_t joined[64];
     for (int i = 0; i < c->n_local; i++) {
         SP_CUDA_CHECK(cudaSetDevice(c->device[i]), err, "%s: cudaSetDevice(%d)", fn, c->device[i]);
@@ -125,7 +151,7 @@ static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *
         SP_CUDA_CHECK(cudaStreamWaitEvent(c->comm_stream[i], ready, 0), err,
                       "%s: cudaStreamWaitEvent(comm_stream, ready) on rank %d", fn, c->rank[i]);
         SP_CUDA_CHECK(cudaEventDestroy(ready), err, "%s: cudaEventDestroy(ready)", fn);
-        if (copy_own_runs(c, i, dst[i], src[i], B, H, hs, run, inverse, c->comm_stream[i], err) != 0) return -1;
+        if (copy_own_runs(c, i, dst[i], src[i], &sel, inverse, c->comm_stream[i], err) != 0) return -1;
         SP_CUDA_CHECK(cudaEventCreateWithFlags(&joined[i], cudaEventDisableTiming), err, "%s: cudaEventCreate", fn);
         SP_CUDA_CHECK(cudaEventRecord(joined[i], c->comm_stream[i]), err, "%s: cudaEventRecord(joined) on rank %d",
                       fn, c->rank[i]);
@@ -133,9 +159,9 @@ static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *
     if (R > 1) {
         int per_group = A2A_GROUP_OPS / (2 * (R - 1) * c->n_local);
         if (per_group < 1) per_group = 1;
-        for (int j0 = 0; j0 < runs; j0 += per_group) {
-            int j1 = j0 + per_group < runs ? j0 + per_group : runs;
-            if (exchange_runs(c, dst, src, H, hs, run, inverse, j0, j1, err) != 0) return -1;
+        for (int k0 = 0; k0 < runs; k0 += per_group) {
+            int k1 = k0 + per_group < runs ? k0 + per_group : runs;
+            if (exchange_runs(c, dst, src, &sel, inverse, k0, k1, err) != 0) return -1;
         }
     }
     for (int i = 0; i < c->n_local; i++) {
@@ -147,14 +173,24 @@ static int all_to_all(const SpCudaComm *c, void *const *dst, const void *const *
     return 0;
 }
 
+extern "C" int ulysses_all_to_all_runs_cuda(const SpCudaComm *c, void *const *dst, const void *const *src,
+                                            int tensors, size_t dst_step, size_t src_step, int B, int H, int N,
+                                            int D, size_t elem_bytes, int first, int count, int inverse,
+                                            char *err) {
+    return all_to_all(c, dst, src, tensors, dst_step, src_step, B, H, N, D, elem_bytes, first, count, inverse != 0,
+                      err);
+}
+
 extern "C" int ulysses_all_to_all_cuda(const SpCudaComm *c, void *const *dst, const void *const *src,
                                        int B, int H, int N, int D, size_t elem_bytes, char *err) {
-    return all_to_all(c, dst, src, B, H, N, D, elem_bytes, 0, err);
+    int hs = c && c->ranks > 0 ? H / c->ranks : 0;
+    return all_to_all(c, dst, src, 1, 0, 0, B, H, N, D, elem_bytes, 0, B * hs, 0, err);
 }
 
 extern "C" int ulysses_all_to_all_inverse_cuda(const SpCudaComm *c, void *const *dst, const void *const *src,
                                                int B, int H, int N, int D, size_t elem_bytes, char *err) {
-    return all_to_all(c, dst, src, B, H, N, D, elem_bytes, 1, err);
+    int hs = c && c->ranks > 0 ? H / c->ranks : 0;
+    return all_to_all(c, dst, src, 1, 0, 0, B, H, N, D, elem_bytes, 0, B * hs, 1, err);
 }
 
 extern "C" int ulysses_cuda_saved_alloc(UlyssesCudaSaved *s, const SpCudaComm *c, int B, int H, int N, int D,

@@ -142,7 +142,7 @@ static void op_adamw(Case *cs) {
                          0.0f, 10, 0, err));
 }
 static void op_ema(Case *cs) { OK(ema_update_cuda(cs->f4, cs->f0, cs->nparams, 0.9999f, 0, err)); }
-static void op_norm(Case *cs) { OK(global_norm_cuda(cs->f4 + cs->nparams, cs->f1, cs->nparams, &ctx, 0, err)); }
+static void op_norm(Case *cs) { OK(sum_squares_cuda(cs->f4 + cs->nparams, cs->f1, cs->nparams, &ctx, 0, err)); }
 
 static void report(const Case *cs, const char *what, double ms, double bytes, int calls) {
     double gbs = bytes / (ms * 1e-3) / 1e9;
@@ -211,7 +211,7 @@ static void bench_config(const Config *c) {
     ms = time_op(op_ema, &cs);
     report(&cs, "ema", ms, 12.0 * cs.nparams, 1);
     ms = time_op(op_norm, &cs);
-    report(&cs, "global_norm", ms, 4.0 * cs.nparams, 1);
+    report(&cs, "sum_squares (norm)", ms, 4.0 * cs.nparams, 1);
     void *bufs[] = {cs.x, cs.y, cs.dy, cs.dx, cs.mod, cs.dmod, cs.mean, cs.rstd, cs.qkv, cs.q, cs.k, cs.v,
                     cs.w, cs.dw, cs.db, cs.f0, cs.f1, cs.f2, cs.f3, cs.f4, cs.pbf};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) CK(cudaFree(bufs[i]));

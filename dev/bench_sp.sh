@@ -77,8 +77,10 @@ for size in (256, 352):
     s = lambda x: f"{one / x:.2f}x" if (one and x) else "-"
     print(f"| {T:,} | {f(one)} | {f(uly)} | {s(uly)} | {f(ring)} | {s(ring)} |")
 
-# Bytes sent per rank in one step, from NCCL's log: Send (not to itself), AllGather (n-1)·count,
-# AllReduce 2(n-1)/n·count (ring algorithm), by operation.
+# Bytes sent per rank in one step, from NCCL's log: Send (not to itself), AllGather (n-1)·count
+# (count per rank), ReduceScatter (n-1)·count (count per rank), AllReduce 2(n-1)/n·count (ring
+# algorithm), by operation. ZeRO-1 (model/zero.h): the gradients' reduce-scatter and the bf16
+# weights' all-gather are the large ones (> 1e6 elements).
 size_of = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
 line_re = re.compile(r"\[(\d+)\] NCCL INFO (\w+): opCount \S+ sendbuff \S+ recvbuff \S+ count (\d+) "
                      r"datatype (\d+) op \d+ root (-?\d+) comm \S+ \[nranks=(\d+)\]")
@@ -97,10 +99,15 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
         dev, op, count, dtype, root, nranks = int(m[1]), m[2], int(m[3]), int(m[4]), int(m[5]), int(m[6])
         b = count * size_of.get(dtype, 1)
         if op == "Send": b = 0 if root == dev else b
-        elif op == "AllGather": b *= nranks - 1
+        elif op == "AllGather":
+            op = "AllGather (weights)" if count > 1e6 else "AllGather"
+            b *= nranks - 1
+        elif op == "ReduceScatter":
+            if count > 1e6: params = count * nranks
+            op = "ReduceScatter (gradients)"
+            b *= nranks - 1
         elif op == "AllReduce":
-            if count > 1e6: params = count
-            op = "AllReduce (gradients)" if count > 1e6 else "AllReduce (small)"
+            op = "AllReduce (large)" if count > 1e6 else "AllReduce (small)"
             b = b * 2 * (nranks - 1) / nranks
         else: continue
         sent.setdefault(dev, {}).setdefault(op, 0)
@@ -119,6 +126,7 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
     print(f"attention per layer, measured: {att / depth / 1e6:.2f} MB "
           f"(Send{' + stats all-reduces' if kind == 'ring' else ''}, rank 0, / depth {depth}); computed: forward "
           f"{fwd / 1e6:.2f} + backward {bwd / 1e6:.2f} = {(fwd + bwd) / 1e6:.2f} MB")
-    print(f"per step besides attention: output tokens all-gather computed {B * n * P * 2 / 1e6:.3f} MB; gradient "
-          f"all-reduce {f'{params * 4 / 1e6:.1f} MB computed for {params:,} parameters' if params else '(not seen)'}")
+    zero = (f"reduce-scatter of the fp32 gradients {params * 4 / 2 / 1e6:.1f} MB + all-gather of the bf16 weights "
+            f"{params * 2 / 2 / 1e6:.1f} MB computed for {params:,} parameters (padded to 2 slices)" if params else "(not seen)")
+    print(f"per step besides attention: output tokens all-gather computed {B * n * P * 2 / 1e6:.3f} MB; ZeRO-1 {zero}")
 EOF

@@ -158,9 +158,12 @@ int mse_loss_forward_backward_cuda(bf16 *dpred, float *loss, const bf16 *pred, c
                                    size_t n, const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // ---- optimizer (fp32) --------------------------------------------------------------------
-// *norm (one device float) = ‖g‖₂, two passes over a fixed grid of REDUCE_PARTIALS blocks.
-int global_norm_cuda(float *norm, const float *g, size_t n, const LayersCuda *ctx,
+// *sumsq (one device float) = Σ g², two passes over a fixed grid of REDUCE_PARTIALS blocks; the
+// global norm ‖g‖₂ is then sqrt_cuda of it (several ranks: of the sum of their sums).
+int sum_squares_cuda(float *sumsq, const float *g, size_t n, const LayersCuda *ctx,
                      cudaStream_t stream, char *err);
+// *norm = sqrt(*sumsq) (device floats; may be the same).
+int sqrt_cuda(float *norm, const float *sumsq, cudaStream_t stream, char *err);
 // AdamW as adamw_update with the clipping scale read on the device: grad_scale =
 // min(1, max_norm / (*grad_norm + 1e-6)) as torch.nn.utils.clip_grad_norm_; grad_norm NULL or
 // max_norm <= 0: no clipping. Updates the fp32 params and writes their bf16 copy params_bf16.

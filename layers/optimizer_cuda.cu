@@ -1,5 +1,6 @@
 // AdamW fused with the gradient-clipping scale (fp32 master weights and moments, bf16 copy of
-// the weights for compute), the deterministic global gradient norm, and the EMA of the weights.
+// the weights for compute), the deterministic sum of squares of the gradients (the global norm's
+// square: ranks that each hold a slice sum theirs before the square root), and the EMA.
 #include <math.h>
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
@@ -25,13 +26,15 @@ __global__ void norm_partial_kernel(float *partial, const float *g, size_t n, bo
     if (threadIdx.x == 0) partial[blockIdx.x] = sum;
 }
 
-// Pass 2, one block: *norm = sqrt(Σ partial), fixed order.
-__global__ void norm_finish_kernel(float *norm, const float *partial, int count) {
+// Pass 2, one block: *sumsq = Σ partial, fixed order.
+__global__ void norm_finish_kernel(float *sumsq, const float *partial, int count) {
     float sum = 0.0f;
     for (int i = threadIdx.x; i < count; i += blockDim.x) sum += partial[i];
     sum = block_sum(sum);
-    if (threadIdx.x == 0) *norm = sqrtf(sum);
+    if (threadIdx.x == 0) *sumsq = sum;
 }
+
+__global__ void sqrt_kernel(float *norm, const float *sumsq) { *norm = sqrtf(*sumsq); }
 
 // One AdamW step of one parameter (see adamw_kernel).
 __device__ inline void adamw_one(float *p, float *m, float *v, float g, float lr, float beta1, float beta2, float eps,
@@ -69,9 +72,16 @@ __global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grad
         *(uint2 *)(params_bf16 + i0) = out.raw;
         return;
     }
+    // the same arithmetic as a float4 lane (on registers: through the pointers, which may alias,
+    // the compiler contracts the moments' sums into other FMAs), so a slice edge (ZeRO-1) or a
+    // tail changes no bit
     for (size_t i = i0; i < n && i < i0 + 4; i++) {
-        adamw_one(&params[i], &m[i], &v[i], grads[i] * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
-        params_bf16[i] = __float2bfloat16(params[i]);
+        float p = params[i], mi = m[i], vi = v[i];
+        adamw_one(&p, &mi, &vi, grads[i] * scale, lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+        params[i] = p;
+        m[i] = mi;
+        v[i] = vi;
+        params_bf16[i] = __float2bfloat16(p);
     }
 }
 
@@ -91,17 +101,23 @@ __global__ void ema_kernel(float *ema, const float *params, size_t n, float deca
     for (size_t i = i0; i < n && i < i0 + 4; i++) ema[i] = decay * ema[i] + (1.0f - decay) * params[i];
 }
 
-int global_norm_cuda(float *norm, const float *g, size_t n, const LayersCuda *ctx,
+int sum_squares_cuda(float *sumsq, const float *g, size_t n, const LayersCuda *ctx,
                      cudaStream_t stream, char *err) {
     if (n == 0 || ctx->scratch_floats < REDUCE_PARTIALS) {
-        dit_set_error(err, "global_norm_cuda: need n > 0 (n=%zu) and %d floats of scratch (have %zu)",
+        dit_set_error(err, "sum_squares_cuda: need n > 0 (n=%zu) and %d floats of scratch (have %zu)",
                       n, REDUCE_PARTIALS, ctx->scratch_floats);
         return -1;
     }
     norm_partial_kernel<<<REDUCE_PARTIALS, BLOCK_SIZE, 0, stream>>>(ctx->scratch, g, n, aligned16(g));
     LAUNCH_CHECK(err, "norm_partial_kernel", "n=%zu", n);
-    norm_finish_kernel<<<1, BLOCK_SIZE, 0, stream>>>(norm, ctx->scratch, REDUCE_PARTIALS);
+    norm_finish_kernel<<<1, BLOCK_SIZE, 0, stream>>>(sumsq, ctx->scratch, REDUCE_PARTIALS);
     LAUNCH_CHECK(err, "norm_finish_kernel", "%d partials", REDUCE_PARTIALS);
+    return 0;
+}
+
+int sqrt_cuda(float *norm, const float *sumsq, cudaStream_t stream, char *err) {
+    sqrt_kernel<<<1, 1, 0, stream>>>(norm, sumsq);
+    LAUNCH_CHECK(err, "sqrt_kernel", "%s", "one float");
     return 0;
 }
 

@@ -596,6 +596,45 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
     return wait_stream(c, stream, what, err);
 }
 
+int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, float scale, cudaStream_t stream,
+                                     char *err) {
+    char what[128];
+    snprintf(what, sizeof(what), "ncclReduceScatter (scaled sum) of %zu floats per rank", count);
+    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
+    ncclRedOp_t op;
+    if (settle(c, ncclRedOpCreatePreMulSum(&op, &scale, ncclFloat32, ncclScalarHostImmediate, c->comm), what, err) != 0)
+        return -1;
+    if (settle(c, ncclReduceScatter(buffer, buffer + (size_t)c->rank * count, count, ncclFloat32, op, c->comm, stream),
+               what, err) != 0)
+        return -1;
+    ncclRedOpDestroy(op, c->comm);
+    return 0;
+}
+
+int dist_all_gather_queue(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream,
+                          char *err) {
+    char what[128];
+    snprintf(what, sizeof(what), "ncclAllGather of %d buffers, %zu bytes per rank", n_buffers, bytes);
+    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < n_buffers && r == ncclSuccess; i++)
+        r = ncclAllGather((char *)buffers[i] + (size_t)c->rank * bytes, buffers[i], bytes, ncclChar, c->comm, stream);
+    ncclResult_t end = ncclGroupEnd();
+    return settle(c, r != ncclSuccess ? r : end, what, err);
+}
+
+int dist_all_gather(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream, char *err) {
+    if (dist_all_gather_queue(c, buffers, bytes, n_buffers, stream, err) != 0) return -1;
+    char what[128];
+    snprintf(what, sizeof(what), "ncclAllGather of %d buffers, %zu bytes per rank", n_buffers, bytes);
+    return wait_stream(c, stream, what, err);
+}
+
+void dist_comm_rank(const DistComm *c, int *rank, int *world_size) {
+    *rank = c->rank;
+    *world_size = c->world_size;
+}
+
 // One ncclCommSplit into a blocking communicator; NULL (and no split) for a group of one rank,
 // which every rank then skips alike (the sizes are the same on every rank).
 static int split_group(DistComm *c, int size, int color, int key, const char *name, ncclComm_t *child, char *err) {
@@ -716,6 +755,30 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
 int dist_all_reduce_scaled_queue(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
                                  int n_buffers, cudaStream_t stream, char *err) {
     return dist_all_reduce_scaled(c, buffers, counts, scales, n_buffers, stream, err);
+}
+
+int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, float scale, cudaStream_t stream,
+                                     char *err) {
+    (void)c; (void)buffer; (void)count; (void)scale; (void)stream;
+    dit_set_error(err, "dist_reduce_scatter_scaled_queue: this build has no NCCL");
+    return -1;
+}
+
+int dist_all_gather_queue(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream,
+                          char *err) {
+    (void)c; (void)buffers; (void)bytes; (void)n_buffers; (void)stream;
+    dit_set_error(err, "dist_all_gather: this build has no NCCL");
+    return -1;
+}
+
+int dist_all_gather(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream, char *err) {
+    return dist_all_gather_queue(c, buffers, bytes, n_buffers, stream, err);
+}
+
+void dist_comm_rank(const DistComm *c, int *rank, int *world_size) {
+    (void)c;
+    *rank = 0;
+    *world_size = 1;
 }
 
 int dist_wait_event(DistComm *c, cudaEvent_t event, const char *what, char *err) {

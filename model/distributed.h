@@ -102,6 +102,20 @@ int dist_all_reduce_scaled(DistComm *c, float *const *buffers, const size_t *cou
 // with dist_wait_event on an event recorded after it (or after later work on the stream).
 int dist_all_reduce_scaled_queue(DistComm *c, float *const *buffers, const size_t *counts, const float *scales,
                                  int n_buffers, cudaStream_t stream, char *err);
+// In place on stream, ZeRO-1's gradient reduction: buffer holds world·count floats; afterwards
+// rank r's part buffer[r·count .. (r+1)·count) = scale · Σ over the ranks of that part (ncclSum
+// with a pre-multiplied scale, as dist_all_reduce_scaled) and the other parts are undefined.
+// Only queued: wait with dist_wait_event.
+int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, float scale, cudaStream_t stream,
+                                     char *err);
+// In place on stream: each of the n_buffers buffers holds world·bytes bytes; afterwards every
+// rank has rank r's part [r·bytes, (r+1)·bytes) of every rank r (one NCCL group). The _queue
+// form only queues it (wait with dist_wait_event); dist_all_gather waits as dist_all_reduce_mean.
+int dist_all_gather_queue(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream,
+                          char *err);
+int dist_all_gather(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream, char *err);
+// This rank and the number of ranks.
+void dist_comm_rank(const DistComm *c, int *rank, int *world_size);
 // Waits until event has completed, polling ncclCommGetAsyncError and the timeout as the waits of
 // the collectives do (on an error or the timeout: abort, err names the rank and `what`).
 int dist_wait_event(DistComm *c, cudaEvent_t event, const char *what, char *err);

@@ -15,6 +15,7 @@
 #endif
 
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
+#define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -36,19 +37,44 @@ static int sp_size(const DitGpu *m) { return m->sp.ulysses * m->sp.ring; }
 static int heads_here(const DitGpu *m) { return m->cfg.heads / m->sp.ulysses; }
 static int ring_shard_tokens(const DitGpu *m) { return m->tokens * m->sp.ulysses; }   // T / R
 
+// The Ulysses pipeline's groups for a batch of B: G = head_groups (at most the B·H/U pairs), and
+// group g's (b, head) pairs first .. first + count of the flattened b·H/U + h' (sizes differ by
+// at most one).
+static int head_groups_for(const DitGpu *m, int B) {
+    int pairs = B * heads_here(m);
+    return m->head_groups < pairs ? m->head_groups : pairs;
+}
+static void group_pairs(int pairs, int G, int g, int *first, int *count) {
+    *first = (int)((long long)g * pairs / G);
+    *count = (int)((long long)(g + 1) * pairs / G) - *first;
+}
+// The most pairs a group of a batch up to m->batch has: ceil(batch·H/U / G).
+static int group_capacity(const DitGpu *m) {
+    return (m->batch * heads_here(m) + m->head_groups - 1) / m->head_groups;
+}
+
 // The attention workspace of one block's forward (read by its backward; flash needs none) and
-// of the backward, for the attention this rank runs: H/U heads over all T tokens. The ring
-// (R > 1) allocates its own, stream-ordered.
+// of the backward, for the attention this rank runs: H/U heads over all T tokens, as B·H/U
+// pairs, or for the head groups (B = 1, H = pairs) G forward regions of group_capacity pairs
+// each and one backward region per compute stream (two when G > 1). The ring (R > 1) allocates
+// its own, stream-ordered.
 static size_t attention_forward_workspace_bytes(const DitGpu *m, int B) {
     int D = m->cfg.hidden / m->cfg.heads, T = dit_tokens(&m->cfg);
     if (m->sp.ring > 1 || m->attention != DIT_ATTN_SAGE) return 0;
-    return sage_cuda_forward_workspace_size(B, heads_here(m), T, D, m->sage.pv);
+    if (m->sp.ulysses == 1) return sage_cuda_forward_workspace_size(B, heads_here(m), T, D, m->sage.pv);
+    size_t region = sage_cuda_forward_workspace_size(1, group_capacity(m), T, D, m->sage.pv);
+    return (size_t)m->head_groups * ((region + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES);
 }
 static size_t attention_backward_workspace_bytes(const DitGpu *m, int B) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = dit_tokens(&m->cfg);
     if (m->sp.ring > 1) return 0;
-    return m->attention == DIT_ATTN_SAGE ? sage_cuda_backward_workspace_size(B, H, T, D)
-                                         : flash_cuda_backward_workspace_size(B, H, T, D);
+    if (m->sp.ulysses > 1) {   // one group at a time on each compute stream
+        B = 1;
+        H = group_capacity(m);
+    }
+    size_t region = m->attention == DIT_ATTN_SAGE ? sage_cuda_backward_workspace_size(B, H, T, D)
+                                                  : flash_cuda_backward_workspace_size(B, H, T, D);
+    return (region + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
 }
 
 // Lays out the activations, their gradients, the workspaces and the batch (as dit.c's
@@ -69,7 +95,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->residual, (L + 1) * BT * h);
     TAKE(ar, a->ln1, L * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
     TAKE(ar, a->qkv, L * BT * 3 * h);
-    TAKE(ar, a->q, L * BT * h); TAKE(ar, a->k, L * BT * h); TAKE(ar, a->v, L * BT * h);
+    TAKE(ar, a->q, L * BT * h); TAKE(ar, a->k, L * BT * h); TAKE(ar, a->v, L * BT * h);   // equal steps
     TAKE(ar, a->att, L * BT * h); TAKE(ar, a->att_lse, L * BT * c->heads);
     a->att_workspace = arena_take(ar, L * m->att_workspace_bytes);
     TAKE(ar, a->att_merged, L * BT * h); TAKE(ar, a->proj, L * BT * h); TAKE(ar, a->x_mid, L * BT * h);
@@ -78,7 +104,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->final_ada, B * 2 * h);
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
-    TAKE(ar, a->loss, 1); TAKE(ar, a->grad_norm, 1);
+    TAKE(ar, a->loss, 1); TAKE(ar, a->grad_sumsq, 1); TAKE(ar, a->grad_norm, 1);
     TAKE(ar, m->pos_embed, (size_t)dit_tokens(c) * h);
     // gradients: the non-block ones, then one block's (accumulated ones contiguous)
     TAKE(ar, g->out, img); TAKE(ar, g->residual, BT * h); TAKE(ar, g->out_tokens, BT * P);
@@ -90,14 +116,14 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->att_merged, BT * h); TAKE(ar, g->att, BT * h); TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
-    g->att_workspace = arena_take(ar, attention_backward_workspace_bytes(m, m->batch));
+    g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
     // sequence parallelism
     DitGpuSeqBuffers *sb = &m->sp_bufs;
     if (sp_size(m) > 1) {
         TAKE(ar, sb->tokens_full, B * dit_tokens(c) * P); TAKE(ar, sb->tokens_gather, BT * P * sp_size(m));
     }
     if (m->sp.ulysses > 1) {
-        TAKE(ar, sb->q_local, BT * h); TAKE(ar, sb->k_local, BT * h); TAKE(ar, sb->v_local, BT * h);
+        TAKE(ar, sb->q_local, BT * h); TAKE(ar, sb->k_local, BT * h); TAKE(ar, sb->v_local, BT * h);   // equal steps
         TAKE(ar, sb->att_local, BT * h); TAKE(ar, sb->dout_heads, BT * h);
         TAKE(ar, sb->dq_heads, BT * h); TAKE(ar, sb->dk_heads, BT * h); TAKE(ar, sb->dv_heads, BT * h);
         TAKE(ar, sb->dqkv_heads, 3 * BT * h); TAKE(ar, sb->dqkv_local, 3 * BT * h);
@@ -168,12 +194,33 @@ static int check_sequence_parallel(const DitConfig *cfg, DitAttention attention,
                            "%d (T = %d, R = %d: %d)", SAGE_CUDA_BLOCK, T, R, T / R);
         return -1;
     }
+    if (sp->head_groups < 0 || sp->head_groups > DIT_MAX_HEAD_GROUPS) {
+        dit_set_error(err, "dit_gpu_create_sp: head_groups %d outside 0..%d (0: the default %d)", sp->head_groups,
+                      DIT_MAX_HEAD_GROUPS, DIT_ULYSSES_HEAD_GROUPS);
+        return -1;
+    }
     if ((U * R > 1 && !sp->sp_comm) || (U > 1 && !sp->ulysses_comm) || (R > 1 && !sp->ring_comm)) {
         dit_set_error(err, "dit_gpu_create_sp: a communicator is missing (U=%d R=%d: sequence-parallel %s, Ulysses "
                            "%s, ring %s)", U, R, sp->sp_comm ? "set" : "NULL", sp->ulysses_comm ? "set" : "NULL",
                       sp->ring_comm ? "set" : "NULL");
         return -1;
     }
+    return 0;
+}
+
+// Ulysses' group_stream, at the highest priority (its NCCL kernels take SMs as soon as the
+// attention's blocks free them), odd_stream, and the events that order them against the model
+// stream.
+static int create_group_stream(DitGpu *m, char *err) {
+    int least, greatest;
+    CUDA_CHECK(err, cudaDeviceGetStreamPriorityRange(&least, &greatest), "dit_gpu_create_sp: stream priorities");
+    CUDA_CHECK(err, cudaStreamCreateWithPriority(&m->group_stream, cudaStreamNonBlocking, greatest),
+               "dit_gpu_create_sp: the Ulysses all-to-all stream (priority %d)", greatest);
+    CUDA_CHECK(err, cudaStreamCreateWithFlags(&m->odd_stream, cudaStreamNonBlocking),
+               "dit_gpu_create_sp: the stream of the odd head groups' attention");
+    for (int i = 0; i < 2 * DIT_MAX_HEAD_GROUPS + 1; i++)
+        CUDA_CHECK(err, cudaEventCreateWithFlags(&m->group_events[i], cudaEventDisableTiming),
+                   "dit_gpu_create_sp: event %d of the Ulysses pipeline", i);
     return 0;
 }
 
@@ -188,6 +235,12 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     DitGpuSeqParallel one = {.ulysses = 1, .ring = 1};
     if (!sp) sp = &one;
     TRY(check_sequence_parallel(cfg, attention, sp, err));
+    int shards = sp->optimizer_shards > 1 ? sp->optimizer_shards : 1;
+    if (sp->optimizer_rank < 0 || sp->optimizer_rank >= shards) {
+        dit_set_error(err, "dit_gpu_create_sp: optimizer_rank %d outside the %d optimizer shards", sp->optimizer_rank,
+                      shards);
+        return -1;
+    }
     int D = cfg->hidden / cfg->heads;
     if (attention != DIT_ATTN_SAGE && attention != DIT_ATTN_SAGE_FP16 && attention != DIT_ATTN_EXACT) {
         dit_set_error(err, "dit_gpu_create: unknown attention %d (expected DIT_ATTN_EXACT, DIT_ATTN_SAGE or "
@@ -213,11 +266,19 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->sage = SAGE_CONFIG_DEFAULT;   // the P·V format sizes the attention workspaces below
     if (attention == DIT_ATTN_SAGE_FP16) m->sage.pv = SAGE_PV_FP16;
     m->num_params = dit_num_params(cfg);
+    m->head_groups = 1;
+    if (sp->ulysses > 1 && sp->ring == 1) {
+        int pairs = batch * heads_here(m), G = sp->head_groups ? sp->head_groups : DIT_ULYSSES_HEAD_GROUPS;
+        m->head_groups = G < pairs ? G : pairs;
+    }
+    m->shards = shards;
+    m->shard_rank = sp->optimizer_rank;
+    m->shard_size = ((m->num_params + shards - 1) / shards + SHARD_ALIGN - 1) / SHARD_ALIGN * SHARD_ALIGN;
     m->att_workspace_bytes = attention_forward_workspace_bytes(m, batch);
     m->att_workspace_bytes = (m->att_workspace_bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
 
-    // parameter-sized buffers: 5 fp32 + 2 bf16 copies
-    size_t n = m->num_params, fbytes = (n * sizeof(float) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    // parameter-sized buffers: 5 fp32 + 2 bf16 copies, each padded to the shards
+    size_t n = m->shard_size * shards, fbytes = (n * sizeof(float) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
     size_t hbytes = (n * sizeof(bf16) + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
     m->params_bytes = 5 * fbytes + 2 * hbytes;
     m->acts_bytes = activation_layout(m, NULL);
@@ -228,12 +289,19 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
         dit_gpu_free(m);
         return -1;
     }
+    if (sp->ulysses > 1 && create_group_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
     if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch, m->tokens), err) != 0) { dit_gpu_free(m); return -1; }
     if (cudaMalloc(&m->params_alloc, m->params_bytes) != cudaSuccess ||
         cudaMalloc(&m->acts_alloc, m->acts_bytes) != cudaSuccess) {
         dit_set_error(err, "dit_gpu_create: cudaMalloc failed: %s (parameters %.1f MiB, activations %.1f MiB "
                       "for batch %d)", cudaGetErrorString(cudaGetLastError()), m->params_bytes / 1048576.0,
                       m->acts_bytes / 1048576.0, batch);
+        dit_gpu_free(m);
+        return -1;
+    }
+    if (cudaMemset(m->params_alloc, 0, m->params_bytes) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create: zeroing the parameter buffers (and their padding): %s",
+                      cudaGetErrorString(cudaGetLastError()));
         dit_gpu_free(m);
         return -1;
     }
@@ -264,6 +332,10 @@ void dit_gpu_free(DitGpu *m) {
     layers_cuda_destroy(&m->ctx);
     if (m->stream) cudaStreamDestroy(m->stream);
     if (m->comm_stream) cudaStreamDestroy(m->comm_stream);
+    if (m->group_stream) cudaStreamDestroy(m->group_stream);
+    if (m->odd_stream) cudaStreamDestroy(m->odd_stream);
+    for (int i = 0; i < 2 * DIT_MAX_HEAD_GROUPS + 1; i++)
+        if (m->group_events[i]) cudaEventDestroy(m->group_events[i]);
     memset(m, 0, sizeof(*m));
 }
 
@@ -367,14 +439,19 @@ static void sp_view(const DitGpu *m, int ring, SpView *v) {
                         .comm_stream = &m->comm_stream};
 }
 
-// Ulysses: dst (B, H/U, T/R, D) head-sharded from this rank's src (B, H, T/(U·R), D), or back.
-static int ulysses_move(const DitGpu *m, void *dst, const void *src, size_t elem_bytes, int to_heads, int B,
-                        char *err) {
+// Ulysses on group_stream (own runs copied on comm_stream): the (b, head) pairs first .. first +
+// count of `tensors` bf16 tensors (steps apart, in bytes) to dst (B, H/U, T/R, D) head-sharded
+// from this rank's src (B, H, T/(U·R), D), or back (to_heads 0).
+static int ulysses_runs(const DitGpu *m, bf16 *dst, const bf16 *src, int tensors, size_t dst_step, size_t src_step,
+                        int to_heads, int B, int first, int count, char *err) {
     SpView v;
     sp_view(m, 0, &v);
+    v.c.stream = &m->group_stream;
     int H = m->cfg.heads, D = m->cfg.hidden / H, N = ring_shard_tokens(m);
-    return to_heads ? ulysses_all_to_all_cuda(&v.c, &dst, &src, B, H, N, D, elem_bytes, err)
-                    : ulysses_all_to_all_inverse_cuda(&v.c, &dst, &src, B, H, N, D, elem_bytes, err);
+    void *d = dst;
+    const void *s = src;
+    return ulysses_all_to_all_runs_cuda(&v.c, &d, &s, tensors, dst_step, src_step, B, H, N, D, sizeof(bf16), first,
+                                        count, !to_heads, err);
 }
 
 // Ring attention over the ring group on H/U heads: forward (and for sage the global k_mean and
@@ -426,7 +503,9 @@ static int no_nccl(char *err) {
     dit_set_error(err, "sequence parallelism: this build has no NCCL");
     return -1;
 }
-static int ulysses_move(const DitGpu *, void *, const void *, size_t, int, int, char *err) { return no_nccl(err); }
+static int ulysses_runs(const DitGpu *, bf16 *, const bf16 *, int, size_t, size_t, int, int, int, int, char *err) {
+    return no_nccl(err);
+}
 static int ring_forward(DitGpu *, uint16_t *, float *, const uint16_t *, const uint16_t *, const uint16_t *, float *,
                         float *, int, char *err) { return no_nccl(err); }
 static int ring_backward(DitGpu *, float *, float *, float *, const uint16_t *, const uint16_t *, const uint16_t *,
@@ -448,52 +527,78 @@ static int take_token_shard(const DitGpu *m, bf16 *dst, const bf16 *src, int B, 
 
 // ---- attention: the one place that knows the kernel ----------------------------------------
 // Block l's attention: att, lse from q, k, v; the forward may leave state for the backward in
-// the block's workspace. Both kernels have the same shape (bf16 q, k, v, out; fp32 base-2 lse;
-// fp32 dq, dk, dv written): sage (quantized) for DIT_ATTN_SAGE, and for DIT_ATTN_EXACT the bf16
+// its workspace. Both kernels have the same shape (bf16 q, k, v, out; fp32 base-2 lse; fp32 dq,
+// dk, dv written): sage (quantized) for DIT_ATTN_SAGE, and for DIT_ATTN_EXACT the bf16
 // FlashAttention-2 kernel (exact attention computed in bf16). Shapes are this rank's part:
 // (B, H/U, T/R, D) (Ulysses has already moved the heads); without ring the kernel sees all T
-// tokens, with ring (R > 1) the ring functions run it over the R shards.
+// tokens, with ring (R > 1) the ring functions run it over the R shards. A call covers the
+// (b, head) pairs first .. first + count of the flattened b·H/U + h': all B·H/U of them as
+// (B, H/U), or a group of them as B = 1, H = count (every kernel, sage's quantization and
+// smoothing included, works per pair: the same bits either way).
 
-static int attention_forward_gpu(DitGpu *m, int l, int B, char *err) {
-    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
-    size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D;
-    DitGpuActivations *a = &m->acts;
-    void *ws = (char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
-    uint16_t *out = (uint16_t *)(a->att + l * blk);
-    float *lse = a->att_lse + (size_t)l * B * H * T;
-    const uint16_t *q = (const uint16_t *)(a->q + l * blk), *k = (const uint16_t *)(a->k + l * blk);
-    const uint16_t *v = (const uint16_t *)(a->v + l * blk);
-    if (m->sp.ring > 1)
-        return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
-                            m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
-    if (m->attention == DIT_ATTN_EXACT) return flash_forward_cuda(out, lse, q, k, v, B, H, T, D, m->stream, err);
-    return sage_forward_cuda(out, lse, ws, q, k, v, B, H, T, D, m->sage.pv, m->stream, err);
+// Head group g's stream (even groups on the model stream, odd ones on odd_stream: one group's
+// kernels fill the SMs the other's last wave leaves idle), its forward workspace of block l and
+// its backward workspace.
+static cudaStream_t compute_stream(const DitGpu *m, int g) { return g % 2 ? m->odd_stream : m->stream; }
+static void *forward_workspace(const DitGpu *m, int l, int g) {
+    return (char *)m->acts.att_workspace + (size_t)l * m->att_workspace_bytes +
+           (size_t)g * (m->att_workspace_bytes / m->head_groups);
+}
+static void *backward_workspace(const DitGpu *m, int g) {
+    return (char *)m->grad_acts.att_workspace + (size_t)(g % 2) * attention_backward_workspace_bytes(m, m->batch);
 }
 
-// dq, dk, dv from dout (the same layout as the forward's).
-static int attention_backward_gpu(DitGpu *m, int l, int B, float *dq, float *dk, float *dv, const bf16 *dout,
-                                  char *err) {
+// Group g's attention: the pairs first .. first + count (g = 0: all of them, or the first group).
+static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int count, char *err) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
-    size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D;
+    size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D, pair = (size_t)T * D;
+    int whole = first == 0 && count == B * H, Bc = whole ? B : 1, Hc = whole ? H : count;
+    cudaStream_t stream = compute_stream(m, g);
+    void *ws = forward_workspace(m, l, g);
     DitGpuActivations *a = &m->acts;
-    DitGpuGradActs *g = &m->grad_acts;
-    const void *fwd_ws = (const char *)a->att_workspace + (size_t)l * m->att_workspace_bytes;
-    const uint16_t *q = (const uint16_t *)(a->q + l * blk), *k = (const uint16_t *)(a->k + l * blk);
-    const uint16_t *v = (const uint16_t *)(a->v + l * blk), *out = (const uint16_t *)(a->att + l * blk);
-    const float *lse = a->att_lse + (size_t)l * B * H * T;
+    uint16_t *out = (uint16_t *)(a->att + l * blk + first * pair);
+    float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
+    const uint16_t *q = (const uint16_t *)(a->q + l * blk + first * pair);
+    const uint16_t *k = (const uint16_t *)(a->k + l * blk + first * pair);
+    const uint16_t *v = (const uint16_t *)(a->v + l * blk + first * pair);
+    if (m->sp.ring > 1)   // (head_groups is 1 under ring: whole)
+        return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
+                            m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
+    if (m->attention == DIT_ATTN_EXACT) return flash_forward_cuda(out, lse, q, k, v, Bc, Hc, T, D, stream, err);
+    return sage_forward_cuda(out, lse, ws, q, k, v, Bc, Hc, T, D, m->sage.pv, stream, err);
+}
+
+// dq, dk, dv of the same pairs from dout (the same layout as the forward's; the pointers are the
+// whole tensors').
+static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int count, float *dq, float *dk,
+                                  float *dv, const bf16 *dout, char *err) {
+    int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
+    size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D, pair = (size_t)T * D;
+    int whole = first == 0 && count == B * H, Bc = whole ? B : 1, Hc = whole ? H : count;
+    cudaStream_t stream = compute_stream(m, g);
+    const void *fwd_ws = forward_workspace(m, l, g);
+    void *ws = backward_workspace(m, g);
+    DitGpuActivations *a = &m->acts;
+    size_t at = l * blk + first * pair;
+    const uint16_t *q = (const uint16_t *)(a->q + at), *k = (const uint16_t *)(a->k + at);
+    const uint16_t *v = (const uint16_t *)(a->v + at), *out = (const uint16_t *)(a->att + at);
+    const uint16_t *dy = (const uint16_t *)(dout + first * pair);
+    const float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
+    dq += first * pair;
+    dk += first * pair;
+    dv += first * pair;
     if (m->sp.ring > 1) {   // the ring accumulates
         CUDA_CHECK(err, cudaMemsetAsync(dq, 0, blk * sizeof(float), m->stream), "zeroing dq");
         CUDA_CHECK(err, cudaMemsetAsync(dk, 0, blk * sizeof(float), m->stream), "zeroing dk");
         CUDA_CHECK(err, cudaMemsetAsync(dv, 0, blk * sizeof(float), m->stream), "zeroing dv");
-        TRY(ring_backward(m, dq, dk, dv, (const uint16_t *)dout, q, k, v, out, lse,
+        TRY(ring_backward(m, dq, dk, dv, dy, q, k, v, out, lse,
                           m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                           m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err));
     } else if (m->attention == DIT_ATTN_EXACT) {
-        return flash_backward_cuda(dq, dk, dv, g->att_workspace, (const uint16_t *)dout, q, k, v, out, lse,
-                                   B, H, T, D, m->stream, err);
+        return flash_backward_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, Bc, Hc, T, D, stream, err);
     } else {
-        TRY(sage_backward_cuda(dq, dk, dv, g->att_workspace, fwd_ws, (const uint16_t *)dout, q, k, v, out, lse,
-                               NULL, B, H, T, D, m->sage.pv, m->stream, err));
+        TRY(sage_backward_cuda(dq, dk, dv, ws, fwd_ws, dy, q, k, v, out, lse, NULL, Bc, Hc, T, D, m->sage.pv, stream,
+                               err));
     }
     return 0;
 }
@@ -571,11 +676,12 @@ __global__ void merge_qkv_grad_kernel(bf16 *dqkv, const G *dq, const G *dk, cons
 
 // Ulysses: the same rotation and rounding on the head-sharded gradients, before the all-to-all:
 // out = [bf16(dq·H) | bf16(dk·H) | bf16(dv)] (H when rotate), rows of D values in the layout they
-// come in (rows_per_tensor each). The values of merge_qkv_grad_kernel's (the same operations on
-// the same row), so the exchange can move bf16 instead of fp32.
+// come in (rows_per_tensor of each, out's tensors out_step rows apart). The values of
+// merge_qkv_grad_kernel's (the same operations on the same row), so the exchange can move bf16
+// instead of fp32.
 template <int D>
 __global__ void round_qkv_grad_kernel(bf16 *out, const float *dq, const float *dk, const float *dv,
-                                      size_t rows_per_tensor, bool rotate, float norm, size_t rows) {
+                                      size_t rows_per_tensor, size_t out_step, bool rotate, float norm, size_t rows) {
     constexpr int L = D / HADAMARD_VALUES_PER_LANE;
     const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
     const bool valid = row < rows;
@@ -584,7 +690,7 @@ __global__ void round_qkv_grad_kernel(bf16 *out, const float *dq, const float *d
     float x[HADAMARD_VALUES_PER_LANE];
     load_f32x8(x, (which == 0 ? dq : which == 1 ? dk : dv) + (r % rows_per_tensor) * D + c);
     if (rotate) rotate_if<D>(x, which < 2, norm);
-    if (valid) store_bf16x8(out + r * D + c, x, VEC, true);
+    if (valid) store_bf16x8(out + (which * out_step + r % rows_per_tensor) * D + c, x, VEC, true);
 }
 
 // Launches either kernel over the B·T·3·H rows, 256 threads per block (D is 64 or 128:
@@ -618,15 +724,93 @@ static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk,
     return 0;
 }
 
-// out (3 tensors of B·T·H rows of D, this rank's share in either layout) from dq, dk, dv fp32.
+// out (3 tensors of B·T·H rows of D: this rank's share, head-sharded) from dq, dk, dv fp32 of
+// the same layout, on the rows of the (b, head) pairs first .. first + count.
 static int round_qkv_grad(const DitGpu *m, bf16 *out, const float *dq, const float *dk, const float *dv, int B,
-                          char *err) {
-    int H = m->cfg.heads, D = m->cfg.hidden / H;
-    size_t per_tensor = (size_t)B * m->tokens * H, rows = 3 * per_tensor;
-    LAUNCH_HEAD_ROWS(round_qkv_grad_kernel, D, rows, m->stream, out, dq, dk, dv, per_tensor, sage_rotates(m),
-                     1.0f / sqrtf((float)D));
+                          int first, int count, cudaStream_t stream, char *err) {
+    int H = m->cfg.heads, D = m->cfg.hidden / H, T = ring_shard_tokens(m);
+    size_t at = (size_t)first * T * D, per_tensor = (size_t)count * T, rows = 3 * per_tensor;
+    LAUNCH_HEAD_ROWS(round_qkv_grad_kernel, D, rows, stream, out + at, dq + at, dk + at, dv + at, per_tensor,
+                     (size_t)B * m->tokens * H, sage_rotates(m), 1.0f / sqrtf((float)D));
     LAUNCH_CHECK(err, "round_qkv_grad_kernel", "%zu rows of D=%d", rows, D);
     return 0;
+}
+
+// ---- Ulysses attention pipelined by head groups -------------------------------------------
+// Per block, the rank's B·H/U (b, head) pairs in G groups (head_groups_for). The all-to-alls run
+// on group_stream x, group g's attention on c_g = compute_stream(g) (the model stream s for even
+// g, odd_stream for odd g); events order them (ev[0] start and end, ev[1 + g] group g's input in
+// place, ev[1 + G + g] group g's attention done):
+//   s: produce the whole input, record ev[0]     x: wait ev[0]; in(0), record ev[1]; in(1), ...
+//   c_g: wait ev[1 + g], attention(g), record ev[1 + G + g]
+//   x: per g: wait ev[1 + G + g], out(g); record ev[0]       s: wait ev[0], consume the output
+// so group g+1's input moves while group g computes, and group g's output while g+1 computes;
+// groups g and g+1 on two streams let g+1's blocks start in g's last wave. Every buffer is
+// written by one group's part and read after its event (the two compute streams share none);
+// the next block's work on x and odd_stream starts after s has waited for all of this block's.
+
+// `to` waits for the work queued on `from` so far.
+static int stream_after(cudaStream_t to, cudaStream_t from, cudaEvent_t ev, char *err) {
+    CUDA_CHECK(err, cudaEventRecord(ev, from), "record a pipeline event");
+    CUDA_CHECK(err, cudaStreamWaitEvent(to, ev, 0), "wait for a pipeline event");
+    return 0;
+}
+
+// Block l's forward from qkv: q, k, v (a->q/k/v, head-sharded), att and att_lse, and att_local
+// (att sequence-sharded, for merge_heads).
+static int ulysses_attention_forward(DitGpu *m, int l, const bf16 *qkv, int B, char *err) {
+    DitGpuActivations *a = &m->acts;
+    const DitGpuSeqBuffers *sb = &m->sp_bufs;
+    cudaStream_t s = m->stream, x = m->group_stream;
+    cudaEvent_t *ev = m->group_events;
+    size_t blk = (size_t)B * m->tokens * m->cfg.hidden;
+    size_t heads_step = (char *)a->k - (char *)a->q, local_step = (char *)sb->k_local - (char *)sb->q_local;
+    int G = head_groups_for(m, B), pairs = B * heads_here(m), first, count;
+    TRY(split_qkv(m, sb->q_local, sb->k_local, sb->v_local, qkv, B, err));
+    TRY(stream_after(x, s, ev[0], err));
+    for (int g = 0; g < G; g++) {   // q, k, v of group g: one exchange of the three
+        group_pairs(pairs, G, g, &first, &count);
+        TRY(ulysses_runs(m, a->q + l * blk, sb->q_local, 3, heads_step, local_step, 1, B, first, count, err));
+        CUDA_CHECK(err, cudaEventRecord(ev[1 + g], x), "record group %d's q, k, v in place", g);
+    }
+    for (int g = 0; g < G; g++) {
+        cudaStream_t c = compute_stream(m, g);
+        group_pairs(pairs, G, g, &first, &count);
+        CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), "wait for group %d's q, k, v", g);
+        TRY(attention_forward_gpu(m, l, B, g, first, count, err));
+        TRY(stream_after(x, c, ev[1 + G + g], err));
+        TRY(ulysses_runs(m, sb->att_local, a->att + l * blk, 1, 0, 0, 0, B, first, count, err));
+    }
+    return stream_after(s, x, ev[0], err);
+}
+
+// Block l's backward from dout (sequence-sharded): dq, dk, dv rotated, rounded to bf16 and
+// sequence-sharded in dqkv_local ([dq | dk | dv]).
+static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B, char *err) {
+    const DitGpuSeqBuffers *sb = &m->sp_bufs;
+    cudaStream_t s = m->stream, x = m->group_stream;
+    cudaEvent_t *ev = m->group_events;
+    size_t step = (size_t)B * m->tokens * m->cfg.hidden * sizeof(bf16);
+    int G = head_groups_for(m, B), pairs = B * heads_here(m), first, count;
+    TRY(stream_after(x, s, ev[0], err));
+    for (int g = 0; g < G; g++) {
+        group_pairs(pairs, G, g, &first, &count);
+        TRY(ulysses_runs(m, sb->dout_heads, dout, 1, 0, 0, 1, B, first, count, err));
+        CUDA_CHECK(err, cudaEventRecord(ev[1 + g], x), "record group %d's dout in place", g);
+    }
+    for (int g = 0; g < G; g++) {
+        cudaStream_t c = compute_stream(m, g);
+        group_pairs(pairs, G, g, &first, &count);
+        CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), "wait for group %d's dout", g);
+        TRY(attention_backward_gpu(m, l, B, g, first, count, sb->dq_heads, sb->dk_heads, sb->dv_heads,
+                                   sb->dout_heads, err));
+        // rotation and rounding are per row of D values, the exchange moves whole rows: both
+        // orders give the same bits, and this one moves bf16
+        TRY(round_qkv_grad(m, sb->dqkv_heads, sb->dq_heads, sb->dk_heads, sb->dv_heads, B, first, count, c, err));
+        TRY(stream_after(x, c, ev[1 + G + g], err));
+        TRY(ulysses_runs(m, sb->dqkv_local, sb->dqkv_heads, 3, step, step, 0, B, first, count, err));
+    }
+    return stream_after(s, x, ev[0], err);
 }
 
 // ---- forward -----------------------------------------------------------------------------
@@ -682,15 +866,11 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
                                 BT, h, 3 * h, ctx, s, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
         if (ulysses) {
-            TRY(split_qkv(m, sb->q_local, sb->k_local, sb->v_local, qkv, B, err));
-            TRY(ulysses_move(m, a->q + l * blk, sb->q_local, sizeof(bf16), 1, B, err));
-            TRY(ulysses_move(m, a->k + l * blk, sb->k_local, sizeof(bf16), 1, B, err));
-            TRY(ulysses_move(m, a->v + l * blk, sb->v_local, sizeof(bf16), 1, B, err));
+            TRY(ulysses_attention_forward(m, l, qkv, B, err));
         } else {
             TRY(split_qkv(m, a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, err));
+            TRY(attention_forward_gpu(m, l, B, 0, 0, B * heads_here(m), err));
         }
-        TRY(attention_forward_gpu(m, l, B, err));
-        if (ulysses) TRY(ulysses_move(m, sb->att_local, att, sizeof(bf16), 0, B, err));
         TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, s, err));
         TRY(linear_forward_cuda(proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
                                 BT, h, h, ctx, s, err));
@@ -802,15 +982,10 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
                                  g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, ctx, s, err));
         TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
-            TRY(ulysses_move(m, sb->dout_heads, g->att, sizeof(bf16), 1, B, err));
-            TRY(attention_backward_gpu(m, l, B, sb->dq_heads, sb->dk_heads, sb->dv_heads, sb->dout_heads, err));
-            // rotation and rounding are per row of D values, the exchange moves whole rows: both
-            // orders give the same bits, and this one moves bf16 (dq, dk, dv as a batch of 3·B)
-            TRY(round_qkv_grad(m, sb->dqkv_heads, sb->dq_heads, sb->dk_heads, sb->dv_heads, B, err));
-            TRY(ulysses_move(m, sb->dqkv_local, sb->dqkv_heads, sizeof(bf16), 0, 3 * B, err));
+            TRY(ulysses_attention_backward(m, l, g->att, B, err));
             TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false, B, err));
         } else {
-            TRY(attention_backward_gpu(m, l, B, g->dq, g->dk, g->dv, g->att, err));
+            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->att, err));
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), B, err));
         }
         TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
@@ -835,12 +1010,32 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
 
 // ---- optimizer ---------------------------------------------------------------------------
 
+// This rank's slice of the parameter buffer: [*lo, *hi) (empty when the padding is all of it).
+static void shard_range(const DitGpu *m, size_t *lo, size_t *hi) {
+    *lo = m->shard_rank * m->shard_size;
+    *hi = *lo + m->shard_size < m->num_params ? *lo + m->shard_size : m->num_params;
+    if (*lo > *hi) *lo = *hi;
+}
+
+int dit_gpu_grad_sumsq(DitGpu *m, char *err) {
+    size_t lo, hi;
+    shard_range(m, &lo, &hi);
+    if (lo == hi) {
+        CUDA_CHECK(err, cudaMemsetAsync(m->acts.grad_sumsq, 0, sizeof(float), m->stream), "an empty slice's Σ g²");
+        return 0;
+    }
+    return sum_squares_cuda(m->acts.grad_sumsq, m->grads_memory + lo, hi - lo, &m->ctx, m->stream, err);
+}
+
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
                    float grad_clip, float ema_decay, int step, char *err) {
     cudaStream_t s = m->stream;
-    TRY(global_norm_cuda(m->acts.grad_norm, m->grads_memory, m->num_params, &m->ctx, s, err));
-    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors):
-    // the per-block copies of a tensor are adjacent, so this is one launch per tensor kind.
+    TRY(sqrt_cuda(m->acts.grad_norm, m->acts.grad_sumsq, s, err));
+    size_t lo, hi;
+    shard_range(m, &lo, &hi);
+    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors),
+    // cut to the slice: the per-block copies of a tensor are adjacent, so this is one launch per
+    // tensor kind (and slice edge).
     int n = dit_num_tensors(&m->cfg);
     DitTensorInfo *info = (DitTensorInfo *)malloc(n * sizeof(DitTensorInfo));
     if (!info) {
@@ -852,16 +1047,19 @@ int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, flo
     for (int i = 0; i < n && status == 0;) {
         int j = i + 1;
         while (j < n && (info[j].ndim >= 2) == (info[i].ndim >= 2)) j++;
-        size_t o = info[i].offset, count = info[j - 1].offset + info[j - 1].numel - o;
+        size_t o = info[i].offset, end = info[j - 1].offset + info[j - 1].numel;
+        if (o < lo) o = lo;
+        if (end > hi) end = hi;
         float wd = info[i].ndim >= 2 ? weight_decay : 0.0f;
-        status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
-                                   m->adam_m_memory + o, m->adam_v_memory + o, count, lr, beta1, beta2, eps, wd,
-                                   m->acts.grad_norm, grad_clip, step, s, err);
+        if (o < end)
+            status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
+                                       m->adam_m_memory + o, m->adam_v_memory + o, end - o, lr, beta1, beta2, eps, wd,
+                                       m->acts.grad_norm, grad_clip, step, s, err);
         i = j;
     }
     free(info);
     TRY(status);
-    return ema_update_cuda(m->ema_memory, m->params_memory, m->num_params, ema_decay, s, err);
+    return ema_update_cuda(m->ema_memory + lo, m->params_memory + lo, hi - lo, ema_decay, s, err);
 }
 
 int dit_gpu_queue_scalars(DitGpu *m, float *loss, float *grad_norm, cudaEvent_t done, char *err) {

@@ -30,11 +30,22 @@ extern "C" {
 // so every rank has the whole output image, and the loss (a mean over the GLOBAL elements) and
 // dL/dout are the single-GPU ones. Parameter gradients are then this rank's share: the caller
 // sums them over the group (and averages over data parallel), e.g. dist_all_reduce_scaled.
+// Ulysses without ring pipelines each block's attention over G groups of this rank's (b, head)
+// pairs: the all-to-alls of one group run on group_stream while another group's attention runs
+// (head_groups = G, 0: DIT_ULYSSES_HEAD_GROUPS; at most B·H/U groups are used; 1 under ring).
+//
+// ZeRO-1 (model/zero.h): the optimizer state is sharded over optimizer_shards ranks (0 or 1:
+// none, the whole buffer is this rank's); this rank updates slice optimizer_rank of the padded
+// parameter buffer (DitGpu.shard_size elements each).
 struct ncclComm;   // ncclComm_t
+#define DIT_ULYSSES_HEAD_GROUPS 4
+#define DIT_MAX_HEAD_GROUPS 16
 typedef struct {
     int ulysses, ring;                 // U, R (1: that kind is off)
     int ulysses_rank, ring_rank;
     struct ncclComm *sp_comm, *ulysses_comm, *ring_comm;  // NULL where the group has one rank
+    int head_groups;                   // G of the Ulysses pipeline (0: the default)
+    int optimizer_shards, optimizer_rank;
 } DitGpuSeqParallel;
 
 // bf16 views of one parameter buffer (the weights, or the EMA for sampling), as DitParams.
@@ -57,12 +68,13 @@ typedef struct {
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;  // (depth, B, T)
     float *att_lse;                    // (depth, B, H, T), base 2 (attention/attention.h)
     void *att_workspace;               // depth × att_workspace_bytes: what the attention's
-                                       // backward reads (sage: the quantized Q, K, V)
+                                       // backward reads (sage: the quantized Q, K, V; Ulysses:
+                                       // one region per head group)
     bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h)
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
     float *out_float;                  // (B, C, S, S): the output as fp32, for downloads
-    float *loss, *grad_norm;           // one float each
+    float *loss, *grad_sumsq, *grad_norm;  // one float each (grad_sumsq: Σ g² of this rank's slice)
 } DitGpuActivations;
 
 // Gradients of the activations. The block buffers hold one block and are reused by every block
@@ -76,7 +88,8 @@ typedef struct {
     bf16 *fc2, *ln2, *proj, *att_merged, *att, *ln1;
     bf16 *fc1, *qkv;                   // written, not accumulated
     float *dq, *dk, *dv;               // (B, H, T, D) fp32 from the attention backward
-    void *att_workspace;               // the attention backward's workspace
+    void *att_workspace;               // the attention backward's workspace (Ulysses with head
+                                       // groups: one per compute stream)
 } DitGpuGradActs;
 
 // Buffers of sequence parallelism (NULL when unused). Head-sharded tensors are (B, H/U, T/R, D).
@@ -100,13 +113,21 @@ typedef struct {
     int tokens, token_offset;
     DitGpuSeqBuffers sp_bufs;
     cudaStream_t comm_stream;          // ring passes, Ulysses' own-run copies (U·R > 1)
+    cudaStream_t group_stream;         // Ulysses' all-to-alls (U > 1; highest priority)
+    cudaStream_t odd_stream;           // the attention of Ulysses' odd head groups (U > 1)
+    cudaEvent_t group_events[2 * DIT_MAX_HEAD_GROUPS + 1];  // its order against `stream`
+    int head_groups;                   // G of the Ulysses pipeline (1 without Ulysses or with ring)
     int batch;                         // activations are allocated for this batch size
     DitAttention attention;            // DIT_ATTN_SAGE: sage kernels (P·V format in sage.pv); DIT_ATTN_EXACT:
                                        // bf16 flash attention
     SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is fixed at create
                                        // (workspace sizes); rotate (Hadamard of q, k) may be set any time
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
-    // copies of the params (updated by AdamW) and of the EMA (made before sampling)
+    // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
+    // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);
+    // the optimizer updates slice shard_rank: [shard_rank·shard_size, + shard_size) ∩ [0, num_params).
+    int shards, shard_rank;
+    size_t shard_size;
     void *params_alloc;
     size_t params_bytes;
     float *params_memory, *grads_memory, *adam_m_memory, *adam_v_memory, *ema_memory;
@@ -127,9 +148,10 @@ typedef struct {
 // DIT_ATTN_SAGE_FP16 (sage kernels with FP8 or FP16 P·V, attention/sage_cuda.h) or DIT_ATTN_EXACT
 // (bf16 flash attention, attention/flash_cuda.h).
 int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err);
-// The same for one rank of a sequence-parallel group (sp NULL: dit_gpu_create). Errors: no NCCL
-// in the build, heads % U, tokens % (U·R), sage under ring with T/R not a multiple of 64, a
-// communicator missing for a group larger than one.
+// The same for one rank of a sequence-parallel group and/or of the ZeRO-1 optimizer shards (sp
+// NULL: dit_gpu_create). Errors: no NCCL in the build, heads % U, tokens % (U·R), sage under ring
+// with T/R not a multiple of 64, a communicator missing for a group larger than one,
+// optimizer_rank outside [0, optimizer_shards).
 int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention,
                       const DitGpuSeqParallel *sp, char *err);
 void dit_gpu_free(DitGpu *m);
@@ -158,9 +180,13 @@ int dit_gpu_zero_grad(DitGpu *m, char *err);
 // Backward of the last forward (with m->weights) from grad_acts.out; parameter gradients
 // accumulate into m->grads.
 int dit_gpu_backward(DitGpu *m, int B, char *err);
-// The optimizer step: acts.grad_norm = ‖grads‖₂; AdamW (weight decay on tensors with ndim ≥ 2)
-// with the clip scale min(1, grad_clip/(norm + 1e-6)) read on the device (grad_clip 0: off);
-// the bf16 weights; then ema = ema_decay·ema + (1 - ema_decay)·params.
+// The optimizer step, in two parts around the sum over the ranks of the slices' squares (ZeRO-1,
+// model/zero.h; one GPU: nothing between them). dit_gpu_grad_sumsq: acts.grad_sumsq = Σ g² over
+// this rank's slice. dit_gpu_update: acts.grad_norm = sqrt(acts.grad_sumsq); on the slice only,
+// AdamW (weight decay on tensors with ndim ≥ 2) with the clip scale min(1, grad_clip/(norm +
+// 1e-6)) read on the device (grad_clip 0: off) and the bf16 weights; then ema = ema_decay·ema +
+// (1 - ema_decay)·params. The other slices' fp32 state and bf16 weights are left as they were.
+int dit_gpu_grad_sumsq(DitGpu *m, char *err);
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
                    float grad_clip, float ema_decay, int step, char *err);
 // Queues copies of the last loss and gradient norm (either may be NULL) into host memory, then

@@ -211,7 +211,7 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
     EXPECT_ERROR(flow_matching_inputs_cuda(NULL, NULL, NULL, NULL, NULL, 0, 8, 0, err), err, "B=0");
     EXPECT_ERROR(mse_loss_forward_backward_cuda(NULL, NULL, NULL, NULL, 16, &ctx, 0, err), err,
                  "floats of scratch", "have 0");
-    EXPECT_ERROR(global_norm_cuda(NULL, NULL, 0, &ctx, 0, err), err, "n > 0");
+    EXPECT_ERROR(sum_squares_cuda(NULL, NULL, 0, &ctx, 0, err), err, "n > 0");
     EXPECT_ERROR(adamw_update_cuda(NULL, NULL, NULL, NULL, NULL, 16, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, NULL,
                                    1.0f, 0, 0, err), err, "step >= 1", "step=0");
     cr_assert_eq(pos_embed_2d_cuda(NULL, 4, 6, 0, NULL), -1, "err may be NULL");

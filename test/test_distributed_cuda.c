@@ -18,6 +18,15 @@
 //    sum without the 1/world also fail: the gradients would be off by ~0.7 and 1.0).
 // 2. A rank that exits after joining makes the other's all-reduce fail within the timeout, with
 //    an error naming the rank; a rank that never starts makes the other's communicator creation fail.
+// 3. ZeRO-1 (model/zero.h) equals the replicated update: ZERO_STEPS data-parallel steps, each rank
+//    once with the gradients all-reduced and the whole buffer updated (what train_dit did before),
+//    once with zero_step_queue, clipping not acting (grad_clip 1e9), sage's backward
+//    deterministic (both paths must see the same gradients bit for bit). AdamW and EMA are elementwise
+//    and with 2 ranks a·s + b·s is the same sum whichever collective makes it, so after
+//    zero_gather_state the fp32 weights, EMA, both moments, the bf16 weights and the losses must be
+//    BITWISE the replicated ones, on both ranks (the EMA also after the EMA-only gather that
+//    sampling does); the norm (Σ g² summed per slice, then over the slices) within 1e-6 relative. Negative control: before the gather, rank 0's fp32 weights of
+//    rank 1's slice are stale (differ from the gathered ones).
 #include <criterion/criterion.h>
 #include <math.h>
 #include <signal.h>
@@ -28,11 +37,13 @@
 #include <time.h>
 #include <unistd.h>
 #include <cuda_runtime_api.h>
+#include "attention/sage_cuda.h"
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "model/distributed.h"
 #include "model/dit.h"
 #include "model/dit_gpu.h"
+#include "model/zero.h"
 #include "test/compare.h"
 #include "test/model_test.h"
 #include "test/ranks_test.h"
@@ -46,6 +57,7 @@ Test(data_parallel, needs_nccl) { cr_skip_test("this build has no NCCL (nccl.h n
 #define TOL_UPDATE 5e-3
 #define TOL_PARAMS 1e-5
 #define NEGATIVE_CONTROL 0.1
+#define TOL_ZERO_NORM 1e-6
 
 // 20×20 images, patch 2: 100 tokens, head dim 64 (as test_dit_gpu_cuda).
 static const DitConfig config = {.image_size = 20, .channels = 3, .patch = 2, .hidden = 128,
@@ -102,7 +114,7 @@ static int one_step(DistComm *comm, int first, int B, StepResult *r, char *err) 
         rc = dist_all_reduce_mean(comm, buffers, counts, 2, gpu.stream, err);
     }
     rc = rc || dit_gpu_read_scalars(&gpu, &r->loss, NULL, err) || dit_gpu_download_grads(&gpu, r->grads, err) ||
-         dit_gpu_update(&gpu, LR, 0.9f, 0.999f, EPS, WEIGHT_DECAY, 0.0f, 0.99f, 1, err) ||
+         dit_gpu_grad_sumsq(&gpu, err) || dit_gpu_update(&gpu, LR, 0.9f, 0.999f, EPS, WEIGHT_DECAY, 0.0f, 0.99f, 1, err) ||
          dit_gpu_download(&gpu, &cpu, err);
     if (rc == 0) memcpy(r->params, cpu.params_memory, r->n * sizeof(float));
     dit_gpu_free(&gpu);
@@ -294,6 +306,183 @@ Test(faults, a_rank_that_never_starts_fails_the_other_within_the_timeout, .timeo
     cr_assert_eq(status, 2, "rank 0: status %d (2: failed naming the rank; 3: other message; 4: no error; "
                  "-1: killed after 150 s, a hang)", status);
     cr_assert(took < 60.0, "took %.1f s", took);
+}
+
+// ---- 3. ZeRO-1 = the replicated update, bitwise -------------------------------------------
+
+enum { ZERO_STEPS = 3 };
+static const float NO_CLIP = 1e9f;
+// Per rank and path: the fp32 weights, EMA, moments, the bf16 weights (as floats), the losses and
+// norms of the steps, and (ZeRO) the fp32 weights before any gather and the EMA after the
+// EMA-only gather (what sampling does).
+static const char *const zero_names[] = {"params", "ema", "m", "v", "weights", "loss", "norm", "stale", "ema_only"};
+enum { Z_PARAMS, Z_EMA, Z_M, Z_V, Z_WEIGHTS, Z_LOSS, Z_NORM, Z_STALE, Z_EMA_ONLY };
+
+static int write_result(const char *dir, int rank, const char *path_kind, int what, const float *x, size_t n) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/rank%d_%s_%s", dir, rank, path_kind, zero_names[what]);
+    return write_floats(path, x, n);
+}
+
+// ZERO_STEPS steps of this rank's half-batch; sharded: ZeRO-1, else all-reduce + whole update.
+static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char *dir, char *err) {
+    static FullBatch b;
+    full_batch(&b);
+    Dit cpu;
+    DitGpu gpu;
+    memset(&gpu, 0, sizeof(gpu));   // freed below also when an allocation failed first
+    if (dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err) != 0) return -1;
+    randomize_params(&cpu, 7);
+    size_t n = cpu.num_params;
+    int B = FULL_BATCH / WORLD, first = rank * B;
+    const char *kind = sharded ? "zero" : "replicated";
+    DitGpuSeqParallel par = {.ulysses = 1, .ring = 1, .optimizer_shards = sharded ? WORLD : 1,
+                             .optimizer_rank = sharded ? rank : 0};
+    float loss[ZERO_STEPS], norm[ZERO_STEPS], *x = malloc(n * sizeof(float));
+    bf16 *w = malloc(n * sizeof(bf16));
+    if (!x || !w) dit_set_error(err, "out of host memory for %zu parameters", n);
+    int rc = !x || !w || dit_gpu_create_sp(&gpu, &config, B, DIT_ATTN_SAGE, &par, err) ||
+             dit_gpu_upload(&gpu, &cpu, err);
+    for (int k = 0; rc == 0 && k < ZERO_STEPS; k++) {
+        rc = dit_gpu_set_flow_batch(&gpu, b.x0 + first * IMG, b.noise + first * IMG, b.t + first, b.labels + first, B,
+                                    err) ||
+             dit_gpu_forward(&gpu, &gpu.weights, B, err) || dit_gpu_loss(&gpu, B, err) ||
+             dit_gpu_zero_grad(&gpu, err) || dit_gpu_backward(&gpu, B, err);
+        if (rc == 0 && sharded) {
+            rc = zero_step_queue(comm, &gpu, 1.0f / WORLD, 1.0f / WORLD, 1e-3f, 0.9f, 0.999f, 1e-8f, WEIGHT_DECAY,
+                                 NO_CLIP, 0.99f, k + 1, err);
+        } else if (rc == 0) {
+            float *buffers[2] = {gpu.grads_memory, gpu.acts.loss};
+            size_t counts[2] = {n, 1};
+            float scales[2] = {1.0f / WORLD, 1.0f / WORLD};
+            rc = dist_all_reduce_scaled(comm, buffers, counts, scales, 2, gpu.stream, err) ||
+                 dit_gpu_grad_sumsq(&gpu, err) ||
+                 dit_gpu_update(&gpu, 1e-3f, 0.9f, 0.999f, 1e-8f, WEIGHT_DECAY, NO_CLIP, 0.99f, k + 1, err);
+        }
+        rc = rc || dit_gpu_read_scalars(&gpu, &loss[k], &norm[k], err);
+    }
+    if (rc == 0 && sharded) {
+        rc = dit_gpu_download(&gpu, &cpu, err) || write_result(dir, rank, kind, Z_STALE, cpu.params_memory, n) ||
+             zero_gather_state(comm, &gpu, 1, err) || dit_gpu_download(&gpu, &cpu, err) ||
+             write_result(dir, rank, kind, Z_EMA_ONLY, cpu.ema_memory, n) || zero_gather_state(comm, &gpu, 0, err);
+    }
+    rc = rc || dit_gpu_download(&gpu, &cpu, err);
+    if (rc == 0 && cudaMemcpy(w, gpu.params_bf16_memory, n * sizeof(bf16), cudaMemcpyDeviceToHost) != cudaSuccess) {
+        dit_set_error(err, "download of the bf16 weights");
+        rc = -1;
+    }
+    for (size_t i = 0; rc == 0 && i < n; i++) x[i] = float_from_bf16_bits(w[i].bits);
+    const float *state[4] = {cpu.params_memory, cpu.ema_memory, cpu.adam_m_memory, cpu.adam_v_memory};
+    for (int i = 0; rc == 0 && i < 4; i++) rc = write_result(dir, rank, kind, i, state[i], n);
+    rc = rc || write_result(dir, rank, kind, Z_WEIGHTS, x, n) ||
+         write_result(dir, rank, kind, Z_LOSS, loss, ZERO_STEPS) || write_result(dir, rank, kind, Z_NORM, norm, ZERO_STEPS);
+    dit_gpu_free(&gpu);
+    dit_free(&cpu);
+    free(x);
+    free(w);
+    return rc ? -1 : 0;
+}
+
+static void zero_rank(int rank, const char *dir) {
+    char err[DIT_ERR_LEN], run_id[64];
+    snprintf(run_id, sizeof(run_id), "zero-%d", (int)getppid());
+    DistEnv env = rank_env(rank, run_id);
+    DistComm *comm;
+    sage_backward_set_deterministic(1);
+    if (dist_comm_create(&comm, &env, dir, 60.0, err) != 0 || zero_or_replicated(comm, rank, 0, dir, err) != 0 ||
+        zero_or_replicated(comm, rank, 1, dir, err) != 0) {
+        fprintf(stderr, "rank %d: %s\n", rank, err);
+        _exit(1);
+    }
+    dist_comm_destroy(comm);
+    _exit(0);
+}
+
+static size_t count_differing(const float *a, const float *b, size_t n) {
+    size_t d = 0;
+    for (size_t i = 0; i < n; i++) d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+}
+
+static float *read_result(const char *dir, int rank, const char *kind, int what, size_t n) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/rank%d_%s_%s", dir, rank, kind, zero_names[what]);
+    return read_floats(path, n);
+}
+
+Test(zero1, sharded_update_equals_the_replicated_one_bitwise, .timeout = 300) {
+    REQUIRE_2_GPUS();
+    char dir[] = "/tmp/test_distributed_cuda_XXXXXX";
+    cr_assert(mkdtemp(dir));
+    fflush(NULL);
+    pid_t pids[WORLD];
+    for (int r = 0; r < WORLD; r++)
+        if ((pids[r] = fork()) == 0) zero_rank(r, dir);
+    int statuses[WORLD];
+    double took = wait_children(pids, WORLD, 200.0, statuses);
+    for (int r = 0; r < WORLD; r++)
+        cr_assert_eq(statuses[r], 0, "rank %d exited with %d after %.1f s (see its stderr)", r, statuses[r], took);
+    Dit cpu;
+    char err[DIT_ERR_LEN];
+    cr_assert_eq(dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err), 0, "%s", err);
+    size_t n = cpu.num_params;
+    dit_free(&cpu);
+    float *zero0_params = read_result(dir, 0, "zero", Z_PARAMS, n);
+    for (int r = 0; r < WORLD; r++) {
+        for (int i = Z_PARAMS; i <= Z_WEIGHTS; i++) {
+            float *z = read_result(dir, r, "zero", i, n), *ref = read_result(dir, r, "replicated", i, n);
+            size_t d = count_differing(z, ref, n);
+            fprintf(stderr, "ZeRO-1 vs replicated, rank %d, %s: %zu of %zu elements differ\n", r, zero_names[i], d, n);
+            cr_expect_eq(d, 0, "rank %d, %s: %zu of %zu elements differ from the replicated update", r, zero_names[i],
+                         d, n);
+            if (i == Z_PARAMS)
+                cr_expect_eq(count_differing(z, zero0_params, n), 0, "rank %d's gathered weights differ from rank 0's", r);
+            free(z);
+            free(ref);
+        }
+        float *zl = read_result(dir, r, "zero", Z_LOSS, ZERO_STEPS), *rl = read_result(dir, r, "replicated", Z_LOSS, ZERO_STEPS);
+        float *zn = read_result(dir, r, "zero", Z_NORM, ZERO_STEPS), *rn = read_result(dir, r, "replicated", Z_NORM, ZERO_STEPS);
+        for (int k = 0; k < ZERO_STEPS; k++) {
+            double e = fabs((double)zn[k] - rn[k]) / rn[k];
+            fprintf(stderr, "rank %d step %d: loss %.9g vs %.9g, norm %.9g vs %.9g (%.3g relative)\n", r, k + 1, zl[k],
+                    rl[k], zn[k], rn[k], e);
+            cr_expect_eq(memcmp(&zl[k], &rl[k], sizeof(float)), 0, "rank %d step %d: loss %.9g vs %.9g", r, k + 1,
+                         zl[k], rl[k]);
+            cr_expect(e <= TOL_ZERO_NORM, "rank %d step %d: norm %.9g vs %.9g (%.3g > %g)", r, k + 1, zn[k], rn[k], e,
+                      TOL_ZERO_NORM);
+            cr_expect(rn[k] < NO_CLIP, "step %d: norm %g: clipping would act", k + 1, rn[k]);
+        }
+        free(zl); free(rl); free(zn); free(rn);
+    }
+    for (int r = 0; r < WORLD; r++) {
+        float *ema_only = read_result(dir, r, "zero", Z_EMA_ONLY, n), *ref = read_result(dir, r, "replicated", Z_EMA, n);
+        cr_expect_eq(count_differing(ema_only, ref, n), 0, "rank %d: the EMA after the EMA-only gather differs in %zu "
+                     "elements", r, count_differing(ema_only, ref, n));
+        free(ema_only);
+        free(ref);
+    }
+    float *stale = read_result(dir, 0, "zero", Z_STALE, n);
+    size_t d = count_differing(stale, zero0_params, n);
+    fprintf(stderr, "negative control: rank 0's fp32 weights before the gather: %zu of %zu elements stale\n", d, n);
+    cr_expect(d > n / 4, "only %zu of %zu elements of rank 0's weights were stale before the gather: the test "
+              "cannot tell whether the gather works", d, n);
+    free(stale);
+    free(zero0_params);
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    system(cmd);
+}
+
+// The model's check of the shard (no GPU needed: it comes before any allocation).
+Test(zero1, an_optimizer_rank_outside_the_shards_is_an_error) {
+    char err[DIT_ERR_LEN];
+    DitGpu m;
+    DitGpuSeqParallel outside = {.ulysses = 1, .ring = 1, .optimizer_shards = 2, .optimizer_rank = 2};
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, &outside, err), -1);
+    cr_assert(strstr(err, "optimizer_rank 2 outside the 2 optimizer shards"), "%s", err);
+    DitGpuSeqParallel unsharded = {.ulysses = 1, .ring = 1, .optimizer_rank = 1};
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, &unsharded, err), -1);
+    cr_assert(strstr(err, "optimizer_rank 1 outside the 1 optimizer shards"), "%s", err);
 }
 
 #endif

@@ -110,6 +110,7 @@ static float gpu_step(DitGpu *m, Batch *b, float lr, int step, float *grad_norm)
     OK(dit_gpu_loss(m, b->B, err));
     OK(dit_gpu_zero_grad(m, err));
     OK(dit_gpu_backward(m, b->B, err));
+    OK(dit_gpu_grad_sumsq(m, err));
     OK(dit_gpu_update(m, lr, 0.9f, 0.999f, 1e-8f, 0.1f, 1.0f, 0.99f, step, err));
     OK(dit_gpu_read_scalars(m, &loss, grad_norm, err));
     return loss;

@@ -546,7 +546,8 @@ Test(cuda, optimizer) {
     for (size_t i = 0; i < n; i++) v0[i] = 1e-6f * (0.1f + rng_uniform(&rng));
     float *d_g = upload_f32(g, n), *d_norm = poisoned(sizeof(float));
     float norm = global_norm(g, n);
-    OK(global_norm_cuda(d_norm, d_g, n, &ctx, 0, err));
+    OK(sum_squares_cuda(d_norm, d_g, n, &ctx, 0, err));
+    OK(sqrt_cuda(d_norm, d_norm, 0, err));
     EXPECT_CLOSE(download_f32(d_norm, 1), &norm, 1, TOL_F32, "global norm");
 
     // max_norm below the norm: the clipping scale is active
@@ -590,7 +591,8 @@ Test(cuda, optimizer) {
     OK(ema_update_cuda(d_ema + 1, d_p + 1, n1, 0.99f, 0, err));
     EXPECT_CLOSE(download_f32(d_ema, n) + 1, ema + 1, n1, TOL_F32, "ema (unaligned)");
     norm = global_norm(g + 1, n1);
-    OK(global_norm_cuda(d_norm, d_g + 1, n1, &ctx, 0, err));
+    OK(sum_squares_cuda(d_norm, d_g + 1, n1, &ctx, 0, err));
+    OK(sqrt_cuda(d_norm, d_norm, 0, err));
     EXPECT_CLOSE(download_f32(d_norm, 1), &norm, 1, TOL_F32, "global norm (unaligned)");
 }
 
@@ -610,7 +612,8 @@ Test(cuda, reductions_are_deterministic) {
         CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
         CK(cudaMemset(d_db, 0, OC * sizeof(float)));
         OK(linear_backward_cuda(NULL, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
-        OK(global_norm_cuda(d_norm, d_dw, nw, &ctx, 0, err));
+        OK(sum_squares_cuda(d_norm, d_dw, nw, &ctx, 0, err));
+        OK(sqrt_cuda(d_norm, d_norm, 0, err));
         float *dw = download_f32(d_dw, nw), *db = download_f32(d_db, OC), *norm = download_f32(d_norm, 1);
         if (run == 0) {
             first_dw = dw;

@@ -667,6 +667,108 @@ Test(sequence_parallel_cuda, all_to_all_direct_is_stream_ordered, .timeout = 60)
     group_free(&g);
 }
 
+// ---- the all-to-all of a part of the heads (attention pipelined by head groups) --------------
+// ulysses_all_to_all_runs_cuda over G parts of the (b, head) pairs, `tensors` tensors steps apart
+// (the gaps between them poisoned), against ulysses_all_to_all_cuda of each tensor (checked
+// against the CPU spec above). In the head-sharded layout pair j of a tensor is the bytes
+// j·N·D·eb .. (j+1)·N·D·eb, so after part 0 alone exactly those of part 0 are written; after all
+// parts every tensor is the whole call's, and the inverse by parts gives x back; nothing outside
+// the runs (gaps, guards) is touched.
+
+#define RUNS_GAP 768   // bytes between consecutive tensors in src and dst (poisoned in dst)
+
+static void check_runs_by_parts(Group *g, int B, int H, int N, int D, size_t eb, int tensors, int parts, uint64_t seed) {
+    char what[128], err[DIT_ERR_LEN] = "";
+    snprintf(what, sizeof(what), "B=%d H=%d N=%d D=%d elem_bytes=%zu tensors=%d parts=%d", B, H, N, D, eb, tensors,
+             parts);
+    int hs = H / R, pairs = B * hs;
+    size_t bytes = (size_t)B * H * N * D * eb / R, step = bytes + RUNS_GAP, all = tensors * step;
+    size_t pair_bytes = (size_t)N * D * eb;
+    float *x_host[R], *x_dev[R];
+    char *whole_dev[R], *heads_dev[R], *back_dev[R];
+    random_rank_data(x_host, x_dev, all / 4, seed);
+    for (int i = 0; i < R; i++) {
+        whole_dev[i] = guarded_poisoned(i, all);
+        heads_dev[i] = guarded_poisoned(i, all);
+        back_dev[i] = guarded_poisoned(i, all);
+    }
+    sync_devices();
+    for (int t = 0; t < tensors; t++) {   // the reference: the whole all-to-all of each tensor
+        void *dst[R];
+        const void *src[R];
+        for (int i = 0; i < R; i++) dst[i] = whole_dev[i] + t * step, src[i] = (const char *)x_dev[i] + t * step;
+        cr_assert_eq(ulysses_all_to_all_cuda(&g->c, dst, src, B, H, N, D, eb, err), 0, "%s: %s", what, err);
+    }
+    for (int part = 0; part < parts; part++) {
+        int first = part * pairs / parts, count = (part + 1) * pairs / parts - first;
+        cr_assert_eq(ulysses_all_to_all_runs_cuda(&g->c, (void *const *)heads_dev, (const void *const *)x_dev, tensors,
+                                                  step, step, B, H, N, D, eb, first, count, 0, err), 0,
+                     "%s, part %d: %s", what, part, err);
+        if (part > 0) continue;
+        group_sync(g);   // part 0 alone: its pairs written, every other byte still poison
+        for (int i = 0; i < R; i++) {
+            unsigned char *heads = download_guarded(i, heads_dev[i], all, what), *whole = download_guarded(i, whole_dev[i], all, what);
+            for (int t = 0; t < tensors; t++)
+                for (size_t j = 0; j < step; j++) {
+                    size_t at = t * step + j;
+                    int in_part = j < (size_t)(first + count) * pair_bytes && j >= (size_t)first * pair_bytes;
+                    if (in_part)
+                        cr_assert(heads[at] == whole[at], "%s, rank %d, tensor %d: part 0's byte %zu differs from the "
+                                  "whole all-to-all", what, i, t, j);
+                    else
+                        cr_assert(heads[at] == A2A_POISON, "%s, rank %d, tensor %d: byte %zu outside part 0 (pairs "
+                                  "%d..%d) was written", what, i, t, j, first, first + count);
+                }
+            free(heads); free(whole);
+        }
+    }
+    for (int part = 0; part < parts; part++) {
+        int first = part * pairs / parts, count = (part + 1) * pairs / parts - first;
+        cr_assert_eq(ulysses_all_to_all_runs_cuda(&g->c, (void *const *)back_dev, (const void *const *)heads_dev, tensors,
+                                                  step, step, B, H, N, D, eb, first, count, 1, err), 0,
+                     "%s, inverse part %d: %s", what, part, err);
+    }
+    group_sync(g);
+    for (int i = 0; i < R; i++) {
+        unsigned char *heads = download_guarded(i, heads_dev[i], all, what), *whole = download_guarded(i, whole_dev[i], all, what);
+        unsigned char *back = download_guarded(i, back_dev[i], all, what);
+        for (int t = 0; t < tensors; t++) {
+            const char *x = (const char *)x_host[i] + t * step;
+            cr_assert(memcmp(heads + t * step, whole + t * step, bytes) == 0,
+                      "%s, rank %d, tensor %d: the parts together differ from the whole all-to-all", what, i, t);
+            cr_assert(memcmp(back + t * step, x, bytes) == 0, "%s, rank %d, tensor %d: inverse by parts != x", what, i, t);
+            for (size_t j = bytes; j < step && t + 1 < tensors; j++)
+                cr_assert(heads[t * step + j] == A2A_POISON && back[t * step + j] == A2A_POISON,
+                          "%s, rank %d: the gap after tensor %d was written (byte %zu)", what, i, t, j);
+        }
+        free(heads); free(whole); free(back); free(x_host[i]);
+        cudaFree(x_dev[i]); cudaFree(whole_dev[i] - A2A_GUARD); cudaFree(heads_dev[i] - A2A_GUARD);
+        cudaFree(back_dev[i] - A2A_GUARD);
+    }
+}
+
+// The model's shapes (B = 1, 16 heads of 128, q/k/v and dq/dk/dv as 3 tensors, 2 and 4 groups),
+// parts that cross batch boundaries (9 pairs in 4 parts of 2, 2, 2, 3), one pair per part, lse
+// rows, and 3 × 150 selected runs per peer (more than one NCCL group takes: 256). Then the range
+// errors.
+Test(sequence_parallel_cuda, all_to_all_runs_by_parts_are_the_whole, .timeout = 60) {
+    Group g;
+    group_init(&g);
+    check_runs_by_parts(&g, 1, 16, 64, 128, 2, 3, 2, 101);
+    check_runs_by_parts(&g, 1, 16, 64, 128, 2, 1, 4, 102);
+    check_runs_by_parts(&g, 3, 6, 40, 64, 2, 3, 4, 103);
+    check_runs_by_parts(&g, 2, 2, 8, 64, 4, 1, 2, 104);
+    check_runs_by_parts(&g, 2, 4, 96, 1, 4, 1, 3, 105);
+    check_runs_by_parts(&g, 300, 2, 4, 2, 2, 3, 2, 106);
+    char err[DIT_ERR_LEN] = "";
+    void *p[R] = {NULL, NULL};
+    cr_assert_eq(ulysses_all_to_all_runs_cuda(&g.c, p, (const void *const *)p, 1, 0, 0, 1, 4, 64, 64, 2, 1, 2, 0, err), -1);
+    cr_assert(strstr(err, "runs 1..3 of 1 tensors outside the B·H/R = 2"), "message: %s", err);
+    cr_assert_eq(ulysses_all_to_all_runs_cuda(&g.c, p, (const void *const *)p, 1, 0, 0, 1, 4, 64, 64, 2, 0, 0, 1, err), -1);
+    cr_assert(strstr(err, "ulysses_all_to_all_inverse_cuda: runs 0..0"), "message: %s", err);
+    group_free(&g);
+}
+
 // Shape errors come back before any NCCL call (this runs without GPUs too).
 Test(sequence_parallel_cuda, shape_errors_name_the_problem) {
     int ranks[R] = {0, 1}, devs[R] = {0, 1};

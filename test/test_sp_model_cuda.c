@@ -248,6 +248,10 @@ Test(sp_model, sizes_that_do_not_split_are_errors) {
     DitGpuSeqParallel missing = {.ulysses = 2, .ring = 1, .sp_comm = fake};
     cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, &missing, err), -1);
     cr_assert(strstr(err, "communicator is missing"), "%s", err);
+    DitGpuSeqParallel groups = {.ulysses = 2, .ring = 1, .sp_comm = fake, .ulysses_comm = fake,
+                                .head_groups = DIT_MAX_HEAD_GROUPS + 1};
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, &groups, err), -1);
+    cr_assert(strstr(err, "head_groups 17 outside 0..16"), "%s", err);
 }
 
 #endif

@@ -1,0 +1,35 @@
+// ZeRO stage 1 over the replicas (dev/notes_sequence_parallel.md, "ZeRO-1 over the replicas"):
+// every rank holds the whole model in bf16 for its forward and backward, but updates only its
+// slice of the parameter buffer (DitGpu.shard_*, one slice per rank of comm, created with
+// optimizer_shards = world, optimizer_rank = rank). After the backward, on m->stream:
+//   reduce-scatter of the fp32 gradients (Σ over the ranks × grad_scale: the slice's sums)
+//   -> Σ g² over the slice -> all-reduce of (loss × loss_scale, Σ g²) in one group
+//   -> norm = sqrt(Σ g²), AdamW and EMA on the slice -> all-gather of the bf16 weights.
+// The fp32 master weights, moments and EMA of the other slices go stale on a rank:
+// zero_gather_state brings them before they are read (checkpoints: all of them; sampling: EMA).
+// AdamW and EMA are elementwise, so with every slice updated from the same summed gradients
+// and the same norm, the parameters are those of the replicated update; only the norm's
+// summation order differs (slices summed, then the slices' sums).
+// comm NULL: one GPU; the same steps without the collectives (the slice is the whole buffer).
+// Every function returns 0, or -1 with a message in err.
+#pragma once
+#ifdef DIT_CUDA
+#include "model/distributed.h"
+#include "model/dit_gpu.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Queues the step's reduction and update (arguments of the update as dit_gpu_update); returns
+// without waiting (dist_wait_event on an event recorded after it).
+int zero_step_queue(DistComm *comm, DitGpu *m, float grad_scale, float loss_scale, float lr, float beta1, float beta2,
+                    float eps, float weight_decay, float grad_clip, float ema_decay, int step, char *err);
+// Every rank calls it: all-gathers the fp32 weights, moments and EMA (ema_only: the EMA) of every
+// slice, so this rank's copies are current everywhere; waits for it.
+int zero_gather_state(DistComm *comm, DitGpu *m, int ema_only, char *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
