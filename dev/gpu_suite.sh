@@ -38,6 +38,7 @@ if [ "$what" = multi ]; then
         else
             echo "launchers: FAIL (see launch_gpus.log, launch_mpirun.log)" | tee -a "$LOGS/multi.log"; status=1
         fi
+        rm -f "$LOGS"/launch_gpus/ckpt_* "$LOGS"/launch_mpirun/ckpt_*   # 0.5 GB: too big to bring back
     fi
     exit $status
 fi
