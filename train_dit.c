@@ -50,6 +50,7 @@ typedef struct {
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
+    int cuda_graph;                                           // --cuda-graph: 1 on, 0 off, -1 not given
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -93,6 +94,11 @@ static const char *usage_text =
     "  --deterministic       GPU: the attention backwards add dq in a fixed order, so runs and resumes\n"
     "                        are bitwise reproducible at any length (costs ~13% of the attention\n"
     "                        backward at 16K tokens; the CPU is always deterministic)\n"
+    "  --cuda-graph on|off   GPU, one process: run the step's GPU work (forward, loss, backward, norm,\n"
+    "                        AdamW, EMA) as one CUDA graph, captured at the second step and replayed\n"
+    "                        (bitwise the same results, fewer launch gaps) (default on; several GPUs\n"
+    "                        and --dump-parity run the step call by call: on is an error there, and\n"
+    "                        with --device cpu)\n"
     "  --sample-every N      write OUT/samples_<step>.png every N steps and at the end (default 500)\n"
     "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
     "  --samples-per-class N tiles per class in the grid (default 2)\n"
@@ -153,7 +159,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
-                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1};
+                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -181,6 +187,13 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
             rc = parse_int(f, v, 0, &a->sage_rotate, err);
             if (!rc && a->sage_rotate > 1) {
                 dit_set_error(err, "--sage-rotate: expected 0 or 1, got '%s'", v);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(f, "--cuda-graph")) {
+            a->cuda_graph = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
+            if (a->cuda_graph < 0) {
+                dit_set_error(err, "--cuda-graph: expected on or off, got '%s'", v);
                 rc = -1;
             }
         }
@@ -229,6 +242,11 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                       on_gpu ? "sage, sage-fp16 or bf16" : "exact, sage or sage-fp16", a->device, a->attn);
         return -1;
     }
+    if (a->cuda_graph == 1 && (!on_gpu || a->dump_parity)) {
+        dit_set_error(err, "--cuda-graph on: %s (leave the flag out or pass off)",
+                      on_gpu ? "--dump-parity runs the step call by call" : "the CPU has no CUDA graphs (--device cpu)");
+        return -1;
+    }
     if (strcmp(a->t_sampling, "logit-normal") && strcmp(a->t_sampling, "uniform")) {
         dit_set_error(err, "--t-sampling: expected logit-normal or uniform, got '%s'", a->t_sampling);
         return -1;
@@ -266,6 +284,11 @@ static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *
     if (a->batch % mesh.dp) {
         dit_set_error(err, "--batch %d: the global batch must split evenly over %d data-parallel groups (%d ranks / "
                            "U·R = %d)", a->batch, mesh.dp, world, mesh.sp);
+        return -1;
+    }
+    if (a->cuda_graph == 1) {
+        dit_set_error(err, "--cuda-graph on: one GPU only; %d ranks run the step call by call (leave the flag out "
+                           "or pass off)", world);
         return -1;
     }
     if (a->dump_parity || a->preview_data) {
@@ -315,8 +338,9 @@ static double now_seconds(void) {
 // On the CPU, `cpu` is the model. On the GPU, `cpu` (created for batch 1) is the host copy of the
 // weights, EMA and AdamW moments: initialization and checkpoints happen there and are uploaded.
 // Data parallel (world > 1, GPU only): `dist` is the communicator of the ranks, `rank` this one.
+// cuda_graph: one GPU, the step's GPU work replayed as one CUDA graph (dit_gpu_train_step_graph).
 typedef struct {
-    int on_gpu;
+    int on_gpu, cuda_graph;
     int rank, world;
     DistMesh mesh;                  // data parallel × sequence parallel (all 1 for one process)
     Dit cpu;
@@ -334,6 +358,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
                            void *dist, char *err) {
     memset(tr, 0, sizeof(*tr));
     tr->on_gpu = !strcmp(a->device, "gpu");
+    tr->cuda_graph = a->cuda_graph == 1 || (a->cuda_graph < 0 && tr->on_gpu && mesh->world == 1 && !a->dump_parity);
     tr->rank = mesh->rank;
     tr->world = mesh->world;
     tr->mesh = *mesh;
@@ -428,7 +453,9 @@ typedef struct {
 // sequence-parallel group, so this is the global batch's); the gradients are summed over the
 // ranks and scaled by 1/dp: the sum over a sequence-parallel group completes each image's
 // gradient (every rank back-propagated its tokens' share of the global loss), the 1/dp averages
-// the data-parallel groups' images (dp = world without sequence parallelism: the mean).
+// the data-parallel groups' images (dp = world without sequence parallelism: the mean). With
+// tr->cuda_graph the work from the forward to the EMA is one CUDA graph (the same kernels); the
+// batch upload before it and the copies of the loss and norm after it are queued call by call.
 static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
     const DitConfig *c = &tr->cpu.cfg;
     int B = a->batch / tr->mesh.dp;
@@ -437,13 +464,16 @@ static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
     if (tr->on_gpu) {
         char err[DIT_ERR_LEN];
         DitGpu *g = &tr->gpu;
-        if (dit_gpu_set_flow_batch(g, s->x0, s->noise, s->t, s->labels, B, err) ||
-            dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
-            dit_gpu_backward(g, B, err) ||
-            zero_step_queue(tr->dist, g, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
-                            a->weight_decay, a->grad_clip, ema_decay, s->step, err) ||
-            dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err))
-            die(err);
+        int rc = dit_gpu_set_flow_batch(g, s->x0, s->noise, s->t, s->labels, B, err);
+        if (!rc && tr->cuda_graph)
+            rc = dit_gpu_train_step_graph(g, B, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay,
+                                          s->step, err);
+        else if (!rc)
+            rc = dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
+                 dit_gpu_backward(g, B, err) ||
+                 zero_step_queue(tr->dist, g, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
+                                 a->weight_decay, a->grad_clip, ema_decay, s->step, err);
+        if (rc || dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err)) die(err);
         return;
     }
 #endif
@@ -940,9 +970,10 @@ int main(int argc, char **argv) {
     }
     trainer_to_device(&tr);
     if (rank == 0) {
-        printf("dit.c | device %s | attention %s%s | depth %d hidden %d heads %d (head dim %d) patch %d | "
+        printf("dit.c | device %s%s | attention %s%s | depth %d hidden %d heads %d (head dim %d) patch %d | "
                "%dx%dx%d images, %d tokens | %d classes, %" PRId64 " images | %.2fM parameters\n",
-               a->device, a->attn, strncmp(a->attn, "sage", 4) == 0 && a->sage_rotate ? " (Hadamard-rotated q, k)" : "",
+               a->device, tr.cuda_graph ? " (the step as one CUDA graph)" : "", a->attn,
+               strncmp(a->attn, "sage", 4) == 0 && a->sage_rotate ? " (Hadamard-rotated q, k)" : "",
                cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);

@@ -77,6 +77,7 @@ typedef struct {
     bf16 *x, *y, *dy, *dx, *mod, *q, *k, *v, *qkv;
     float *mean, *rstd, *dmod, *f0, *f1, *f2, *f3, *f4, *dw, *db;
     bf16 *pbf, *w;
+    OptimizerStepConstants *step;   // the optimizer's per-step values (device)
     size_t nparams;
     int oc;   // the dbias case's width
 } Case;
@@ -138,10 +139,10 @@ static void op_linear_nobias(Case *cs) {
     OK(linear_backward_cuda(NULL, cs->dw, NULL, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
 }
 static void op_adamw(Case *cs) {
-    OK(adamw_update_cuda(cs->f0, cs->pbf, cs->f1, cs->f2, cs->f3, cs->nparams, 1e-4f, 0.9f, 0.95f, 1e-8f, 0.0f, NULL,
-                         0.0f, 10, 0, err));
+    OK(adamw_update_cuda(cs->f0, cs->pbf, cs->f1, cs->f2, cs->f3, cs->nparams, cs->step, 0.9f, 0.95f, 1e-8f, 0.0f, NULL,
+                         0.0f, 0, err));
 }
-static void op_ema(Case *cs) { OK(ema_update_cuda(cs->f4, cs->f0, cs->nparams, 0.9999f, 0, err)); }
+static void op_ema(Case *cs) { OK(ema_update_cuda(cs->f4, cs->f0, cs->nparams, &cs->step->ema_decay, 0, err)); }
 static void op_norm(Case *cs) { OK(sum_squares_cuda(cs->f4 + cs->nparams, cs->f1, cs->nparams, &ctx, 0, err)); }
 
 static void report(const Case *cs, const char *what, double ms, double bytes, int calls) {
@@ -206,6 +207,10 @@ static void bench_config(const Config *c) {
     cs.f3 = random_buffer(cs.nparams * 4), cs.f4 = random_buffer((cs.nparams + 1) * 4);
     cs.pbf = random_buffer(cs.nparams * 2);
     CK(cudaMemset(cs.f3, 0, cs.nparams * 4));   // v >= 0
+    OptimizerStepConstants k;
+    OK(optimizer_step_constants(&k, 1e-4f, 0.9f, 0.95f, 10, 0.9999f, err));
+    CK(cudaMalloc((void **)&cs.step, sizeof(k)));
+    CK(cudaMemcpy(cs.step, &k, sizeof(k), cudaMemcpyHostToDevice));
     ms = time_op(op_adamw, &cs);
     report(&cs, "adamw", ms, 30.0 * cs.nparams, 1);
     ms = time_op(op_ema, &cs);
@@ -213,7 +218,7 @@ static void bench_config(const Config *c) {
     ms = time_op(op_norm, &cs);
     report(&cs, "sum_squares (norm)", ms, 4.0 * cs.nparams, 1);
     void *bufs[] = {cs.x, cs.y, cs.dy, cs.dx, cs.mod, cs.dmod, cs.mean, cs.rstd, cs.qkv, cs.q, cs.k, cs.v,
-                    cs.w, cs.dw, cs.db, cs.f0, cs.f1, cs.f2, cs.f3, cs.f4, cs.pbf};
+                    cs.w, cs.dw, cs.db, cs.f0, cs.f1, cs.f2, cs.f3, cs.f4, cs.pbf, cs.step};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) CK(cudaFree(bufs[i]));
 }
 

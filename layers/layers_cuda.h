@@ -164,13 +164,23 @@ int sum_squares_cuda(float *sumsq, const float *g, size_t n, const LayersCuda *c
                      cudaStream_t stream, char *err);
 // *norm = sqrt(*sumsq) (device floats; may be the same).
 int sqrt_cuda(float *norm, const float *sumsq, cudaStream_t stream, char *err);
-// AdamW as adamw_update with the clipping scale read on the device: grad_scale =
-// min(1, max_norm / (*grad_norm + 1e-6)) as torch.nn.utils.clip_grad_norm_; grad_norm NULL or
-// max_norm <= 0: no clipping. Updates the fp32 params and writes their bf16 copy params_bf16.
-int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v,
-                      size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                      const float *grad_norm, float max_norm, int step, cudaStream_t stream, char *err);
-int ema_update_cuda(float *ema, const float *params, size_t n, float decay,
+// The optimizer's values that change from step to step, which its kernels read from device
+// memory (so that a CUDA graph of the training step, model/dit_gpu.h, reads each step's own):
+// AdamW's learning rate and bias corrections bias1 = 1 - β1^step, bias2 = 1 - β2^step, and the
+// EMA's decay. optimizer_step_constants fills one on the host (the corrections with the host's
+// powf, as adamw_update); the caller copies it to the device. Error: step < 1.
+typedef struct { float lr, bias1, bias2, ema_decay; } OptimizerStepConstants;
+int optimizer_step_constants(OptimizerStepConstants *k, float lr, float beta1, float beta2, int step,
+                             float ema_decay, char *err);
+// AdamW as adamw_update with lr, bias1, bias2 read from k (device) and the clipping scale read on
+// the device: grad_scale = min(1, max_norm / (*grad_norm + 1e-6)) as
+// torch.nn.utils.clip_grad_norm_; grad_norm NULL or max_norm <= 0: no clipping. Updates the fp32
+// params and writes their bf16 copy params_bf16.
+int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
+                      const OptimizerStepConstants *k, float beta1, float beta2, float eps, float weight_decay,
+                      const float *grad_norm, float max_norm, cudaStream_t stream, char *err);
+// ema = decay·ema + (1 - decay)·params, decay read from the device float `decay` (e.g. &k->ema_decay).
+int ema_update_cuda(float *ema, const float *params, size_t n, const float *decay,
                     cudaStream_t stream, char *err);
 
 #ifdef __cplusplus

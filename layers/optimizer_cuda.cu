@@ -47,13 +47,15 @@ __device__ inline void adamw_one(float *p, float *m, float *v, float g, float lr
 
 // g = grad·scale, scale = min(1, max_norm/(‖grad‖ + 1e-6)) (1 without clipping);
 // p -= lr·wd·p; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; p -= lr·(m/bias1)/(sqrt(v/bias2) + eps);
-// p_bf16 = bf16(p). bias1 = 1 - β1^step, bias2 = 1 - β2^step. Four parameters per thread: float4
-// loads and stores when vec (every pointer 16-byte aligned, params_bf16 8-byte aligned).
+// p_bf16 = bf16(p). lr, bias1 = 1 - β1^step and bias2 = 1 - β2^step are read from k (device).
+// Four parameters per thread: float4 loads and stores when vec (every pointer 16-byte aligned,
+// params_bf16 8-byte aligned).
 __global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
-                             float lr, float beta1, float beta2, float eps, float weight_decay,
-                             const float *grad_norm, float max_norm, float bias1, float bias2, bool vec) {
+                             const OptimizerStepConstants *k, float beta1, float beta2, float eps, float weight_decay,
+                             const float *grad_norm, float max_norm, bool vec) {
     size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i0 >= n) return;
+    const float lr = k->lr, bias1 = k->bias1, bias2 = k->bias2;
     float scale = 1.0f;
     if (grad_norm && max_norm > 0.0f) scale = fminf(1.0f, max_norm / (*grad_norm + CLIP_EPS));
     if (vec && i0 + 4 <= n) {
@@ -85,10 +87,11 @@ __global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grad
     }
 }
 
-// ema = decay·ema + (1 - decay)·params, four per thread (float4 when vec).
-__global__ void ema_kernel(float *ema, const float *params, size_t n, float decay, bool vec) {
+// ema = decay·ema + (1 - decay)·params (decay from the device), four per thread (float4 when vec).
+__global__ void ema_kernel(float *ema, const float *params, size_t n, const float *decay_ptr, bool vec) {
     size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i0 >= n) return;
+    const float decay = *decay_ptr;
     if (vec && i0 + 4 <= n) {
         float4 e = *(float4 *)(ema + i0), p = *(const float4 *)(params + i0);
         e.x = decay * e.x + (1.0f - decay) * p.x;
@@ -121,25 +124,38 @@ int sqrt_cuda(float *norm, const float *sumsq, cudaStream_t stream, char *err) {
     return 0;
 }
 
-int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v,
-                      size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                      const float *grad_norm, float max_norm, int step, cudaStream_t stream, char *err) {
-    if (n == 0 || step < 1) {
-        dit_set_error(err, "adamw_update_cuda: need n > 0 and step >= 1 (n=%zu step=%d)", n, step);
+int optimizer_step_constants(OptimizerStepConstants *k, float lr, float beta1, float beta2, int step,
+                             float ema_decay, char *err) {
+    if (step < 1) {
+        dit_set_error(err, "optimizer_step_constants: need step >= 1 (step=%d)", step);
         return -1;
     }
-    if (check_grid_x("adamw_update_cuda", n, BLOCK_SIZE, err)) return -1;
-    float bias1 = 1.0f - powf(beta1, (float)step), bias2 = 1.0f - powf(beta2, (float)step);
-    bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && (uintptr_t)params_bf16 % 8 == 0;
-    adamw_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, n, lr, beta1,
-                                                                          beta2, eps, weight_decay, grad_norm, max_norm,
-                                                                          bias1, bias2, vec);
-    LAUNCH_CHECK(err, "adamw_kernel", "n=%zu step=%d", n, step);
+    *k = OptimizerStepConstants{lr, 1.0f - powf(beta1, (float)step), 1.0f - powf(beta2, (float)step), ema_decay};
     return 0;
 }
 
-int ema_update_cuda(float *ema, const float *params, size_t n, float decay, cudaStream_t stream, char *err) {
+int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
+                      const OptimizerStepConstants *k, float beta1, float beta2, float eps, float weight_decay,
+                      const float *grad_norm, float max_norm, cudaStream_t stream, char *err) {
+    if (n == 0 || !k) {
+        dit_set_error(err, "adamw_update_cuda: need n > 0 and the step constants (n=%zu, k %s)", n, k ? "set" : "NULL");
+        return -1;
+    }
+    if (check_grid_x("adamw_update_cuda", n, BLOCK_SIZE, err)) return -1;
+    bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && (uintptr_t)params_bf16 % 8 == 0;
+    adamw_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, n, k, beta1,
+                                                                          beta2, eps, weight_decay, grad_norm, max_norm,
+                                                                          vec);
+    LAUNCH_CHECK(err, "adamw_kernel", "n=%zu", n);
+    return 0;
+}
+
+int ema_update_cuda(float *ema, const float *params, size_t n, const float *decay, cudaStream_t stream, char *err) {
     if (n == 0) return 0;
+    if (!decay) {
+        dit_set_error(err, "ema_update_cuda: the decay (a device float) is NULL");
+        return -1;
+    }
     if (check_grid_x("ema_update_cuda", n, BLOCK_SIZE, err)) return -1;
     ema_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(ema, params, n, decay,
                                                                      aligned16(ema) && aligned16(params));

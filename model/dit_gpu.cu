@@ -105,6 +105,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
     TAKE(ar, a->loss, 1); TAKE(ar, a->grad_sumsq, 1); TAKE(ar, a->grad_norm, 1);
+    TAKE(ar, m->step_constants, 1);
     TAKE(ar, m->pos_embed, (size_t)dit_tokens(c) * h);
     // gradients: the non-block ones, then one block's (accumulated ones contiguous)
     TAKE(ar, g->out, img); TAKE(ar, g->residual, BT * h); TAKE(ar, g->out_tokens, BT * P);
@@ -318,6 +319,14 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     bf16_views(&m->params, m->params_memory, m->params_bf16_memory, &m->weights);
     bf16_views(&m->params, m->params_memory, m->ema_bf16_memory, &m->ema_weights);
     activation_layout(m, (char *)m->acts_alloc);
+    if (cudaMallocHost(&m->step_constants_host, 2 * sizeof(OptimizerStepConstants)) != cudaSuccess ||
+        cudaEventCreateWithFlags(&m->step_copied[0], cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&m->step_copied[1], cudaEventDisableTiming) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create: the pinned step constants (cudaMallocHost) or their events "
+                           "(cudaEventCreateWithFlags): %s", cudaGetErrorString(cudaGetLastError()));
+        dit_gpu_free(m);
+        return -1;
+    }
     if (pos_embed_2d_cuda(m->pos_embed, cfg->image_size / cfg->patch, cfg->hidden, m->stream, err) != 0) {
         dit_gpu_free(m);
         return -1;
@@ -325,8 +334,23 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     return 0;
 }
 
+// Destroys the step's CUDA graph, if any (dit_gpu_train_step_graph).
+static int drop_step_graph(DitGpu *m, char *err) {
+    DitGpuStepGraph *sg = &m->step_graph;
+    if (sg->exec) CUDA_CHECK(err, cudaGraphExecDestroy(sg->exec), "cudaGraphExecDestroy of the step's graph");
+    sg->exec = NULL;
+    if (sg->graph) CUDA_CHECK(err, cudaGraphDestroy(sg->graph), "cudaGraphDestroy of the step's graph");
+    sg->graph = NULL;
+    return 0;
+}
+
 void dit_gpu_free(DitGpu *m) {
+    char err[DIT_ERR_LEN];
     if (m->stream) cudaStreamSynchronize(m->stream);
+    if (drop_step_graph(m, err) != 0) fprintf(stderr, "dit_gpu_free: %s\n", err);
+    cudaFreeHost(m->step_constants_host);
+    for (int i = 0; i < 2; i++)
+        if (m->step_copied[i]) cudaEventDestroy(m->step_copied[i]);
     cudaFree(m->params_alloc);
     cudaFree(m->acts_alloc);
     layers_cuda_destroy(&m->ctx);
@@ -1027,8 +1051,23 @@ int dit_gpu_grad_sumsq(DitGpu *m, char *err) {
     return sum_squares_cuda(m->acts.grad_sumsq, m->grads_memory + lo, hi - lo, &m->ctx, m->stream, err);
 }
 
-int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
-                   float grad_clip, float ema_decay, int step, char *err) {
+int dit_gpu_set_step(DitGpu *m, float lr, float beta1, float beta2, float ema_decay, int step, char *err) {
+    OptimizerStepConstants k;
+    TRY(optimizer_step_constants(&k, lr, beta1, beta2, step, ema_decay, err));
+    int i = m->step_next;
+    CUDA_CHECK(err, cudaEventSynchronize(m->step_copied[i]), "dit_gpu_set_step: entry %d's previous copy", i);
+    m->step_constants_host[i] = k;
+    CUDA_CHECK(err, cudaMemcpyAsync(m->step_constants, &m->step_constants_host[i], sizeof(k), cudaMemcpyHostToDevice,
+                                    m->stream), "copy of the step constants (step %d)", step);
+    CUDA_CHECK(err, cudaEventRecord(m->step_copied[i], m->stream), "record the copy of the step constants (step %d)", step);
+    m->step_next = 1 - i;
+    return 0;
+}
+
+// dit_gpu_update's kernels, after dit_gpu_set_step: the norm, AdamW and EMA, reading the step's
+// values from m->step_constants (what the step's graph captures).
+static int queue_optimizer(DitGpu *m, float beta1, float beta2, float eps, float weight_decay, float grad_clip,
+                           char *err) {
     cudaStream_t s = m->stream;
     TRY(sqrt_cuda(m->acts.grad_norm, m->acts.grad_sumsq, s, err));
     size_t lo, hi;
@@ -1053,13 +1092,91 @@ int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, flo
         float wd = info[i].ndim >= 2 ? weight_decay : 0.0f;
         if (o < end)
             status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
-                                       m->adam_m_memory + o, m->adam_v_memory + o, end - o, lr, beta1, beta2, eps, wd,
-                                       m->acts.grad_norm, grad_clip, step, s, err);
+                                       m->adam_m_memory + o, m->adam_v_memory + o, end - o, m->step_constants, beta1,
+                                       beta2, eps, wd, m->acts.grad_norm, grad_clip, s, err);
         i = j;
     }
     free(info);
     TRY(status);
-    return ema_update_cuda(m->ema_memory + lo, m->params_memory + lo, hi - lo, ema_decay, s, err);
+    return ema_update_cuda(m->ema_memory + lo, m->params_memory + lo, hi - lo, &m->step_constants->ema_decay, s, err);
+}
+
+int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
+                   float grad_clip, float ema_decay, int step, char *err) {
+    TRY(dit_gpu_set_step(m, lr, beta1, beta2, ema_decay, step, err));
+    return queue_optimizer(m, beta1, beta2, eps, weight_decay, grad_clip, err);
+}
+
+// ---- the training step as a CUDA graph ----------------------------------------------------
+
+// What the graph holds: train_dit's eager calls from the forward to the update, without the
+// copy of the step constants (dit_gpu_set_step, before the launch).
+static int queue_train_step(DitGpu *m, int B, const DitGpuStepKey *k, char *err) {
+    return (dit_gpu_forward(m, &m->weights, B, err) || dit_gpu_loss(m, B, err) || dit_gpu_zero_grad(m, err) ||
+            dit_gpu_backward(m, B, err) || dit_gpu_grad_sumsq(m, err) ||
+            queue_optimizer(m, k->beta1, k->beta2, k->eps, k->weight_decay, k->grad_clip, err)) ? -1 : 0;
+}
+
+// Captures queue_train_step into m->step_graph and instantiates it. Global capture mode: any
+// call that cannot be captured (cudaMalloc, a synchronous copy or synchronization), from this
+// thread or another, fails the capture instead of running outside the graph.
+static int capture_step_graph(DitGpu *m, int B, char *err) {
+    DitGpuStepGraph *sg = &m->step_graph;
+    CUDA_CHECK(err, cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeGlobal),
+               "dit_gpu_train_step_graph: cudaStreamBeginCapture (batch %d)", B);
+    char body_err[DIT_ERR_LEN] = "";
+    int body = queue_train_step(m, B, &sg->key, body_err);
+    cudaGraph_t graph = NULL;
+    cudaError_t end = cudaStreamEndCapture(m->stream, &graph);   // always: the stream leaves capture mode
+    if (body != 0 || end != cudaSuccess) {
+        if (graph) cudaGraphDestroy(graph);
+        dit_set_error(err, "dit_gpu_train_step_graph: capturing the training step (batch %d) failed: %s; "
+                           "cudaStreamEndCapture: %s", B, body != 0 ? body_err : "every call succeeded",
+                      cudaGetErrorString(end));
+        return -1;
+    }
+    sg->graph = graph;
+    CUDA_CHECK(err, cudaGraphInstantiate(&sg->exec, graph, 0), "dit_gpu_train_step_graph: cudaGraphInstantiate "
+               "(batch %d)", B);
+    sg->captures++;
+    return 0;
+}
+
+int dit_gpu_train_step_graph(DitGpu *m, int B, float lr, float beta1, float beta2, float eps, float weight_decay,
+                             float grad_clip, float ema_decay, int step, char *err) {
+    TRY(check_batch(m, B, "dit_gpu_train_step_graph", err));
+    if (sp_size(m) > 1 || m->shards > 1) {
+        dit_set_error(err, "dit_gpu_train_step_graph: one GPU only (this model: sequence parallel over %d ranks, %d "
+                           "optimizer shards); several ranks run the step eagerly", sp_size(m), m->shards);
+        return -1;
+    }
+    DitGpuStepKey key;
+    memset(&key, 0, sizeof(key));   // compared with memcmp
+    key.B = B;
+    key.sage = m->sage;
+    key.sage_deterministic = sage_backward_deterministic();
+    key.flash_deterministic = flash_backward_deterministic();
+    key.beta1 = beta1;
+    key.beta2 = beta2;
+    key.eps = eps;
+    key.weight_decay = weight_decay;
+    key.grad_clip = grad_clip;
+    DitGpuStepGraph *sg = &m->step_graph;
+    if (memcmp(&key, &sg->key, sizeof(key)) != 0) {   // something the graph baked in changed
+        TRY(drop_step_graph(m, err));
+        sg->key = key;
+        sg->warm = 0;
+    }
+    TRY(dit_gpu_set_step(m, lr, beta1, beta2, ema_decay, step, err));
+    if (!sg->warm) {
+        sg->warm = 1;
+        return queue_train_step(m, B, &key, err);
+    }
+    if (!sg->exec) TRY(capture_step_graph(m, B, err));
+    CUDA_CHECK(err, cudaGraphLaunch(sg->exec, m->stream), "dit_gpu_train_step_graph: cudaGraphLaunch (step %d, batch %d)",
+               step, B);
+    sg->launches++;
+    return 0;
 }
 
 int dit_gpu_queue_scalars(DitGpu *m, float *loss, float *grad_norm, cudaEvent_t done, char *err) {

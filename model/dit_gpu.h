@@ -104,6 +104,26 @@ typedef struct {
     float *k_mean, *v_scale;           // (depth, B, H/U, D): sage under ring, kept for the backward
 } DitGpuSeqBuffers;
 
+// The training step as one CUDA graph (dit_gpu_train_step_graph). The key holds everything its
+// kernels were captured with that may change between calls; the pointers (one allocation each
+// for parameters and activations, fixed at create), the attention kind and its P·V format
+// (fixed at create) and the kernel choices read from the environment once per process
+// (DIT_SAGE_MMA_SYNC, ...) cannot.
+typedef struct {
+    int B;
+    SageConfig sage;                   // rotate may be set any time
+    int sage_deterministic, flash_deterministic;   // the attention backwards' process-wide switches
+    float beta1, beta2, eps, weight_decay, grad_clip;
+} DitGpuStepKey;
+
+typedef struct {
+    DitGpuStepKey key;                 // of the eager warm-up step and of the graph captured after it
+    int warm;                          // a step with `key` has run eagerly (lazy initialisations done)
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;              // NULL until captured
+    int captures, launches;            // counts, for the tests
+} DitGpuStepGraph;
+
 typedef struct {
     DitConfig cfg;
     size_t num_params;
@@ -142,6 +162,14 @@ typedef struct {
     bf16 *pos_embed;                   // (T, h), fixed
     LayersCuda ctx;
     cudaStream_t stream;
+    // The optimizer's per-step values (lr, bias corrections, EMA decay), which its kernels read
+    // from the device: dit_gpu_set_step copies them from two pinned host entries used in turn,
+    // each reused once its previous copy has run (the event step_copied[i] says so).
+    OptimizerStepConstants *step_constants;       // device, in the activations' allocation
+    OptimizerStepConstants *step_constants_host;  // pinned, 2 entries
+    cudaEvent_t step_copied[2];
+    int step_next;                                // the entry the next dit_gpu_set_step fills
+    DitGpuStepGraph step_graph;
 } DitGpu;
 
 // Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE or
@@ -182,16 +210,29 @@ int dit_gpu_zero_grad(DitGpu *m, char *err);
 int dit_gpu_backward(DitGpu *m, int B, char *err);
 // The optimizer step, in two parts around the sum over the ranks of the slices' squares (ZeRO-1,
 // model/zero.h; one GPU: nothing between them). dit_gpu_grad_sumsq: acts.grad_sumsq = Σ g² over
-// this rank's slice. dit_gpu_update: acts.grad_norm = sqrt(acts.grad_sumsq); on the slice only,
-// AdamW (weight decay on tensors with ndim ≥ 2) with the clip scale min(1, grad_clip/(norm +
-// 1e-6)) read on the device (grad_clip 0: off) and the bf16 weights; then ema = ema_decay·ema +
-// (1 - ema_decay)·params. The other slices' fp32 state and bf16 weights are left as they were.
+// this rank's slice. dit_gpu_update: dit_gpu_set_step, then acts.grad_norm = sqrt(acts.grad_sumsq);
+// on the slice only, AdamW (weight decay on tensors with ndim ≥ 2) with the clip scale min(1,
+// grad_clip/(norm + 1e-6)) read on the device (grad_clip 0: off) and the bf16 weights; then ema =
+// ema_decay·ema + (1 - ema_decay)·params. The other slices' fp32 state and bf16 weights are left
+// as they were.
 int dit_gpu_grad_sumsq(DitGpu *m, char *err);
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
                    float grad_clip, float ema_decay, int step, char *err);
-// Queues copies of the last loss and gradient norm (either may be NULL) into host memory, then
-// records done (if not NULL). With pinned host memory the copies are asynchronous: the values
-// are there once done has completed.
+// Queues the copy of the optimizer's per-step values (lr, the bias corrections of `step`,
+// ema_decay: OptimizerStepConstants, computed on the host) to m->step_constants, which the
+// AdamW and EMA kernels read. Eager only: never inside a capture.
+int dit_gpu_set_step(DitGpu *m, float lr, float beta1, float beta2, float ema_decay, int step, char *err);
+// One GPU (no sequence parallelism, no optimizer shards): the training step's work after
+// dit_gpu_set_flow_batch (forward, loss, zero-grad, backward, Σ g², AdamW, EMA: the kernels of
+// dit_gpu_forward … dit_gpu_update, with the same arguments) as one CUDA graph on m->stream.
+// dit_gpu_set_step runs first, eagerly, so every replay reads its own step's values. The first
+// call with a given DitGpuStepKey (batch, SageConfig, deterministic switches, optimizer
+// constants) runs the step eagerly (cuBLASLt and the kernels' lazy set-up); the next captures it
+// (cudaStreamCaptureModeGlobal) and instantiates the graph; later calls with that key replay it,
+// and a call with another key drops it and starts again. The results are bitwise those of the
+// eager calls. The graph is destroyed by dit_gpu_free.
+int dit_gpu_train_step_graph(DitGpu *m, int B, float lr, float beta1, float beta2, float eps, float weight_decay,
+                             float grad_clip, float ema_decay, int step, char *err);
 int dit_gpu_queue_scalars(DitGpu *m, float *loss, float *grad_norm, cudaEvent_t done, char *err);
 // Waits for the queued work and reads the last loss and gradient norm (either may be NULL).
 int dit_gpu_read_scalars(DitGpu *m, float *loss, float *grad_norm, char *err);

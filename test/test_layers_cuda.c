@@ -556,7 +556,10 @@ Test(cuda, optimizer) {
     adamw_update(p, g, m, v, n, lr, 0.9f, 0.95f, 1e-8f, 0.1f, clip_grad_scale(norm, max_norm), 3);
     float *d_p = upload_f32(p0, n), *d_m = upload_f32(m0, n), *d_v = upload_f32(v0, n);
     bf16 *d_pbf = poisoned(n * sizeof(bf16));
-    OK(adamw_update_cuda(d_p, d_pbf, d_g, d_m, d_v, n, lr, 0.9f, 0.95f, 1e-8f, 0.1f, d_norm, max_norm, 3, 0, err));
+    OptimizerStepConstants k;
+    OK(optimizer_step_constants(&k, lr, 0.9f, 0.95f, 3, 0.999f, err));
+    const OptimizerStepConstants *d_k = (const OptimizerStepConstants *)upload_f32((const float *)&k, 4);
+    OK(adamw_update_cuda(d_p, d_pbf, d_g, d_m, d_v, n, d_k, 0.9f, 0.95f, 1e-8f, 0.1f, d_norm, max_norm, 0, err));
     float *gp = download_f32(d_p, n);
     EXPECT_CLOSE(gp, p, n, TOL_F32, "adamw params");
     EXPECT_CLOSE(download_f32(d_m, n), m, n, TOL_F32, "adamw m");
@@ -572,7 +575,7 @@ Test(cuda, optimizer) {
 
     float *ema = copy_floats(p0, n), *d_ema = upload_f32(p0, n);
     ema_update(ema, p, n, 0.999f);
-    OK(ema_update_cuda(d_ema, d_p, n, 0.999f, 0, err));
+    OK(ema_update_cuda(d_ema, d_p, n, &d_k->ema_decay, 0, err));
     EXPECT_CLOSE(download_f32(d_ema, n), ema, n, TOL_F32, "ema");
 
     // a parameter group that starts one element in (not 16-byte aligned): the element-wise path
@@ -580,15 +583,17 @@ Test(cuda, optimizer) {
     p = copy_floats(p0, n), m = copy_floats(m0, n), v = copy_floats(v0, n);
     adamw_update(p + 1, g + 1, m + 1, v + 1, n1, lr, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 2);
     d_p = upload_f32(p0, n), d_m = upload_f32(m0, n), d_v = upload_f32(v0, n);
-    OK(adamw_update_cuda(d_p + 1, d_pbf + 1, d_g + 1, d_m + 1, d_v + 1, n1, lr, 0.9f, 0.95f, 1e-8f, 0.1f, NULL, 0.0f, 2,
-                         0, err));
+    OK(optimizer_step_constants(&k, lr, 0.9f, 0.95f, 2, 0.99f, err));
+    d_k = (const OptimizerStepConstants *)upload_f32((const float *)&k, 4);
+    OK(adamw_update_cuda(d_p + 1, d_pbf + 1, d_g + 1, d_m + 1, d_v + 1, n1, d_k, 0.9f, 0.95f, 1e-8f, 0.1f, NULL, 0.0f, 0,
+                         err));
     gp = download_f32(d_p, n);
     EXPECT_CLOSE(gp + 1, p + 1, n1, TOL_F32, "adamw params (unaligned group)");
     EXPECT_CLOSE(download_f32(d_v, n) + 1, v + 1, n1, TOL_F32, "adamw v (unaligned group)");
     EXPECT_EXACT_BF16(download_bf16(d_pbf, n) + 1, gp + 1, n1, "adamw bf16 copy (unaligned group)");
     ema = copy_floats(p0, n), d_ema = upload_f32(p0, n);
     ema_update(ema + 1, p + 1, n1, 0.99f);
-    OK(ema_update_cuda(d_ema + 1, d_p + 1, n1, 0.99f, 0, err));
+    OK(ema_update_cuda(d_ema + 1, d_p + 1, n1, &d_k->ema_decay, 0, err));
     EXPECT_CLOSE(download_f32(d_ema, n) + 1, ema + 1, n1, TOL_F32, "ema (unaligned)");
     norm = global_norm(g + 1, n1);
     OK(sum_squares_cuda(d_norm, d_g + 1, n1, &ctx, 0, err));

@@ -1,10 +1,12 @@
 // The whole DiT on the CPU: DiT's zero-output initialization, finite-difference checks of every
-// parameter tensor's gradient, checkpoint round trip and bad checkpoints, and bit-identical resume.
+// parameter tensor's gradient, checkpoint round trip and bad checkpoints, bit-identical resume, and
+// train_dit's --cuda-graph flag.
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include "layers/common.h"
 #include "layers/layers.h"
@@ -313,4 +315,37 @@ Test(trainer, resume_gives_bit_identical_losses, .timeout = 300) {
     for (int i = 0; i < 6; i++) cr_assert_str_eq(resumed[i], full[i], "step %d", i + 1);
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     cr_assert_eq(system(cmd), 0);
+}
+
+// ./train_dit with args; returns its exit status and its output (stdout and stderr) in out.
+static int run_train_dit(const char *args, char *out, size_t cap) {
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "./train_dit %s 2>&1", args);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p, "%s", cmd);
+    size_t n = fread(out, 1, cap - 1, p);
+    out[n] = 0;
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// --cuda-graph takes on or off; on is refused where there is no single-GPU step to capture
+// (--device cpu here; with several ranks and with --dump-parity alike); off trains on the CPU.
+Test(trainer, cuda_graph_flag, .timeout = 120) {
+    if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
+    char out[8192], dir[200], args[512];
+    cr_assert_eq(run_train_dit("--cuda-graph maybe --data synthetic", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "--cuda-graph: expected on or off, got 'maybe'"), "%s", out);
+    cr_assert_eq(run_train_dit("--device cpu --cuda-graph on --data synthetic", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "--cuda-graph on") && strstr(out, "--device cpu"), "%s", out);
+    cr_assert_eq(run_train_dit("--cuda-graph", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "missing value"), "%s", out);
+    temp_path(dir, sizeof(dir), "graph_off");
+    snprintf(args, sizeof(args), "--device cpu --cuda-graph off --data synthetic --model tiny --image-size 16 --patch 4 "
+             "--batch 2 --steps 1 --sample-every 0 --ckpt-every 0 --out %s", dir);
+    cr_assert_eq(run_train_dit(args, out, sizeof(out)), 0, "%s", out);
+    cr_expect(strstr(out, "step     1/1"), "%s", out);
+    cr_expect(!strstr(out, "CUDA graph"), "%s", out);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    cr_assert_eq(system(args), 0);
 }
