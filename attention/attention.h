@@ -153,6 +153,7 @@ void hadamard_rotate(float *x, size_t rows, int D);
 
 // Rounding helpers of the definition (also used by tests).
 float round_to_e4m3(float x);   // nearest-even, saturating at ±448
+float round_to_e5m2(float x);   // nearest-even, saturating at ±57344
 float round_to_fp16(float x);   // nearest-even
 
 #ifdef __cplusplus

@@ -1,6 +1,6 @@
 // Sage attention on the CPU: the executable form of the bit-level definition in attention.h
 // (K smoothing, INT8 Q/K per token block, online base-2 softmax over key blocks, FP8 or FP16
-// P·V with two-level accumulation), its backward, and the e4m3 / fp16 rounding helpers.
+// P·V with two-level accumulation), its backward, and the e4m3 / e5m2 / fp16 rounding helpers.
 // The steps are exported one by one (quantizers, then attention on quantized inputs) so that
 // ring attention runs the same code on shards with the global k_mean and v_scale; sage_forward
 // and sage_backward are their composition.
@@ -25,6 +25,20 @@ float round_to_e4m3(float x) {
     // scaling by powers of two is exact, so rintf (nearest-even) does the rounding
     float r = ldexpf(rintf(ldexpf(ax, -step_exp)), step_exp);
     return copysignf(r, x);                           // r <= 448: 448 is 14·2^5, ax/2^5 < 14
+}
+
+// Nearest float8 e5m2 value (OCP: 5 exponent bits with bias 15, 2 mantissa bits, subnormals in
+// steps of 2^-16, largest finite 57344), ties to even mantissa. |x| >= 57344 saturates to
+// ±57344 (the GPU's .satfinite conversion); NaN stays NaN.
+float round_to_e5m2(float x) {
+    if (isnan(x)) return x;
+    float ax = fabsf(x);
+    if (ax >= 57344.0f) return copysignf(57344.0f, x);
+    int e;
+    frexpf(ax, &e);
+    int step_exp = (e - 1 < -14 ? -14 : e - 1) - 2;
+    float r = ldexpf(rintf(ldexpf(ax, -step_exp)), step_exp);
+    return copysignf(r, x);                           // r <= 57344: 57344 is 7·2^13, ax/2^13 < 7
 }
 
 // Nearest IEEE binary16 value (10 mantissa bits, subnormals in steps of 2^-24, largest finite
