@@ -6,7 +6,8 @@
 // copies each call writes), so that GEMM time = call − quantization. TFLOP/s count 2·M·IC·OC per
 // GEMM (forward 1 GEMM, backward 2); the quantization's bytes are its minimum traffic
 // (amax: read 2 B/element; quantize: read 2, write 1 per copy). The per-step lines multiply by
-// config c's depth 4 (one forward and one backward of each linear per block).
+// config c's depth 4 (one forward and one backward of each linear per block). Last, the FP8 GEMM
+// alone at the forward shapes with fast accumulation off (as the layer) and on.
 //
 // Build: see dev/linear_fp8_gpu.sh prepare.  Run: bench_linear_fp8 [grad_format: e5m2 | e4m3]
 #include <stdio.h>
@@ -114,6 +115,71 @@ static void quant_backward(Case *c) {
 
 typedef struct { double bf16_f, bf16_b, fp8_f, fp8_b, qf, qb; } Times;
 
+// The FP8 GEMM alone as the layer's forward issues it (outᵀ (m, n) = Aᵀ·B, A (k, m), B (k, n)
+// e4m3, unit scales, bf16 out), FAST_ACCUM off (the layer) or on (Transformer Engine's forward
+// setting): median ms.
+static double raw_fp8_gemm_ms(int m, int n, int k, int8_t fast_accum) {
+    uint8_t *a, *b;
+    bf16 *d;
+    float *one;
+    const float h_one = 1.0f;
+    CK(cudaMalloc((void **)&a, (size_t)k * m));
+    CK(cudaMalloc((void **)&b, (size_t)k * n));
+    CK(cudaMalloc((void **)&d, (size_t)m * n * sizeof(bf16)));
+    CK(cudaMalloc((void **)&one, sizeof(float)));
+    CK(cudaMemset(a, 0x38, (size_t)k * m));   // e4m3 1.0
+    CK(cudaMemset(b, 0x38, (size_t)k * n));
+    CK(cudaMemcpy(one, &h_one, sizeof h_one, cudaMemcpyHostToDevice));
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatmulPreference_t pref;
+    cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+    uint64_t ws = ctx.lt_workspace_bytes;
+    float alpha = 1.0f, beta = 0.0f;
+#define LT(call) do { cublasStatus_t s_ = (call); if (s_ != CUBLAS_STATUS_SUCCESS) { \
+        fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cublasLtGetStatusString(s_)); exit(1); } } while (0)
+    LT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof fast_accum));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &one, sizeof one));
+    LT(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &one, sizeof one));
+    LT(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, k, m, k));
+    LT(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, k, n, k));
+    LT(cublasLtMatrixLayoutCreate(&ld, CUDA_R_16BF, m, n, m));
+    LT(cublasLtMatmulPreferenceCreate(&pref));
+    LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    LT(cublasLtMatmulAlgoGetHeuristic(ctx.lt, desc, la, lb, ld, ld, pref, 1, &heur, &found));
+    if (!found) {
+        fprintf(stderr, "raw_fp8_gemm_ms: no algorithm\n");
+        exit(1);
+    }
+    cudaEvent_t start, stop;
+    CK(cudaEventCreate(&start));
+    CK(cudaEventCreate(&stop));
+    float ms[REPEATS];
+    for (int i = 0; i < WARMUP + REPEATS; i++) {
+        CK(cudaEventRecord(start, 0));
+        LT(cublasLtMatmul(ctx.lt, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur.algo, ctx.lt_workspace,
+                          ctx.lt_workspace_bytes, 0));
+        CK(cudaEventRecord(stop, 0));
+        CK(cudaEventSynchronize(stop));
+        if (i >= WARMUP) CK(cudaEventElapsedTime(&ms[i - WARMUP], start, stop));
+    }
+#undef LT
+    qsort(ms, REPEATS, sizeof *ms, cmp_float);
+    CK(cudaEventDestroy(start));
+    CK(cudaEventDestroy(stop));
+    cublasLtMatmulPreferenceDestroy(pref);
+    cublasLtMatrixLayoutDestroy(ld), cublasLtMatrixLayoutDestroy(lb), cublasLtMatrixLayoutDestroy(la);
+    cublasLtMatmulDescDestroy(desc);
+    void *bufs[] = {a, b, d, one};
+    for (int i = 0; i < 4; i++) CK(cudaFree(bufs[i]));
+    return ms[REPEATS / 2];
+}
+
 static Times bench_layer(const char *name, int M, int IC, int OC) {
     Case c = {.M = M, .IC = IC, .OC = OC};
     size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
@@ -174,6 +240,12 @@ int main(int argc, char **argv) {
         Times t = bench_layer(layers[l].name, M, layers[l].IC, layers[l].OC);
         sum.bf16_f += t.bf16_f, sum.bf16_b += t.bf16_b, sum.fp8_f += t.fp8_f, sum.fp8_b += t.fp8_b;
         sum.qf += t.qf, sum.qb += t.qb;
+    }
+    printf("FP8 GEMM alone (forward layout, bf16 out), FAST_ACCUM off / on:\n");
+    for (int l = 0; l < 4; l++) {
+        int IC = layers[l].IC, OC = layers[l].OC;
+        double off = raw_fp8_gemm_ms(OC, M, IC, 0), on = raw_fp8_gemm_ms(OC, M, IC, 1), f = 2.0 * M * IC * OC / 1e9;
+        printf("  %-4s %7.3f ms %6.0f TFLOP/s | %7.3f ms %6.0f TFLOP/s\n", layers[l].name, off, f / off, on, f / on);
     }
     double bf16 = DEPTH * (sum.bf16_f + sum.bf16_b), fp8 = DEPTH * (sum.fp8_f + sum.fp8_b);
     double quant = DEPTH * (sum.qf + sum.qb);
