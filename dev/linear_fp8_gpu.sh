@@ -59,6 +59,10 @@ run() {
         timeout $t "$@" > $L/$name.log 2>&1
         echo "$name: rc=$? ($(tail -n 1 $L/$name.log))" | tee -a $L/summary.txt
     }
+    # cuBLASLt's own account of each call (session 6: every FP8 matmul returned "not supported"
+    # while the heuristic had found an algorithm)
+    step lt_log 15 env CUBLASLT_LOG_MASK=31 CUBLASLT_LOG_FILE=$L/cublaslt.%i.txt \
+        $D/test_linear_fp8_cuda --jobs 1 --filter 'linear_fp8/matches_cpu_definition'
     step tests 35 $D/test_linear_fp8_cuda --verbose --jobs 4
     # must FAIL (rc 1): quantize_matches_cpu and matches_cpu_definition
     step planted_scale 10 $D/test_linear_fp8_planted_scale --filter 'linear_fp8/*cpu*'
@@ -73,6 +77,8 @@ run() {
         grep -E 'FAIL|rel L2 error|differ' $L/planted_scale.log $L/planted_beta.log | head -20
         echo "== bench"
         cat $L/bench.log
+        echo "== cuBLASLt errors and warnings"
+        grep -h -i -E 'error|warn|not supported|\]\[Trace\]\[cublasLtMatmul\]' $L/cublaslt.*.txt 2>/dev/null | cut -c1-400 | head -20
     } > $L/report.txt
     cat $L/summary.txt $L/report.txt
     mkdir -p $O && cp $L/summary.txt $L/report.txt $O/ && tar czf $O/linear_fp8_logs.tgz -C $L .

@@ -112,10 +112,11 @@ int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int 
 }
 
 // ---- workspace -----------------------------------------------------------------------------
-// [0, 256): amax[3] and scale[3] (inp, weight, dout); then the fp8 copies, each 256-byte aligned:
+// [0, 256): amax and scale of inp, weight, dout, each float in its own 16-byte slot (cuBLASLt's
+// scale pointers are given 16-byte alignment); then the fp8 copies, each 256-byte aligned:
 // forward inp_q (M, IC), w_q (OC, IC); backward (the same bytes) dout_q (M, OC), dout_qt (OC, M),
 // inp_qt (IC, M), w_qt (IC, OC).
-enum { T_INP, T_WEIGHT, T_DOUT };
+enum { T_INP = 0, T_WEIGHT = 4, T_DOUT = 8 };   // float offsets: one 16-byte slot each
 static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 
 size_t linear_fp8_workspace_bytes(int M, int IC, int OC) {
@@ -125,7 +126,7 @@ size_t linear_fp8_workspace_bytes(int M, int IC, int OC) {
 }
 
 typedef struct {
-    float *amax, *scale;   // 3 each, indexed T_INP, T_WEIGHT, T_DOUT
+    float *amax, *scale;   // indexed T_INP, T_WEIGHT, T_DOUT
     uint8_t *next;         // the next free byte of the fp8 copies
 } Workspace;
 
@@ -153,7 +154,7 @@ static int check_args(const char *fn, const bf16 *inp, const bf16 *weight, const
         return -1;
     }
     ws->amax = (float *)workspace;
-    ws->scale = ws->amax + 4;
+    ws->scale = ws->amax + 16;
     ws->next = (uint8_t *)workspace + 256;
     return 0;
 }
