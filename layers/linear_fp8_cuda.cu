@@ -112,17 +112,20 @@ int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int 
 }
 
 // ---- workspace -----------------------------------------------------------------------------
-// [0, 256): amax and scale of inp, weight, dout, each float in its own 16-byte slot (cuBLASLt's
-// scale pointers are given 16-byte alignment); then the fp8 copies, each 256-byte aligned:
-// forward inp_q (M, IC), w_q (OC, IC); backward (the same bytes) dout_q (M, OC), dout_qt (OC, M),
-// inp_qt (IC, M), w_qt (IC, OC).
-enum { T_INP = 0, T_WEIGHT = 4, T_DOUT = 8 };   // float offsets: one 16-byte slot each
+// [0, HEADER_BYTES): amax and scale of inp, weight, dout, each float alone in a 256-byte slot (the
+// alignment cudaMalloc gives, as in NVIDIA's FP8 samples: cuBLASLt reads the scales through
+// device pointers, and session 6's 4-byte-aligned weight scale came with "not supported"); then
+// the fp8 copies, each 256-byte aligned: forward inp_q (M, IC), w_q (OC, IC); backward (the same
+// bytes) dout_q (M, OC), dout_qt (OC, M), inp_qt (IC, M), w_qt (IC, OC).
+#define SLOT_FLOATS 64                          // 256 bytes
+#define HEADER_BYTES (6 * SLOT_FLOATS * 4)      // amax[3], scale[3]
+enum { T_INP = 0, T_WEIGHT = SLOT_FLOATS, T_DOUT = 2 * SLOT_FLOATS };   // float offsets of the slots
 static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 
 size_t linear_fp8_workspace_bytes(int M, int IC, int OC) {
     size_t mi = round256((size_t)M * IC), mo = round256((size_t)M * OC), io = round256((size_t)IC * OC);
     size_t forward = mi + io, backward = 2 * mo + mi + io;
-    return 256 + (forward > backward ? forward : backward);
+    return HEADER_BYTES + (forward > backward ? forward : backward);
 }
 
 typedef struct {
@@ -154,15 +157,27 @@ static int check_args(const char *fn, const bf16 *inp, const bf16 *weight, const
         return -1;
     }
     ws->amax = (float *)workspace;
-    ws->scale = ws->amax + 16;
-    ws->next = (uint8_t *)workspace + 256;
+    ws->scale = ws->amax + 3 * SLOT_FLOATS;
+    ws->next = (uint8_t *)workspace + HEADER_BYTES;
     return 0;
 }
 
 // ---- FP8 matmul ----------------------------------------------------------------------------
+// Largest power of two (<= 256) dividing the address (cuBLASLt's heuristic assumes 256 unless told).
+static uint32_t alignment_of(const void *p) {
+    uint32_t align = 256;
+    while (align > 1 && (uintptr_t)p % align) align >>= 1;
+    return align;
+}
+
 // D (m, n) = scale_a·scale_b·Aᵀ·B + beta·D, column-major; A (k, m) and B (k, n) fp8, both with K
 // contiguous (lda = ldb = k), fp32 accumulation (FAST_ACCUM off), D (and C) of d_type (bf16 or fp32);
 // bias: an m-long bf16 vector added to each column in the epilogue (NULL: none).
+// cuBLAS's FP8 rules (cublasLtMatmul, "To use FP8 kernels ..."), all met here: A transposed and B
+// not ("TN"), CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, every matrix pointer 16-byte aligned and
+// the dimensions multiples of 16 (checked by the callers); the type table's rows used: A e4m3 with
+// B e4m3 or e5m2, C = D bf16 with a bf16 bias, or C = D fp32 without a bias. Tensor-wide scales
+// (the default scale mode) through device pointers, each 256-byte aligned.
 static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaDataType_t a_type, const float *scale_a,
                       const uint8_t *b, cudaDataType_t b_type, const float *scale_b, int m, int n, int k, float beta,
                       const bf16 *bias, const char *what, const LayersCuda *ctx, cudaStream_t stream, char *err) {
@@ -177,12 +192,19 @@ static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaData
     int32_t bf16_type = CUDA_R_16BF;
     int8_t fast_accum = 0;
     uint64_t workspace_bytes = ctx->lt_workspace_bytes;
-    uint32_t align_d = 256;   // the real alignment of D (an fp8 operand is 256-byte aligned)
-    while (align_d > 1 && (uintptr_t)d % align_d) align_d >>= 1;
+    uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
     float alpha = 1.0f;
+    // every pointer's alignment, for the messages (cuBLASLt answers a misaligned one with "not supported")
+    char where[160];
+    snprintf(where, sizeof where, "m=%d n=%d k=%d; alignment A %u B %u D %u bias %u scales %u %u", m, n, k, align_a,
+             align_b, align_d, bias ? alignment_of(bias) : 0, alignment_of(scale_a), alignment_of(scale_b));
+    if (align_a < 16 || align_b < 16 || align_d < 16 || (bias && alignment_of(bias) < 16)) {
+        dit_set_error(err, "%s:%d: %s: FP8 GEMMs need 16-byte aligned matrices and bias (%s)", __FILE__, __LINE__,
+                      what, where);
+        return -1;
+    }
 
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "%s (%s)", what, where);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
@@ -207,21 +229,25 @@ static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaData
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceCreate(&pref), "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes),
                         "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b),
+                        "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
-                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+                        "%s (%s)", what, where);
     if (found == 0) {
-        dit_set_error(err, "%s:%d: cuBLASLt has no FP8 algorithm for %s (m=%d n=%d k=%d; FP8 needs sm_89+)",
-                      __FILE__, __LINE__, what, m, n, k);
+        dit_set_error(err, "%s:%d: cuBLASLt has no FP8 algorithm for %s (%s; FP8 needs sm_89+)",
+                      __FILE__, __LINE__, what, where);
         status = -1;
         goto cleanup;
     }
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmul(ctx->lt, desc, &alpha, a, layout_a, b, layout_b, &beta, d, layout_d,
                                             d, layout_d, &heuristic.algo, ctx->lt_workspace, ctx->lt_workspace_bytes, stream),
-                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+                        "%s (%s; CUBLASLT_LOG_MASK=31 logs cuBLASLt's reason)", what, where);
 cleanup:
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (layout_d) cublasLtMatrixLayoutDestroy(layout_d);
@@ -248,17 +274,24 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
                       ws.scale + T_INP, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
 }
 
-int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
-                             const bf16 *dout, const bf16 *inp, const bf16 *weight,
-                             int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
-                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
+int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                                 int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                                 const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, workspace, workspace_bytes, ctx, stream, err))
+        return -1;
+    return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, stream, err);
+}
+
+// dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight += doutᵀ·inp; dbias += Σ_m dout.
+static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float *dbias, const bf16 *dout,
+                    const bf16 *inp, const bf16 *weight, int M, int IC, int OC, Fp8Format grad_format,
+                    void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
-        dit_set_error(err, "linear_fp8_backward_cuda: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", (int)grad_format);
+        dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
         return -1;
     }
-    if (check_args("linear_fp8_backward_cuda", inp, weight, dout, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err))
-        return -1;
+    if (check_args(fn, inp, weight, dout, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err)) return -1;
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)M * OC);
     uint8_t *inp_qt = take(&ws, (size_t)M * IC), *w_qt = take(&ws, (size_t)IC * OC);
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
@@ -267,16 +300,34 @@ int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
     if (quantize(NULL, inp_qt, ws.scale + T_INP, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err)) return -1;
     char what[128];
     if (dinp) {
-        // dinpᵀ (IC, M) += scale_w·scale_dout·w_qt·dout_qᵀ (beta = 1 accumulates into the bf16 gradient)
+        // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
         if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, ws.amax + T_WEIGHT, stream, err))
             return -1;
-        snprintf(what, sizeof what, "linear fp8 backward dinp M=%d IC=%d OC=%d", M, IC, OC);
+        snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
-                       ws.scale + T_DOUT, IC, M, OC, 1.0f, NULL, what, ctx, stream, err)) return -1;
+                       ws.scale + T_DOUT, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
     }
     // dWᵀ (IC, OC) += scale_inp·scale_dout·inp_qt·dout_qtᵀ in fp32 (beta = 1)
-    snprintf(what, sizeof what, "linear fp8 backward dweight M=%d IC=%d OC=%d", M, IC, OC);
+    snprintf(what, sizeof what, "%s: dweight M=%d IC=%d OC=%d", fn, M, IC, OC);
     if (fp8_matmul(dweight, CUDA_R_32F, inp_qt, CUDA_R_8F_E4M3, ws.scale + T_INP, dout_qt, grad_type,
                    ws.scale + T_DOUT, IC, OC, M, 1.0f, NULL, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
+}
+
+int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+                             const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                             int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
+                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    return backward("linear_fp8_backward_cuda", dinp, 1.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
+                    grad_format, workspace, workspace_bytes, ctx, stream, err);
+}
+
+int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+                                   const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight,
+                                   int M, int IC, int OC, Fp8Format grad_format, void *workspace,
+                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place
+    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
+                 grad_format, workspace, workspace_bytes, ctx, stream, err)) return -1;
+    return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, stream, err);
 }

@@ -26,6 +26,13 @@ size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                             int M, int IC, int OC, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
+// The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
+// output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
+// FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet
+// checked on a GPU: dev/notes_linear_fp8.md).
+int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                                 int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                                 const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout (from the bf16
 // dout, as linear_backward_cuda). dout is quantized to grad_format (FP8_E5M2 as Transformer
 // Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and dbias may be NULL; dbias
@@ -34,6 +41,14 @@ int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
                              const bf16 *dout, const bf16 *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// The MLP's second layer as linear_dgelu_backward_cuda: dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
+// is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight, dbias
+// accumulate as in linear_fp8_backward_cuda.
+int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+                                   const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight,
+                                   int M, int IC, int OC, Fp8Format grad_format, void *workspace,
+                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
 // -> q (R, C) and/or qt (C, R) = fp8(x·2^-e) (either may be NULL), *scale = 2^e (a device float),

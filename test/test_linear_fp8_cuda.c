@@ -1,9 +1,9 @@
 // Tests of the FP8 linear layer (layers/linear_fp8_cuda.h):
 // - the quantization kernel bit-exact against the CPU definition (layers/fp8.h, round_to_e4m3 /
 //   round_to_e5m2): the same scale, the same fp8 value for every element, row-major and transposed;
-// - forward and backward against the CPU FP8 definition (linear_fp8_forward / _backward): the
-//   products are the same exact fp8 products, only the fp32 summation order and the bf16 output
-//   rounding differ (TOL_OUT 5e-3 for bf16 outputs, TOL_GEMM_F32 1e-3 for the fp32 weight
+// - forward and backward, and the MLP's forward+GELU / backward+dGELU, against the CPU FP8
+//   definition (linear_fp8_forward / _backward, gelu_forward / _backward): the products are the
+//   same exact fp8 products, only the fp32 summation order and the bf16 output rounding differ (TOL_OUT 5e-3 for bf16 outputs, TOL_GEMM_F32 1e-3 for the fp32 weight
 //   gradient's increment, TOL_F32 1e-5 for dbias);
 // - against the bf16 linear layer at config c's IC × OC (M = 4096 tokens) on realistic operands
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
@@ -254,6 +254,36 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
     snprintf(name, sizeof name, "fp8 backward (%s, dweight only) M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(dw, dw_inc, nw, TOL_GEMM_F32, name);
+
+    // the MLP's layers: forward with GELU (pre_gelu kept), backward with dGELU (dpre written over
+    // poison) against the CPU definition followed by gelu_forward / gelu_backward
+    float *act_ref = host_floats(ny);
+    linear_fp8_forward(y_ref, x, w, b, M, IC, OC);
+    gelu_forward(act_ref, y_ref, ny);
+    bf16 *d_act = poisoned(ny * sizeof(bf16));
+    CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
+    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, workspace, workspace_bytes, &ctx, 0, err));
+    snprintf(name, sizeof name, "fp8 forward+GELU pre-activation M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
+    snprintf(name, sizeof name, "fp8 forward+GELU output M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_act, ny), act_ref, ny, TOL_OUT, name);
+    float *pre = randn_bf16(&rng, nx, 1.0f), *dpre_ref = host_floats(nx);
+    float *dx_only = host_floats(nx), *dw_unused = host_floats(nw);
+    linear_fp8_backward(dx_only, dw_unused, NULL, dy, x, w, M, IC, OC, grad_format);
+    gelu_backward(dpre_ref, pre, dx_only, nx);
+    bf16 *d_dpre = poisoned(nx * sizeof(bf16));
+    CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
+    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, d_x, upload_bf16(pre, nx), d_w, M, IC, OC, grad_format,
+                                      workspace, workspace_bytes, &ctx, 0, err));
+    snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
+    dw = download_f32(d_dw, nw);
+    for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
+    snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dweight increment M=%d IC=%d OC=%d", g, M, IC, OC);
+    EXPECT_CLOSE(dw, dw_inc, nw, TOL_GEMM_F32, name);
+    snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dbias M=%d IC=%d OC=%d", g, M, IC, OC);
+    EXPECT_CLOSE(download_f32(d_db, OC), db, OC, TOL_F32, name);
 }
 
 Test(linear_fp8, matches_cpu_definition) {
@@ -338,4 +368,7 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, p, p, p, 64, 64, 64, FP8_E4M3, ws, need - 1,
+                                                &fake, 0, err), -1);
+    cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
 }
