@@ -314,3 +314,34 @@ Test(trainer, resume_gives_bit_identical_losses, .timeout = 300) {
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     cr_assert_eq(system(cmd), 0);
 }
+
+// Runs `./train_dit ARGS` and keeps its last stderr/stdout line in `last`; returns the exit status.
+static int train_dit_last_line(const char *args, char *last, size_t n) {
+    char cmd[1024], line[512];
+    snprintf(cmd, sizeof(cmd), "./train_dit %s 2>&1", args);
+    FILE *p = popen(cmd, "r");
+    cr_assert(p, "popen %s", cmd);
+    last[0] = 0;
+    while (fgets(line, sizeof(line), p)) snprintf(last, n, "%s", line);
+    return pclose(p);
+}
+
+// --linear bf16 | fp8: any other value, and fp8 on the CPU, stop before training with a message
+// naming the flag; bf16 (the default) trains on the CPU.
+Test(trainer, linear_flag_is_checked, .timeout = 120) {
+    if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
+    char dir[200], args[512], last[512];
+    temp_path(dir, sizeof(dir), "linear_flag");
+    const char *common = "--data synthetic --model tiny --image-size 16 --patch 4 --batch 2 --steps 1 "
+                         "--sample-every 0 --ckpt-every 0 --warmup 0";
+    snprintf(args, sizeof(args), "%s --out %s --linear fp9", common, dir);
+    cr_expect_neq(train_dit_last_line(args, last, sizeof(last)), 0, "--linear fp9 was accepted");
+    cr_expect(strstr(last, "--linear: expected bf16 or fp8, got 'fp9'"), "message: %s", last);
+    snprintf(args, sizeof(args), "%s --out %s --device cpu --linear fp8", common, dir);
+    cr_expect_neq(train_dit_last_line(args, last, sizeof(last)), 0, "--device cpu --linear fp8 was accepted");
+    cr_expect(strstr(last, "--linear fp8") && strstr(last, "GPU only"), "message: %s", last);
+    snprintf(args, sizeof(args), "%s --out %s --device cpu --linear bf16", common, dir);
+    cr_expect_eq(train_dit_last_line(args, last, sizeof(last)), 0, "--linear bf16 failed: %s", last);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    cr_assert_eq(system(args), 0);
+}
