@@ -9,7 +9,7 @@
 // config c's depth 4 (one forward and one backward of each linear per block). Last, the FP8 GEMM
 // alone at the forward shapes with fast accumulation off (as the layer) and on.
 //
-// Build: see dev/linear_fp8_gpu.sh prepare.  Run: bench_linear_fp8 [grad_format: e5m2 | e4m3]
+// Build: see dev/linear_fp8_model_gpu.sh prepare.  Run: bench_linear_fp8 [grad_format: e5m2 | e4m3]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
