@@ -236,17 +236,19 @@ static int check_fp8_linear(const DitConfig *cfg, int tokens, int batch, size_t 
         return -1;
     }
     CUDA_CHECK(err, cudaGetDevice(&device), "dit_gpu_create: the current device");
-    CUDA_CHECK(err, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device %d's compute capability", device);
-    CUDA_CHECK(err, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "device %d's compute capability", device);
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "device %d's compute capability", device);
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+               "device %d's compute capability", device);
     if (major * 10 + minor < 89) {
         dit_set_error(err, "dit_gpu_create: FP8 linears need an sm_89 or newer GPU (device %d is sm_%d%d)", device,
                       major, minor);
         return -1;
     }
-    size_t sizes[4][2] = {{(size_t)h, 3 * (size_t)h}, {(size_t)h, (size_t)h}, {(size_t)h, 4 * (size_t)h}, {4 * (size_t)h, (size_t)h}};
+    int shapes[4][2] = {{h, 3 * h}, {h, h}, {h, 4 * h}, {4 * h, h}};   // (IC, OC) of qkv, proj, fc1, fc2
     *workspace_bytes = 0;
     for (int i = 0; i < 4; i++) {
-        size_t need = linear_fp8_workspace_bytes(M, (int)sizes[i][0], (int)sizes[i][1]);
+        size_t need = linear_fp8_workspace_bytes(M, shapes[i][0], shapes[i][1]);
         *workspace_bytes = need > *workspace_bytes ? need : *workspace_bytes;
     }
     return 0;
