@@ -42,7 +42,7 @@
 #define DEFAULT_DATA "data/fashion-mnist"
 
 typedef struct {
-    const char *model, *data, *out, *resume, *device, *attn, *t_sampling, *dump_parity;
+    const char *model, *data, *out, *resume, *device, *attn, *linear, *t_sampling, *dump_parity;
     int depth, hidden, heads, patch, image_size, channels;   // 0: the preset's value
     int steps, batch, warmup, ckpt_every, sample_every, sample_steps, samples_per_class;
     int skip_bad_images, preview_data, random_flip, save_init, deterministic;
@@ -66,6 +66,9 @@ static const char *usage_text =
     "                        sage's FP8 P·V has the wgmma forward: sage-fp16 is more accurate, slower)\n"
     "  --sage-rotate 0|1     sage: multiply q and k by a Hadamard matrix before quantizing (exact\n"
     "                        attention unchanged; outlier channels cost far less INT8 precision) (default 1)\n"
+    "  --linear KIND         GPU: the blocks' qkv, proj, fc1, fc2 GEMMs in bf16 | fp8 (e4m3, per-tensor\n"
+    "                        scales from the current amax, fp32 accumulation; sm_89+, hidden and tokens\n"
+    "                        per GPU multiples of 16) (default bf16)\n"
     "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
     "data:\n"
     "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
@@ -155,7 +158,7 @@ static int gpu_count(void) {
 
 static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     *a = (TrainArgs){.model = "tiny", .data = DEFAULT_DATA, .out = "out", .device = "auto",
-                     .attn = NULL, .t_sampling = "logit-normal", .steps = 2000, .batch = 32,
+                     .attn = NULL, .linear = "bf16", .t_sampling = "logit-normal", .steps = 2000, .batch = 32,
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
@@ -181,6 +184,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         else if (!strcmp(f, "--resume")) a->resume = v;
         else if (!strcmp(f, "--device")) a->device = v;
         else if (!strcmp(f, "--attn")) a->attn = v;
+        else if (!strcmp(f, "--linear")) a->linear = v;
         else if (!strcmp(f, "--t-sampling")) a->t_sampling = v;
         else if (!strcmp(f, "--dump-parity")) a->dump_parity = v;
         else if (!strcmp(f, "--sage-rotate")) {
@@ -240,6 +244,14 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     if (strcmp(a->attn, on_gpu ? "bf16" : "exact") && strcmp(a->attn, "sage") && strcmp(a->attn, "sage-fp16")) {
         dit_set_error(err, "--attn: expected %s on the %s, got '%s'",
                       on_gpu ? "sage, sage-fp16 or bf16" : "exact, sage or sage-fp16", a->device, a->attn);
+        return -1;
+    }
+    if (strcmp(a->linear, "bf16") && strcmp(a->linear, "fp8")) {
+        dit_set_error(err, "--linear: expected bf16 or fp8, got '%s'", a->linear);
+        return -1;
+    }
+    if (!strcmp(a->linear, "fp8") && !on_gpu) {
+        dit_set_error(err, "--linear fp8: the FP8 linears run on the GPU only (device is %s)", a->device);
         return -1;
     }
     if (a->cuda_graph == 1 && (!on_gpu || a->dump_parity)) {
@@ -375,7 +387,8 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
                                 .optimizer_shards = mesh->world, .optimizer_rank = mesh->rank};
         if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
             die(err);
-        if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, &sp, err) != 0) die(err);
+        DitLinear linear = !strcmp(a->linear, "fp8") ? DIT_LINEAR_FP8 : DIT_LINEAR_BF16;
+        if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, linear, &sp, err) != 0) die(err);
         tr->gpu.sage.rotate = a->sage_rotate;
         sage_backward_set_deterministic(a->deterministic);   // process-wide switches of the kernels
         flash_backward_set_deterministic(a->deterministic);
@@ -608,9 +621,12 @@ static void print_memory_plan(Trainer *tr) {
     size_t params_bytes, acts_bytes, ctx_bytes;
     dit_gpu_memory_plan(&tr->gpu, &params_bytes, &acts_bytes, &ctx_bytes);
     if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = 0;
+    char fp8[96] = "";   // the FP8 linears' workspace is part of the activations' allocation
+    if (tr->gpu.linear == DIT_LINEAR_FP8)
+        snprintf(fp8, sizeof fp8, ", FP8 linear workspace (%.1f MiB)", tr->gpu.fp8_workspace_bytes / 1048576.0);
     printf("gpu %s | memory plan: parameters, gradients, AdamW, EMA (fp32) + bf16 copies %.1f MiB | "
-           "activations, their gradients, attention workspaces (batch %d) %.1f MiB | cuBLASLt and "
-           "reductions %.1f MiB | in use now %.1f MiB\n", prop.name, params_bytes / 1048576.0, tr->gpu.batch,
+           "activations, their gradients, attention workspaces%s (batch %d) %.1f MiB | cuBLASLt and "
+           "reductions %.1f MiB | in use now %.1f MiB\n", prop.name, params_bytes / 1048576.0, fp8, tr->gpu.batch,
            acts_bytes / 1048576.0, ctx_bytes / 1048576.0, gpu_memory_used_mib());
 #else
     (void)tr;
@@ -977,6 +993,8 @@ int main(int argc, char **argv) {
                cfg.depth, cfg.hidden, cfg.heads, cfg.hidden / cfg.heads, cfg.patch, cfg.channels,
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);
+        if (!strcmp(a->linear, "fp8"))
+            printf("block linears (qkv, proj, fc1, fc2): FP8 GEMMs (e4m3, per-tensor scales from the current amax)\n");
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);

@@ -1,6 +1,6 @@
 // Sage attention on the CPU: the executable form of the bit-level definition in attention.h
 // (K smoothing, INT8 Q/K per token block, online base-2 softmax over key blocks, FP8 or FP16
-// P·V with two-level accumulation), its backward, and the e4m3 / fp16 rounding helpers.
+// P·V with two-level accumulation), its backward, and the e4m3 / e5m2 / fp16 rounding helpers.
 // The steps are exported one by one (quantizers, then attention on quantized inputs) so that
 // ring attention runs the same code on shards with the global k_mean and v_scale; sage_forward
 // and sage_backward are their composition.

@@ -149,3 +149,8 @@ static __global__ void column_partials_finish_kernel(float *out0, float *out1, c
     out0[(size_t)b * stride + c] += sum0;
     if (sums == 2) out1[(size_t)b * stride + c] += sum1;
 }
+
+// dbias (OC) += Σ_m dout (M, OC) in a fixed order (layers/linear_cuda.cu; the bf16 and FP8 linear
+// backward share it). Needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
+int linear_dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
+                            const LayersCuda *ctx, cudaStream_t stream, char *err);

@@ -133,6 +133,8 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
 int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);
+// d = GELU'(inp)·d in place (WRITTEN, not accumulated: the FP8 MLP's dGELU after its dinp GEMM).
+int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 int silu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);

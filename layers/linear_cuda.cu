@@ -162,7 +162,7 @@ __global__ void dbias_partial_kernel(float *dbias, float *partial, const bf16 *d
 }
 
 // dbias (OC) += Σ_m dout (M, OC): two passes over a fixed chunking of the rows (deterministic).
-static int dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
+int linear_dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
     int chunks = dbias_chunks(M, OC), chunk_rows = (M + chunks - 1) / chunks;
     if (linear_backward_scratch_floats(M, OC) > ctx->scratch_floats) {
@@ -220,7 +220,7 @@ static int weight_bias_backward(float *dweight, float *dbias, const bf16 *dout, 
     snprintf(what, sizeof what, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
     if (matmul(dweight, CUDA_R_32F, inp, dout, IC, OC, M, false, true, 1.0f,
                CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
-    return dbias ? dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
+    return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
 int linear_backward_cuda(bf16 *dinp, float *dweight, float *dbias,

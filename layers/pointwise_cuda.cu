@@ -90,15 +90,26 @@ __global__ void gelu_forward_kernel(bf16 *out, const bf16 *inp, size_t n) {
     out[i] = __float2bfloat16(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
 }
 
-// GELU'(x) = 0.5·(1 + tanh u) + 0.5·x·(1 - tanh² u)·sqrt(2/π)·(1 + 3·0.044715·x²); dinp += GELU'·dout.
+// GELU'(x) = 0.5·(1 + tanh u) + 0.5·x·(1 - tanh² u)·sqrt(2/π)·(1 + 3·0.044715·x²).
+__device__ __forceinline__ float gelu_grad(float x) {
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+}
+
+// dinp += GELU'(inp)·dout.
 __global__ void gelu_backward_kernel(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float x = __bfloat162float(inp[i]);
-    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
-    float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-    float grad = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+    float grad = gelu_grad(__bfloat162float(inp[i]));
     dinp[i] = __float2bfloat16(__bfloat162float(dinp[i]) + grad * __bfloat162float(dout[i]));
+}
+
+// d = GELU'(inp)·d, in place.
+__global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    d[i] = __float2bfloat16(gelu_grad(__bfloat162float(inp[i])) * __bfloat162float(d[i]));
 }
 
 // SiLU(x) = x·σ(x).
@@ -203,6 +214,10 @@ int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream,
 int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err) {
     LAUNCH_ELEMENTWISE(gelu_backward_kernel, n, dinp, inp, dout);
+}
+
+int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {
+    LAUNCH_ELEMENTWISE(gelu_backward_inplace_kernel, n, d, inp);
 }
 
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {

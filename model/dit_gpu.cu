@@ -9,6 +9,7 @@
 #include "attention/sage_cuda.h"
 #include "layers/cuda_common.cuh"
 #include "layers/layers.h"
+#include "layers/linear_fp8_cuda.h"
 #include "model/dit_gpu.h"
 #ifdef DIT_NCCL
 #include "attention/sequence_parallel_cuda.h"
@@ -118,6 +119,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
     g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
+    m->fp8_workspace = m->linear == DIT_LINEAR_FP8 ? arena_take(ar, m->fp8_workspace_bytes) : NULL;
     // sequence parallelism
     DitGpuSeqBuffers *sb = &m->sp_bufs;
     if (sp_size(m) > 1) {
@@ -225,11 +227,39 @@ static int create_group_stream(DitGpu *m, char *err) {
     return 0;
 }
 
-int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err) {
-    return dit_gpu_create_sp(m, cfg, batch, attention, NULL, err);
+// FP8 block linears: the FP8 layer's sizes (multiples of 16 for any batch: M = B·tokens) and an
+// sm_89+ GPU; *workspace_bytes: what the largest of qkv, proj, fc1, fc2 needs at the full batch.
+static int check_fp8_linear(const DitConfig *cfg, int tokens, int batch, size_t *workspace_bytes, char *err) {
+    int h = cfg->hidden, M = batch * tokens, device, major = 0, minor = 0;
+    if (h % 16 || tokens % 16) {
+        dit_set_error(err, "dit_gpu_create: FP8 linears need hidden and the tokens per GPU to be multiples of 16 "
+                      "(hidden %d, %d tokens)", h, tokens);
+        return -1;
+    }
+    CUDA_CHECK(err, cudaGetDevice(&device), "dit_gpu_create: the current device");
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+               "device %d's compute capability", device);
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+               "device %d's compute capability", device);
+    if (major * 10 + minor < 89) {
+        dit_set_error(err, "dit_gpu_create: FP8 linears need an sm_89 or newer GPU (device %d is sm_%d%d)", device,
+                      major, minor);
+        return -1;
+    }
+    int shapes[4][2] = {{h, 3 * h}, {h, h}, {h, 4 * h}, {4 * h, h}};   // (IC, OC) of qkv, proj, fc1, fc2
+    *workspace_bytes = 0;
+    for (int i = 0; i < 4; i++) {
+        size_t need = linear_fp8_workspace_bytes(M, shapes[i][0], shapes[i][1]);
+        *workspace_bytes = need > *workspace_bytes ? need : *workspace_bytes;
+    }
+    return 0;
 }
 
-int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention,
+int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err) {
+    return dit_gpu_create_sp(m, cfg, batch, attention, DIT_LINEAR_BF16, NULL, err);
+}
+
+int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, DitLinear linear,
                       const DitGpuSeqParallel *sp, char *err) {
     memset(m, 0, sizeof(*m));
     TRY(dit_config_validate(cfg, err));
@@ -258,9 +288,16 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
                       "(hidden %d, batch %d)", cfg->hidden, batch);
         return -1;
     }
+    if (linear != DIT_LINEAR_BF16 && linear != DIT_LINEAR_FP8) {
+        dit_set_error(err, "dit_gpu_create: unknown linear kind %d (expected DIT_LINEAR_BF16 or DIT_LINEAR_FP8)",
+                      (int)linear);
+        return -1;
+    }
     m->cfg = *cfg;
     m->sp = *sp;
     m->tokens = dit_tokens(cfg) / sp_size(m);
+    m->linear = linear;
+    if (linear == DIT_LINEAR_FP8) TRY(check_fp8_linear(cfg, m->tokens, batch, &m->fp8_workspace_bytes, err));
     m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
     m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
@@ -837,6 +874,50 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
     return stream_after(s, x, ev[0], err);
 }
 
+// ---- the block linears: bf16 or FP8 (m->linear) ------------------------------------------
+// The FP8 gradients are e4m3, not Transformer Engine's e5m2: with scales from the current amax
+// nothing needs e5m2's range, and e4m3 is 1.6x more accurate here (dev/notes_linear_fp8.md).
+#define FP8_GRAD_FORMAT FP8_E4M3
+
+// out (M, OC) = inp (M, IC)·weightᵀ + bias
+static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                                int M, int IC, int OC, char *err) {
+    if (m->linear == DIT_LINEAR_FP8)
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, m->fp8_workspace, m->fp8_workspace_bytes,
+                                       &m->ctx, m->stream, err);
+    return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+}
+
+// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu)
+static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
+                                     const bf16 *bias, int M, int IC, int OC, char *err) {
+    if (m->linear == DIT_LINEAR_FP8)
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, m->fp8_workspace,
+                                            m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+}
+
+// dinp += dout·weight; dweight += doutᵀ·inp; dbias += Σ dout
+static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float *dbias, const bf16 *dout,
+                                 const bf16 *inp, const bf16 *weight, int M, int IC, int OC, char *err) {
+    if (m->linear == DIT_LINEAR_FP8)
+        return linear_fp8_backward_cuda(dinp, dweight, dbias, dout, inp, weight, M, IC, OC, FP8_GRAD_FORMAT,
+                                        m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return linear_backward_cuda(dinp, dweight, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
+}
+
+// dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate
+static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float *dbias, const bf16 *dout,
+                                       const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight, int M, int IC,
+                                       int OC, char *err) {
+    if (m->linear == DIT_LINEAR_FP8)
+        return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC,
+                                              FP8_GRAD_FORMAT, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
+                                              m->stream, err);
+    return linear_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
+                                      m->stream, err);
+}
+
 // ---- forward -----------------------------------------------------------------------------
 
 int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
@@ -886,8 +967,8 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
         TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
                                             B, T, h, stride, s, err));
-        TRY(linear_forward_cuda(qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
-                                BT, h, 3 * h, ctx, s, err));
+        TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
+                                 BT, h, 3 * h, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
@@ -896,18 +977,18 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
             TRY(attention_forward_gpu(m, l, B, 0, 0, B * heads_here(m), err));
         }
         TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, s, err));
-        TRY(linear_forward_cuda(proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                BT, h, h, ctx, s, err));
+        TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
+                                 BT, h, h, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
-        // (fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation)
+        // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation)
         TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
                                             ada + 3 * h, ada + 4 * h, B, T, h, stride, s, err));
-        TRY(linear_gelu_forward_cuda(gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h, w->fc1_b + (size_t)l * 4 * h,
-                                     BT, h, 4 * h, ctx, s, err));
-        TRY(linear_forward_cuda(fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
-                                BT, 4 * h, h, ctx, s, err));
+        TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, err));
+        TRY(block_linear_forward(m, fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
+                                 BT, 4 * h, h, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -987,14 +1068,14 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
         TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
 
-        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16)
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
                                          B, T, h, stride, ctx, s, err));
-        TRY(linear_dgelu_backward_cuda(g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
-                                       g->fc2, a->gelu + o4, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
-                                       BT, 4 * h, h, ctx, s, err));
-        TRY(linear_backward_cuda(g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
-                                 g->fc1, a->ln2 + o1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, ctx, s, err));
+        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
+                                        g->fc2, a->gelu + o4, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
+                                        BT, 4 * h, h, err));
+        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
+                                  g->fc1, a->ln2 + o1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
                                              ctx, s, err));
@@ -1002,8 +1083,8 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         // x_mid = x + gate_msa·proj(attention(...))
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
                                          B, T, h, stride, ctx, s, err));
-        TRY(linear_backward_cuda(g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
-                                 g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, ctx, s, err));
+        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
+                                  g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, err));
         TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
             TRY(ulysses_attention_backward(m, l, g->att, B, err));
@@ -1012,8 +1093,8 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->att, err));
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), B, err));
         }
-        TRY(linear_backward_cuda(g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
-                                 g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, ctx, s, err));
+        TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
+                                  g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));

@@ -37,6 +37,12 @@ extern "C" {
 // ZeRO-1 (model/zero.h): the optimizer state is sharded over optimizer_shards ranks (0 or 1:
 // none, the whole buffer is this rank's); this rank updates slice optimizer_rank of the padded
 // parameter buffer (DitGpu.shard_size elements each).
+// The block linears (qkv, proj, fc1, fc2): bf16 cuBLASLt GEMMs (layers/layers_cuda.h), or FP8 GEMMs
+// (layers/linear_fp8_cuda.h: e4m3 activations, weights and gradients, per-tensor scales from the
+// current amax, fp32 accumulation; fc1's GELU and fc2's dGELU as separate passes). The patch
+// embedding, timestep MLP, adaLN and final layer stay bf16. dev/notes_linear_fp8.md.
+typedef enum { DIT_LINEAR_BF16 = 0, DIT_LINEAR_FP8 = 1 } DitLinear;
+
 struct ncclComm;   // ncclComm_t
 #define DIT_ULYSSES_HEAD_GROUPS 4
 #define DIT_MAX_HEAD_GROUPS 16
@@ -142,6 +148,9 @@ typedef struct {
                                        // bf16 flash attention
     SageConfig sage;                   // the sage kernels fix q_block = k_block = 64; pv is fixed at create
                                        // (workspace sizes); rotate (Hadamard of q, k) may be set any time
+    DitLinear linear;                  // the block linears' GEMMs (fixed at create)
+    void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
+    size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);
@@ -177,10 +186,11 @@ typedef struct {
 // (bf16 flash attention, attention/flash_cuda.h).
 int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, char *err);
 // The same for one rank of a sequence-parallel group and/or of the ZeRO-1 optimizer shards (sp
-// NULL: dit_gpu_create). Errors: no NCCL in the build, heads % U, tokens % (U·R), sage under ring
-// with T/R not a multiple of 64, a communicator missing for a group larger than one,
-// optimizer_rank outside [0, optimizer_shards).
-int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention,
+// NULL: one GPU), with the block linears' kind (dit_gpu_create: DIT_LINEAR_BF16). Errors: no NCCL
+// in the build, heads % U, tokens % (U·R), sage under ring with T/R not a multiple of 64, a
+// communicator missing for a group larger than one, optimizer_rank outside [0, optimizer_shards);
+// DIT_LINEAR_FP8 with hidden or this rank's tokens not multiples of 16, or a GPU below sm_89.
+int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, DitLinear linear,
                       const DitGpuSeqParallel *sp, char *err);
 void dit_gpu_free(DitGpu *m);
 // Bytes of each part, for the memory plan: parameter-sized buffers, activations (incl. gradients

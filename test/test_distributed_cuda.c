@@ -341,7 +341,7 @@ static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char 
     float loss[ZERO_STEPS], norm[ZERO_STEPS], *x = malloc(n * sizeof(float));
     bf16 *w = malloc(n * sizeof(bf16));
     if (!x || !w) dit_set_error(err, "out of host memory for %zu parameters", n);
-    int rc = !x || !w || dit_gpu_create_sp(&gpu, &config, B, DIT_ATTN_SAGE, &par, err) ||
+    int rc = !x || !w || dit_gpu_create_sp(&gpu, &config, B, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &par, err) ||
              dit_gpu_upload(&gpu, &cpu, err);
     for (int k = 0; rc == 0 && k < ZERO_STEPS; k++) {
         rc = dit_gpu_set_flow_batch(&gpu, b.x0 + first * IMG, b.noise + first * IMG, b.t + first, b.labels + first, B,
@@ -478,10 +478,10 @@ Test(zero1, an_optimizer_rank_outside_the_shards_is_an_error) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     DitGpuSeqParallel outside = {.ulysses = 1, .ring = 1, .optimizer_shards = 2, .optimizer_rank = 2};
-    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, &outside, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &outside, err), -1);
     cr_assert(strstr(err, "optimizer_rank 2 outside the 2 optimizer shards"), "%s", err);
     DitGpuSeqParallel unsharded = {.ulysses = 1, .ring = 1, .optimizer_rank = 1};
-    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, &unsharded, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &unsharded, err), -1);
     cr_assert(strstr(err, "optimizer_rank 1 outside the 1 optimizer shards"), "%s", err);
 }
 

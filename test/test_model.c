@@ -349,3 +349,23 @@ Test(trainer, cuda_graph_flag, .timeout = 120) {
     snprintf(args, sizeof(args), "rm -rf %s", dir);
     cr_assert_eq(system(args), 0);
 }
+
+// --linear bf16 | fp8: any other value, and fp8 on the CPU, stop before training with a message
+// naming the flag; bf16 (the default) trains on the CPU.
+Test(trainer, linear_flag_is_checked, .timeout = 120) {
+    if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
+    char out[8192], dir[200], args[512];
+    temp_path(dir, sizeof(dir), "linear_flag");
+    const char *common = "--data synthetic --model tiny --image-size 16 --patch 4 --batch 2 --steps 1 "
+                         "--sample-every 0 --ckpt-every 0 --warmup 0";
+    snprintf(args, sizeof(args), "%s --out %s --linear fp9", common, dir);
+    cr_expect_neq(run_train_dit(args, out, sizeof(out)), 0, "--linear fp9 was accepted");
+    cr_expect(strstr(out, "--linear: expected bf16 or fp8, got 'fp9'"), "%s", out);
+    snprintf(args, sizeof(args), "%s --out %s --device cpu --linear fp8", common, dir);
+    cr_expect_neq(run_train_dit(args, out, sizeof(out)), 0, "--device cpu --linear fp8 was accepted");
+    cr_expect(strstr(out, "--linear fp8") && strstr(out, "GPU only"), "%s", out);
+    snprintf(args, sizeof(args), "%s --out %s --device cpu --linear bf16", common, dir);
+    cr_expect_eq(run_train_dit(args, out, sizeof(out)), 0, "--linear bf16 failed: %s", out);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    cr_assert_eq(system(args), 0);
+}

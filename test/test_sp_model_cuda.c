@@ -88,7 +88,7 @@ static int one_step(DistComm *comm, const DitGpuSeqParallel *sp, DitAttention at
     r->out = malloc(BATCH * IMG * sizeof(float));
     r->grads_local = malloc(r->n * sizeof(float));
     r->grads = malloc(r->n * sizeof(float));
-    int rc = dit_gpu_create_sp(&gpu, &config, BATCH, attention, sp, err);
+    int rc = dit_gpu_create_sp(&gpu, &config, BATCH, attention, DIT_LINEAR_BF16, sp, err);
     gpu.sage.rotate = rotate;
     rc = rc || dit_gpu_upload(&gpu, &cpu, err) ||
              dit_gpu_set_flow_batch(&gpu, b.x0, b.noise, b.t, b.labels, BATCH, err) ||
@@ -234,23 +234,23 @@ Test(sp_model, sizes_that_do_not_split_are_errors) {
     DitGpu m;
     struct ncclComm *fake = (struct ncclComm *)&m;   // never used: the checks fail first
     DitGpuSeqParallel u3 = {.ulysses = 3, .ring = 1, .sp_comm = fake, .ulysses_comm = fake};
-    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, &u3, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, DIT_LINEAR_BF16, &u3, err), -1);
     cr_assert(strstr(err, "2 heads") && strstr(err, "--sp-ulysses 3"), "%s", err);
     DitConfig odd = config;
     odd.image_size = 30;   // 225 tokens
     DitGpuSeqParallel r2 = {.ulysses = 1, .ring = 2, .sp_comm = fake, .ring_comm = fake};
-    cr_assert_eq(dit_gpu_create_sp(&m, &odd, 1, DIT_ATTN_EXACT, &r2, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &odd, 1, DIT_ATTN_EXACT, DIT_LINEAR_BF16, &r2, err), -1);
     cr_assert(strstr(err, "225 tokens"), "%s", err);
     DitConfig small = config;
     small.image_size = 16;  // 64 tokens: sage ring shards of 32
-    cr_assert_eq(dit_gpu_create_sp(&m, &small, 1, DIT_ATTN_SAGE, &r2, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &small, 1, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &r2, err), -1);
     cr_assert(strstr(err, "multiple of 64"), "%s", err);
     DitGpuSeqParallel missing = {.ulysses = 2, .ring = 1, .sp_comm = fake};
-    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, &missing, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, DIT_LINEAR_BF16, &missing, err), -1);
     cr_assert(strstr(err, "communicator is missing"), "%s", err);
     DitGpuSeqParallel groups = {.ulysses = 2, .ring = 1, .sp_comm = fake, .ulysses_comm = fake,
                                 .head_groups = DIT_MAX_HEAD_GROUPS + 1};
-    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, &groups, err), -1);
+    cr_assert_eq(dit_gpu_create_sp(&m, &config, 1, DIT_ATTN_EXACT, DIT_LINEAR_BF16, &groups, err), -1);
     cr_assert(strstr(err, "head_groups 17 outside 0..16"), "%s", err);
 }
 

@@ -1,0 +1,333 @@
+// The FP8 linear layer (layers/linear_fp8_cuda.h): per-tensor amax, quantization to e4m3 / e5m2
+// with the transposed copies Hopper's FP8 GEMMs need, and cuBLASLt FP8 matmuls.
+//
+// cuBLASLt on Hopper runs FP8 only as "TN": A transposed and B not, i.e. both operands stored
+// with K contiguous (a row-major (rows, K) matrix). In the column-major terms of linear_cuda.cu:
+//   forward  outᵀ (OC, M)  = A: weight (OC, IC) · B: inp (M, IC)       m = OC, n = M,  k = IC
+//   dinp     dinpᵀ (IC, M) = A: weightᵀ (IC, OC) · B: dout (M, OC)     m = IC, n = M,  k = OC
+//   dweight  dWᵀ (IC, OC)  = A: inpᵀ (IC, M) · B: doutᵀ (OC, M)        m = IC, n = OC, k = M
+// so the forward uses inp and weight as they are, the backward needs fp8 copies of weightᵀ,
+// inpᵀ and both dout and doutᵀ: the quantize kernel writes the row-major copy, the transposed
+// one, or both, in one pass over the bf16 tensor.
+//
+// Scaling is "current": each call takes the amax of the tensor it is about to quantize (one
+// reduction kernel, 2 bytes read per element), so no value ever saturates and the result does not
+// depend on earlier steps. Delayed scaling (Transformer Engine's default) would use a scale from
+// the amax history of earlier steps and record this step's amax inside the quantize pass itself:
+// it saves the separate amax read (1/3 of the quantization traffic of inp and weight, 1/4 of
+// dout's) and the dependency between the two kernels, at the price of saturating whenever a
+// tensor grows faster than the history predicts, and of state to carry between steps.
+#include <cuda_fp8.h>
+#include "layers/cuda_common.cuh"
+#include "layers/linear_fp8_cuda.h"
+
+#define AMAX_BLOCKS 1024   // grid of the amax reduction (grid-stride; the max is order-free)
+#define QTILE 64           // the quantize kernel's tile: QTILE × QTILE elements per block
+
+// ---- amax ----------------------------------------------------------------------------------
+// *amax = max(*amax, max_i |x_i|) over n bf16 (n a multiple of VEC, x 16-byte aligned). *amax is
+// a non-negative float, so its bits order as unsigned ints and atomicMax is exact: every run
+// gives the same value whatever the order. NaNs are skipped here (they reach the GEMM as fp8 NaN).
+__global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
+    __shared__ float warp_max[BLOCK_SIZE / 32];
+    float m = 0.0f;
+    for (size_t i = ((size_t)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC; i < n; i += (size_t)gridDim.x * BLOCK_SIZE * VEC) {
+        float v[VEC];
+        load_bf16x8(v, x + i, VEC, true);
+        for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[j]));
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < BLOCK_SIZE / 32; w++) m = fmaxf(m, warp_max[w]);
+    atomicMax((unsigned int *)amax, __float_as_uint(m));
+}
+
+// ---- quantize ------------------------------------------------------------------------------
+// x (R, C) bf16 -> q (R, C) and/or qt (C, R) fp8 = fp8(x·2^-e), e = fp8_scale_exponent(*amax);
+// *scale = 2^e (written by block (0, 0)). One block per QTILE × QTILE tile: each thread converts
+// 8 consecutive elements of a row (one 16-byte load, one 8-byte store into q); for qt the tile
+// goes through shared memory and each thread stores 16 consecutive rows of one column (4 threads
+// cover 64 contiguous bytes of a qt row). R and C multiples of 16.
+__global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax,
+                                    int R, int C, Fp8Format format) {
+    __shared__ uint8_t tile[QTILE][QTILE + 4];
+    __nv_fp8_interpretation_t kind = format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
+    int e = fp8_scale_exponent(*amax, format);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale = ldexpf(1.0f, e);
+    float down = ldexpf(1.0f, -e);
+    int r0 = blockIdx.y * QTILE, c0 = blockIdx.x * QTILE, cc = (threadIdx.x % 8) * VEC;
+    for (int rr = threadIdx.x / 8; rr < QTILE; rr += BLOCK_SIZE / 8) {
+        int r = r0 + rr, c = c0 + cc;
+        if (r >= R || c >= C) continue;   // C % 16 == 0: a vector is whole or absent
+        float v[VEC];
+        load_bf16x8(v, x + (size_t)r * C + c, VEC, true);
+        union { uint2 raw; uint8_t b[VEC]; } u;
+        for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
+        if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
+        if (qt)
+            for (int j = 0; j < VEC; j++) tile[rr][cc + j] = u.b[j];
+    }
+    if (!qt) return;
+    __syncthreads();
+    int cl = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16, c = c0 + cl, r = r0 + rs;
+    if (c >= C || r >= R) return;         // R % 16 == 0: 16 rows are whole or absent
+    union { uint4 raw; uint8_t b[16]; } u;
+    for (int j = 0; j < 16; j++) u.b[j] = tile[rs + j][cl];
+    *(uint4 *)(qt + (size_t)c * R + r) = u.raw;
+}
+
+static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *qt, const bf16 *x, int R, int C,
+                               char *err) {
+    if (R <= 0 || C <= 0 || R % 16 || C % 16) {
+        dit_set_error(err, "%s: sizes must be positive multiples of 16 (R=%d C=%d)", fn, R, C);
+        return -1;
+    }
+    if (!aligned16(x) || (uintptr_t)q % 8 || !aligned16(qt)) {
+        dit_set_error(err, "%s: x and qt must be 16-byte aligned, q 8-byte aligned (R=%d C=%d)", fn, R, C);
+        return -1;
+    }
+    return 0;
+}
+
+// The three steps without the argument check: amax = 0, amax reduction, quantize.
+static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C, Fp8Format format,
+                    float *amax, cudaStream_t stream, char *err) {
+    size_t n = (size_t)R * C;
+    CUDA_CHECK(err, cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
+    unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
+    fp8_amax_kernel<<<blocks < AMAX_BLOCKS ? blocks : AMAX_BLOCKS, BLOCK_SIZE, 0, stream>>>(amax, x, n);
+    LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d", R, C);
+    dim3 grid(blocks_for(C, QTILE), blocks_for(R, QTILE));
+    fp8_quantize_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, amax, R, C, format);
+    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d", R, C, (int)format);
+    return 0;
+}
+
+int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
+                      Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err) {
+    if (check_quantize_args("fp8_quantize_cuda", q, qt, x, R, C, err)) return -1;
+    return quantize(q, qt, scale, x, R, C, format, amax_scratch, stream, err);
+}
+
+// ---- workspace -----------------------------------------------------------------------------
+// [0, HEADER_BYTES): amax and scale of inp, weight, dout, each float alone in a 256-byte slot (the
+// alignment cudaMalloc gives, as in NVIDIA's FP8 samples: cuBLASLt reads the scales through
+// device pointers, and session 6's 4-byte-aligned weight scale came with "not supported"); then
+// the fp8 copies, each 256-byte aligned: forward inp_q (M, IC), w_q (OC, IC); backward (the same
+// bytes) dout_q (M, OC), dout_qt (OC, M), inp_qt (IC, M), w_qt (IC, OC).
+#define SLOT_FLOATS 64                          // 256 bytes
+#define HEADER_BYTES (6 * SLOT_FLOATS * 4)      // amax[3], scale[3]
+enum { T_INP = 0, T_WEIGHT = SLOT_FLOATS, T_DOUT = 2 * SLOT_FLOATS };   // float offsets of the slots
+static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
+
+size_t linear_fp8_workspace_bytes(int M, int IC, int OC) {
+    size_t mi = round256((size_t)M * IC), mo = round256((size_t)M * OC), io = round256((size_t)IC * OC);
+    size_t forward = mi + io, backward = 2 * mo + mi + io;
+    return HEADER_BYTES + (forward > backward ? forward : backward);
+}
+
+typedef struct {
+    float *amax, *scale;   // indexed T_INP, T_WEIGHT, T_DOUT
+    uint8_t *next;         // the next free byte of the fp8 copies
+} Workspace;
+
+static uint8_t *take(Workspace *ws, size_t bytes) {
+    uint8_t *p = ws->next;
+    ws->next += round256(bytes);
+    return p;
+}
+
+static int check_args(const char *fn, const bf16 *inp, const bf16 *weight, const bf16 *dout, int M, int IC, int OC,
+                      void *workspace, size_t workspace_bytes, const LayersCuda *ctx, Workspace *ws, char *err) {
+    if (check_context(fn, ctx, err)) return -1;
+    if (M <= 0 || IC <= 0 || OC <= 0 || M % 16 || IC % 16 || OC % 16) {
+        dit_set_error(err, "%s: M, IC, OC must be positive multiples of 16 (M=%d IC=%d OC=%d)", fn, M, IC, OC);
+        return -1;
+    }
+    if (!aligned16(inp) || !aligned16(weight) || (dout && !aligned16(dout))) {
+        dit_set_error(err, "%s: inp, weight%s must be 16-byte aligned (M=%d IC=%d OC=%d)", fn, dout ? ", dout" : "",
+                      M, IC, OC);
+        return -1;
+    }
+    if (!workspace || (uintptr_t)workspace % 256 || workspace_bytes < linear_fp8_workspace_bytes(M, IC, OC)) {
+        dit_set_error(err, "%s: workspace must be 256-byte aligned with at least %zu bytes (got %zu at %p; M=%d IC=%d OC=%d)",
+                      fn, linear_fp8_workspace_bytes(M, IC, OC), workspace_bytes, workspace, M, IC, OC);
+        return -1;
+    }
+    ws->amax = (float *)workspace;
+    ws->scale = ws->amax + 3 * SLOT_FLOATS;
+    ws->next = (uint8_t *)workspace + HEADER_BYTES;
+    return 0;
+}
+
+// ---- FP8 matmul ----------------------------------------------------------------------------
+// Largest power of two (<= 256) dividing the address (cuBLASLt's heuristic assumes 256 unless told).
+static uint32_t alignment_of(const void *p) {
+    uint32_t align = 256;
+    while (align > 1 && (uintptr_t)p % align) align >>= 1;
+    return align;
+}
+
+// D (m, n) = scale_a·scale_b·Aᵀ·B + beta·D, column-major; A (k, m) and B (k, n) fp8, both with K
+// contiguous (lda = ldb = k), fp32 accumulation (FAST_ACCUM off), D (and C) of d_type (bf16 or fp32);
+// bias: an m-long bf16 vector added to each column in the epilogue (NULL: none).
+// cuBLAS's FP8 rules (cublasLtMatmul, "To use FP8 kernels ..."), all met here: A transposed and B
+// not ("TN"), CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, every matrix pointer 16-byte aligned and
+// the dimensions multiples of 16 (checked by the callers); the type table's rows used: A e4m3 with
+// B e4m3 or e5m2, C = D bf16 with a bf16 bias, or C = D fp32 without a bias. Tensor-wide scales
+// (the default scale mode) through device pointers, each 256-byte aligned.
+static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaDataType_t a_type, const float *scale_a,
+                      const uint8_t *b, cudaDataType_t b_type, const float *scale_b, int m, int n, int k, float beta,
+                      const bf16 *bias, const char *what, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    int status = 0;
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t layout_a = NULL, layout_b = NULL, layout_d = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t heuristic;
+    int found = 0;
+    cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
+    cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    int32_t bf16_type = CUDA_R_16BF;
+    int8_t fast_accum = 0;
+    uint64_t workspace_bytes = ctx->lt_workspace_bytes;
+    uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
+    float alpha = 1.0f;
+    // every pointer's alignment, for the messages (cuBLASLt answers a misaligned one with "not supported")
+    char where[160];
+    snprintf(where, sizeof where, "m=%d n=%d k=%d; alignment A %u B %u D %u bias %u scales %u %u", m, n, k, align_a,
+             align_b, align_d, bias ? alignment_of(bias) : 0, alignment_of(scale_a), alignment_of(scale_b));
+    if (align_a < 16 || align_b < 16 || align_d < 16 || (bias && alignment_of(bias) < 16)) {
+        dit_set_error(err, "%s:%d: %s: FP8 GEMMs need 16-byte aligned matrices and bias (%s)", __FILE__, __LINE__,
+                      what, where);
+        return -1;
+    }
+
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "%s (%s)", what, where);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof fast_accum),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a),
+                        "%s: A scale", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_b, sizeof scale_b),
+                        "%s: B scale", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue),
+                        "%s: epilogue %d", what, (int)epilogue);
+    if (bias) {
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
+                            "%s: bias of %d", what, m);
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bf16_type, sizeof bf16_type),
+                            "%s: bf16 bias", what);
+    }
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_a, a_type, k, m, k), "%s: A layout (m=%d k=%d)", what, m, k);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_b, b_type, k, n, k), "%s: B layout (k=%d n=%d)", what, k, n);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_d, d_type, m, n, m), "%s: D layout (m=%d n=%d)", what, m, n);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceCreate(&pref), "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
+                        "%s (%s)", what, where);
+    if (found == 0) {
+        dit_set_error(err, "%s:%d: cuBLASLt has no FP8 algorithm for %s (%s; FP8 needs sm_89+)",
+                      __FILE__, __LINE__, what, where);
+        status = -1;
+        goto cleanup;
+    }
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmul(ctx->lt, desc, &alpha, a, layout_a, b, layout_b, &beta, d, layout_d,
+                                            d, layout_d, &heuristic.algo, ctx->lt_workspace, ctx->lt_workspace_bytes, stream),
+                        "%s (%s; CUBLASLT_LOG_MASK=31 logs cuBLASLt's reason)", what, where);
+cleanup:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (layout_d) cublasLtMatrixLayoutDestroy(layout_d);
+    if (layout_b) cublasLtMatrixLayoutDestroy(layout_b);
+    if (layout_a) cublasLtMatrixLayoutDestroy(layout_a);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    return status;
+}
+
+// ---- the layer -----------------------------------------------------------------------------
+int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                            int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                            const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    Workspace ws;
+    if (check_args("linear_fp8_forward_cuda", inp, weight, NULL, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err))
+        return -1;
+    uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
+    if (quantize(inp_q, NULL, ws.scale + T_INP, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err)) return -1;
+    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, ws.amax + T_WEIGHT, stream, err)) return -1;
+    // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
+    char what[128];
+    snprintf(what, sizeof what, "linear fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
+    return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, inp_q, CUDA_R_8F_E4M3,
+                      ws.scale + T_INP, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
+}
+
+int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                                 int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                                 const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, workspace, workspace_bytes, ctx, stream, err))
+        return -1;
+    return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, stream, err);
+}
+
+// dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight += doutᵀ·inp; dbias += Σ_m dout.
+static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float *dbias, const bf16 *dout,
+                    const bf16 *inp, const bf16 *weight, int M, int IC, int OC, Fp8Format grad_format,
+                    void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    Workspace ws;
+    if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
+        dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
+        return -1;
+    }
+    if (check_args(fn, inp, weight, dout, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err)) return -1;
+    uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)M * OC);
+    uint8_t *inp_qt = take(&ws, (size_t)M * IC), *w_qt = take(&ws, (size_t)IC * OC);
+    cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, M, OC, grad_format, ws.amax + T_DOUT, stream, err))
+        return -1;
+    if (quantize(NULL, inp_qt, ws.scale + T_INP, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err)) return -1;
+    char what[128];
+    if (dinp) {
+        // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
+        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, ws.amax + T_WEIGHT, stream, err))
+            return -1;
+        snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
+        if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
+                       ws.scale + T_DOUT, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
+    }
+    // dWᵀ (IC, OC) += scale_inp·scale_dout·inp_qt·dout_qtᵀ in fp32 (beta = 1)
+    snprintf(what, sizeof what, "%s: dweight M=%d IC=%d OC=%d", fn, M, IC, OC);
+    if (fp8_matmul(dweight, CUDA_R_32F, inp_qt, CUDA_R_8F_E4M3, ws.scale + T_INP, dout_qt, grad_type,
+                   ws.scale + T_DOUT, IC, OC, M, 1.0f, NULL, what, ctx, stream, err)) return -1;
+    return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
+}
+
+int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+                             const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                             int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
+                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    return backward("linear_fp8_backward_cuda", dinp, 1.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
+                    grad_format, workspace, workspace_bytes, ctx, stream, err);
+}
+
+int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+                                   const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight,
+                                   int M, int IC, int OC, Fp8Format grad_format, void *workspace,
+                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place
+    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
+                 grad_format, workspace, workspace_bytes, ctx, stream, err)) return -1;
+    return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, stream, err);
+}

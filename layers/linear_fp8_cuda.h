@@ -1,0 +1,62 @@
+// The FP8 linear layer in CUDA: the shapes and semantics of linear_forward_cuda /
+// linear_backward_cuda (layers/layers_cuda.h, bf16 in and out, fp32 weight gradients), with the
+// matrix products done by cuBLASLt in FP8 (fp32 accumulation; FAST_ACCUM off) on operands
+// quantized per tensor with a power-of-two scale from the tensor's current amax (layers/fp8.h):
+// inp and weight to e4m3, dout to e5m2 or e4m3. The CPU definition is linear_fp8_forward/_backward.
+//
+// Each call quantizes what it needs (an amax reduction, then one pass per tensor writing the
+// row-major and/or transposed fp8 copies that Hopper's K-major "TN" FP8 GEMMs need) into the
+// caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync).
+// ±inf saturates to ±FP8_MAX (as round_to_e4m3 / round_to_e5m2); NaN stays NaN.
+// Requirements: M, IC, OC multiples of 16 (cuBLASLt FP8 leading dimensions), inp, weight and
+// dout 16-byte aligned, the workspace 256-byte aligned and at least linear_fp8_workspace_bytes.
+// FP8 GEMMs need sm_89 or newer; elsewhere cuBLASLt finds no algorithm and the call fails.
+#pragma once
+#include "layers/fp8.h"
+#include "layers/layers_cuda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Bytes of workspace one forward or backward call of these sizes needs (the larger of the two).
+size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
+
+// out (M, OC) = inp (M, IC)·weightᵀ (OC, IC) + bias (OC); bias (bf16, may be NULL) in the epilogue.
+int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                            int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                            const LayersCuda *ctx, cudaStream_t stream, char *err);
+// The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
+// output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
+// FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet
+// checked on a GPU: dev/notes_linear_fp8.md).
+int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                                 int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                                 const LayersCuda *ctx, cudaStream_t stream, char *err);
+// dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout (from the bf16
+// dout, as linear_backward_cuda). dout is quantized to grad_format (FP8_E5M2 as Transformer
+// Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and dbias may be NULL; dbias
+// needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
+int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+                             const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                             int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
+                             const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// The MLP's second layer as linear_dgelu_backward_cuda: dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
+// is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight, dbias
+// accumulate as in linear_fp8_backward_cuda.
+int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+                                   const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight,
+                                   int M, int IC, int OC, Fp8Format grad_format, void *workspace,
+                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
+// -> q (R, C) and/or qt (C, R) = fp8(x·2^-e) (either may be NULL), *scale = 2^e (a device float),
+// e from the amax of x (layers/fp8.h). R and C multiples of 16, x and qt 16-byte aligned, q 8.
+// amax_scratch: one device float of scratch.
+int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
+                      Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err);
+
+#ifdef __cplusplus
+}
+#endif

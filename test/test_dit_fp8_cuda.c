@@ -1,0 +1,138 @@
+// Tests of the FP8 block linears in the GPU model (dit_gpu_create_sp with DIT_LINEAR_FP8:
+// train_dit --linear fp8) against the same model with bf16 linears (DIT_LINEAR_BF16, the default,
+// which test_dit_gpu_cuda.c checks against the CPU). GPU tests skip without an sm_89+ GPU.
+//
+// One training step from the same random weights (every tensor, test/model_test.h) and batch,
+// exact attention on both sides (the bf16 flash kernel) so that only the linears differ. The
+// tolerances come from the CPU model of the same step (dev/dit_fp8_accuracy.c: the fp32 CPU
+// model with its block linears replaced by the CPU FP8 definition; same config, weights and batch;
+// 2026-11-30): output rel L2 0.0205, loss rel 2.1e-4, gradients worst rel L2 0.0487 and cosine
+// 0.99882 over the 31 tensors (0.0166 / 3.3e-4 / 0.0429 at hidden 384; 0.0163 / 6.6e-4 / 0.0474
+// at 64 tokens). The GPU bf16 model adds its own ~6e-3 (output) to ~8e-3 (gradients) against fp32.
+// - TOL_OUT 0.05 (2.4x), TOL_LOSS 5e-3 (a signed sum: 7x the largest of the three measured),
+//   TOL_GRAD 0.1 per tensor (2x) with cosine >= 1 - TOL_GRAD²/2 = 0.995;
+// - MIN_OUT 5e-3 from below: the FP8 GEMMs really ran (bf16 against itself differs by 0).
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cuda_runtime_api.h>
+#include "layers/common.h"
+#include "layers/layers.h"
+#include "model/dit.h"
+#include "model/dit_gpu.h"
+#include "test/compare.h"
+#include "test/model_test.h"
+
+#define TOL_OUT 0.05
+#define MIN_OUT 5e-3
+#define TOL_LOSS 5e-3
+#define TOL_GRAD 0.1
+
+#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
+
+// 32×32 images, patch 2: 256 tokens, head dim 64; B·T = 512 rows (multiples of 16, as FP8 needs).
+static const DitConfig fp8_config = {.image_size = 32, .channels = 3, .patch = 2, .hidden = 128,
+                                     .depth = 2, .heads = 2, .num_classes = 5};
+
+static void require_fp8_gpu(void) {
+    int count = 0, major = 0, minor = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) cr_skip_test("no CUDA GPU found");
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+    if (major * 10 + minor < 89) cr_skip_test("FP8 GEMMs need sm_89+ (this GPU is sm_%d%d)", major, minor);
+}
+
+// One step (forward, loss, backward) of a model created with `linear` from cpu's weights: the
+// output (n floats), the loss and every parameter gradient.
+static float gpu_step(const Dit *cpu, DitLinear linear, const float *x0, const float *noise, const float *t,
+                      const int *labels, int B, float *out, float *grads) {
+    char err[DIT_ERR_LEN];
+    DitGpu m;
+    float loss;
+    OK(dit_gpu_create_sp(&m, &cpu->cfg, B, DIT_ATTN_EXACT, linear, NULL, err));
+    OK(dit_gpu_upload(&m, cpu, err));
+    OK(dit_gpu_set_flow_batch(&m, x0, noise, t, labels, B, err));
+    OK(dit_gpu_forward(&m, &m.weights, B, err));
+    OK(dit_gpu_loss(&m, B, err));
+    OK(dit_gpu_zero_grad(&m, err));
+    OK(dit_gpu_backward(&m, B, err));
+    OK(dit_gpu_read_scalars(&m, &loss, NULL, err));
+    OK(dit_gpu_download_output(&m, out, B, err));
+    OK(dit_gpu_download_grads(&m, grads, err));
+    dit_gpu_free(&m);
+    return loss;
+}
+
+Test(dit_fp8, one_step_near_the_bf16_model) {
+    require_fp8_gpu();
+    char err[DIT_ERR_LEN];
+    const DitConfig *c = &fp8_config;
+    int B = 2;
+    Dit cpu;
+    OK(dit_create(&cpu, c, 1, DIT_ATTN_EXACT, 21, err));
+    randomize_params(&cpu, 21);
+    // the batch (as dev/dit_fp8_accuracy.c)
+    size_t n = (size_t)B * c->channels * c->image_size * c->image_size;
+    float *x0 = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), t[2];
+    int labels[2];
+    cr_assert(x0 && noise);
+    Rng rng;
+    rng_seed(&rng, 21 * 1000 + 1);
+    rng_fill_normal(&rng, x0, n, 1.0f);
+    rng_fill_normal(&rng, noise, n, 1.0f);
+    for (int b = 0; b < B; b++) {
+        t[b] = 0.05f + 0.9f * rng_uniform(&rng);
+        labels[b] = (int)(rng_u32(&rng) % (uint32_t)(c->num_classes + 1));
+    }
+    float *out[2], *grads[2], loss[2];
+    for (int k = 0; k < 2; k++) {
+        out[k] = malloc(n * sizeof(float));
+        grads[k] = malloc(cpu.num_params * sizeof(float));
+        cr_assert(out[k] && grads[k]);
+        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, x0, noise, t, labels, B, out[k], grads[k]);
+    }
+
+    double e_out = rel_l2(out[1], out[0], n), e_loss = fabs(loss[1] - loss[0]) / loss[0];
+    fprintf(stderr, "fp8 vs bf16 linears: output rel L2 %.4f, loss %.6f vs %.6f (rel %.2e)\n", e_out, loss[1], loss[0],
+            e_loss);
+    cr_expect(e_out < TOL_OUT, "output: rel L2 %.4f >= %g", e_out, TOL_OUT);
+    cr_expect(e_out > MIN_OUT, "output: rel L2 %.2e <= %g: did the FP8 GEMMs run?", e_out, MIN_OUT);
+    cr_expect(e_loss < TOL_LOSS, "loss: %g vs %g, rel %.3e >= %g", loss[1], loss[0], e_loss, TOL_LOSS);
+    int count = dit_num_tensors(c);
+    DitTensorInfo *info = malloc(count * sizeof(DitTensorInfo));
+    cr_assert(info);
+    dit_tensor_infos(c, info);
+    double worst = 0, worst_cos = 1;
+    for (int i = 0; i < count; i++) {
+        const float *ref = grads[0] + info[i].offset, *g = grads[1] + info[i].offset;
+        double e = rel_l2(g, ref, info[i].numel), cs = cosine(g, ref, info[i].numel);
+        fprintf(stderr, "  grad %-40s rel L2 %.4f cosine %.6f\n", info[i].name, e, cs);
+        cr_expect(global_norm(ref, info[i].numel) > 0, "%s: the bf16 gradient is zero", info[i].name);
+        cr_expect(e < TOL_GRAD, "gradient %s: rel L2 %.4f >= %g", info[i].name, e, TOL_GRAD);
+        cr_expect(cs >= 1 - TOL_GRAD * TOL_GRAD / 2, "gradient %s: cosine %.6f < %.6f", info[i].name, cs,
+                  1 - TOL_GRAD * TOL_GRAD / 2);
+        worst = e > worst ? e : worst;
+        worst_cos = cs < worst_cos ? cs : worst_cos;
+    }
+    fprintf(stderr, "fp8 vs bf16 linears: worst gradient rel L2 %.4f, cosine %.6f over %d tensors\n", worst, worst_cos,
+            count);
+    for (int k = 0; k < 2; k++) { free(out[k]); free(grads[k]); }
+    free(info); free(x0); free(noise);
+    dit_free(&cpu);
+}
+
+// Checked before any CUDA call (no GPU needed): an unknown kind, and FP8 with tokens per GPU
+// not a multiple of 16 (20×20 images, patch 2: 100 tokens).
+Test(dit_fp8, create_rejects_unsupported_models) {
+    char err[DIT_ERR_LEN];
+    DitGpu m;
+    DitConfig odd = fp8_config;
+    odd.image_size = 20;
+    cr_expect_eq(dit_gpu_create_sp(&m, &odd, 2, DIT_ATTN_EXACT, DIT_LINEAR_FP8, NULL, err), -1);
+    cr_expect(strstr(err, "FP8 linears") && strstr(err, "multiples of 16") && strstr(err, "100 tokens"),
+              "message: %s", err);
+    cr_expect_eq(dit_gpu_create_sp(&m, &fp8_config, 2, DIT_ATTN_EXACT, (DitLinear)7, NULL, err), -1);
+    cr_expect(strstr(err, "unknown linear kind 7"), "message: %s", err);
+}

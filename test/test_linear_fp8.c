@@ -1,0 +1,113 @@
+// The CPU definition of the FP8 linear layer (layers/fp8.h, layers/linear_fp8.c): the e5m2
+// rounding (exhaustively, as test_attention_cpu.c does for e4m3), the power-of-two scale, the fake
+// quantization, and the layer's error against the fp32 linear (it must round, and no coarser
+// than e4m3 / e5m2 should).
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include "attention/attention.h"
+#include "layers/common.h"
+#include "layers/fp8.h"
+#include "layers/layers.h"
+#include "test/compare.h"
+
+// e5m2 code to its value (bias 15, 2 mantissa bits, subnormals m·2^-16, exponent 31 inf / NaN)
+static float e5m2_decode(int code) {
+    int e = (code >> 2) & 31, m = code & 3;
+    float mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? ldexpf((float)m, -16) : ldexpf((float)(4 + m), e - 17);
+    return code & 0x80 ? -mag : mag;
+}
+
+Test(fp8, e5m2_exhaustive) {
+    // positive finite values: codes 0..123 ascending, 57344 = code 123
+    float table[124];
+    for (int c = 0; c < 124; c++) table[c] = e5m2_decode(c);
+    cr_assert(table[123] == 57344.0f && table[1] == ldexpf(1, -16) && table[4] == ldexpf(1, -14));
+    for (int c = 0; c < 256; c++) {
+        float x = e5m2_decode(c);
+        if (isnan(x) || isinf(x)) continue;
+        float r = round_to_e5m2(x);
+        cr_expect(r == x && signbit(r) == signbit(x), "code 0x%02x: %g -> %g", c, x, r);
+    }
+    for (int c = 0; c < 123; c++) {
+        float a = table[c], b = table[c + 1], mid = 0.5f * (a + b);
+        float even = (c % 2 == 0) ? a : b;
+        cr_expect(round_to_e5m2(mid) == even, "midpoint %g of %g, %g -> %g, expected %g", mid, a, b,
+                  round_to_e5m2(mid), even);
+        cr_expect(round_to_e5m2(-mid) == -even, "midpoint %g negative", mid);
+        cr_expect(round_to_e5m2(nextafterf(mid, 0)) == a, "just below %g", mid);
+        cr_expect(round_to_e5m2(nextafterf(mid, INFINITY)) == b, "just above %g", mid);
+    }
+    const float big[] = {57344.01f, 61440.0f, 1e6f, INFINITY};
+    for (int i = 0; i < 4; i++) cr_expect(round_to_e5m2(-big[i]) == -57344.0f, "%g saturates", -big[i]);
+    cr_expect(round_to_e5m2(ldexpf(1, -17)) == 0.0f, "2^-17 is the tie to 0");
+    cr_expect(isnan(round_to_e5m2(NAN)), "NaN stays NaN");
+}
+
+Test(fp8, scale_exponent) {
+    // e: the smallest with amax·2^-e <= 448 (e4m3) / 57344 (e5m2)
+    cr_expect_eq(fp8_scale_exponent(448.0f, FP8_E4M3), 0);
+    cr_expect_eq(fp8_scale_exponent(nextafterf(448.0f, 1e9f), FP8_E4M3), 1);
+    cr_expect_eq(fp8_scale_exponent(224.0f, FP8_E4M3), -1);
+    cr_expect_eq(fp8_scale_exponent(1.0f, FP8_E4M3), -8);
+    cr_expect_eq(fp8_scale_exponent(57344.0f, FP8_E5M2), 0);
+    cr_expect_eq(fp8_scale_exponent(1.0f, FP8_E5M2), -15);
+    cr_expect_eq(fp8_scale_exponent(0.0f, FP8_E4M3), 0);
+    cr_expect_eq(fp8_scale_exponent(INFINITY, FP8_E4M3), 0);
+    cr_expect_eq(fp8_scale_exponent(1e-40f, FP8_E5M2), -126);
+    Rng rng;
+    rng_seed(&rng, 3);
+    for (int i = 0; i < 10000; i++) {
+        float amax = ldexpf(0.5f + rng_uniform(&rng), -40 + (int)(rng_u32(&rng) % 80));
+        for (int f = 0; f < 2; f++) {
+            float fmax = f == 0 ? 448.0f : 57344.0f;
+            int e = fp8_scale_exponent(amax, (Fp8Format)f);
+            cr_assert(ldexpf(amax, -e) <= fmax && ldexpf(amax, 1 - e) > fmax, "amax %g format %d: e %d", amax, f, e);
+        }
+    }
+}
+
+Test(fp8, fake_quantize) {
+    // amax 1: scale 2^-8 for e4m3; 1 stays exact, 0.3 rounds to 0.3125 (0.3·2^8 = 76.8, spacing 8
+    // in [64, 128): 80) and 2^-20 underflows (2^-12 is below half of e4m3's smallest 2^-9).
+    // e5m2: scale 2^-15, 0.3·2^15 = 9830.4 -> 10240 (spacing 2048), 2^-20 -> 2^-5 exactly.
+    float x[4] = {1.0f, -0.3f, ldexpf(1, -20), 0.0f}, q[4];
+    float s = fp8_fake_quantize(q, x, 4, FP8_E4M3);
+    cr_expect_eq(s, ldexpf(1, -8));
+    cr_expect(q[0] == 1.0f && q[1] == -0.3125f && q[2] == 0.0f && q[3] == 0.0f, "%g %g %g %g", q[0], q[1], q[2], q[3]);
+    s = fp8_fake_quantize(q, x, 4, FP8_E5M2);
+    cr_expect_eq(s, ldexpf(1, -15));
+    cr_expect(q[1] == -0.3125f && q[2] == ldexpf(1, -20), "e5m2: %g %g", q[1], q[2]);
+}
+
+Test(fp8, linear_error_is_fp8_sized) {
+    const int M = 64, IC = 96, OC = 48;
+    Rng rng;
+    rng_seed(&rng, 9);
+    float *x = malloc(sizeof(float) * M * IC), *w = malloc(sizeof(float) * OC * IC), *dy = malloc(sizeof(float) * M * OC);
+    float *y = calloc(M * OC, sizeof(float)), *y8 = calloc(M * OC, sizeof(float));
+    float *dx = calloc(M * IC, sizeof(float)), *dx8 = calloc(M * IC, sizeof(float));
+    float *dw = calloc(OC * IC, sizeof(float)), *dw8 = calloc(OC * IC, sizeof(float));
+    float *db = calloc(OC, sizeof(float)), *db8 = calloc(OC, sizeof(float));
+    rng_fill_normal(&rng, x, (size_t)M * IC, 1.0f);
+    rng_fill_normal(&rng, w, (size_t)OC * IC, 0.1f);
+    rng_fill_normal(&rng, dy, (size_t)M * OC, 1e-3f);
+    linear_forward(y, x, w, NULL, M, IC, OC);
+    linear_fp8_forward(y8, x, w, NULL, M, IC, OC);
+    linear_backward(dx, dw, db, dy, x, w, M, IC, OC);
+    // e4m3 keeps 3 mantissa bits (relative rms error ~2.2% per operand), e5m2 2 bits (~4.5%)
+    double r = rel_l2(y8, y, (size_t)M * OC);
+    cr_expect(r > 0.01 && r < 0.06, "forward rel L2 %g", r);
+    for (int f = 0; f < 2; f++) {
+        for (int i = 0; i < M * IC; i++) dx8[i] = 0.0f;
+        for (int i = 0; i < OC * IC; i++) dw8[i] = 0.0f;
+        for (int i = 0; i < OC; i++) db8[i] = 0.0f;
+        linear_fp8_backward(dx8, dw8, db8, dy, x, w, M, IC, OC, (Fp8Format)f);
+        double lo = f == FP8_E4M3 ? 0.01 : 0.03, hi = f == FP8_E4M3 ? 0.06 : 0.09;
+        double rx = rel_l2(dx8, dx, (size_t)M * IC), rw = rel_l2(dw8, dw, (size_t)OC * IC);
+        cr_expect(rx > lo && rx < hi, "format %d: dinp rel L2 %g", f, rx);
+        cr_expect(rw > lo && rw < hi, "format %d: dweight rel L2 %g", f, rw);
+        cr_expect(rel_l2(db8, db, OC) < 1e-6, "format %d: dbias is not quantized", f);
+    }
+    free(x), free(w), free(dy), free(y), free(y8), free(dx), free(dx8), free(dw), free(dw8), free(db), free(db8);
+}
