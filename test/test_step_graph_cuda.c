@@ -182,7 +182,7 @@ Test(step_graph, refuses_a_sharded_model) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     DitGpuSeqParallel sp = {.ulysses = 1, .ring = 1, .optimizer_shards = 2, .optimizer_rank = 0};
-    OK(dit_gpu_create_sp(&m, &config, 2, DIT_ATTN_SAGE, &sp, err));
+    OK(dit_gpu_create_sp(&m, &config, 2, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &sp, err));
     cr_assert_eq(dit_gpu_train_step_graph(&m, 2, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1.0f, 0.99f, 1, err), -1);
     cr_expect(strstr(err, "one GPU only") && strstr(err, "2 optimizer shards"), "%s", err);
     dit_gpu_free(&m);
