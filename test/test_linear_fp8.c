@@ -1,6 +1,7 @@
 // The CPU definition of the FP8 linear layer (layers/fp8.h, layers/linear_fp8.c): the power-of-two
-// scale, the fake quantization (the e4m3 / e5m2 roundings are tested in test_attention_cpu.c), and the layer's error against the fp32 linear (it must round, and no coarser
-// than e4m3 / e5m2 should).
+// scale, the fake quantization (the e4m3 / e5m2 roundings are tested in test_attention_cpu.c),
+// and the layer's error against the fp32 linear (it must round, and no coarser than e4m3 / e5m2
+// should).
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
