@@ -1,14 +1,15 @@
 """Training-step time of ./train_dit against the PyTorch reference (dev/dit_ref.py) on the same GPU,
 for the same model config and batch, in one run: a markdown table (ms/step and images/s).
 
-    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--train-dit PATH]
+    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--train-dit PATH]
 
 PyTorch: fp32 master weights, autocast bf16, SDPA (cuDNN backend where available), fused AdamW,
 clip_grad_norm_ (the usual mixed-precision recipe), eager and (--compile) torch.compile of the
 model (default mode; the loss, clipping and AdamW stay eager); median step time over the steps
 after the warm-up, timed with CUDA events. train_dit: its own per-step ms (log line: wall clock of
 the whole step, batch and host RNG included), median over the same steps. Synthetic data on both
-sides (the step does not depend on pixel values). Configs b, c, d run at depth 4: the step time
+sides (the step does not depend on pixel values). --fp8 adds train_dit --attn sage --linear fp8
+(FP8 GEMMs in the block linears) and its ratios. Configs b, c, d run at depth 4: the step time
 is linear in depth, so the ratios hold for the full model. A run that fails (out of memory, a
 compile error, train_dit exiting) prints why on stderr and leaves "—" in its cell; the table goes on.
 """
@@ -83,10 +84,10 @@ def pytorch_step_ms(cfg, batch, steps, warmup, compile_model):
     return statistics.median(times)
 
 
-def train_dit_step_ms(train_dit, size, patch, hidden, depth, heads, batch, attn, steps, warmup):
-    """Median of train_dit's logged step times after `warmup` steps; raises RuntimeError with the
-    reason when the run fails."""
-    cmd = [train_dit, "--device", "gpu", "--data", "synthetic", "--attn", attn,
+def train_dit_step_ms(train_dit, size, patch, hidden, depth, heads, batch, flags, steps, warmup):
+    """Median of train_dit's logged step times after `warmup` steps (flags: e.g. ["--attn", "sage"]);
+    raises RuntimeError with the reason when the run fails."""
+    cmd = [train_dit, "--device", "gpu", "--data", "synthetic", *flags,
            "--image-size", str(size), "--patch", str(patch), "--hidden", str(hidden),
            "--depth", str(depth), "--heads", str(heads), "--batch", str(batch),
            "--steps", str(warmup + steps), "--ckpt-every", "0", "--sample-every", "0",
@@ -120,12 +121,23 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (compile happens here)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
+    ap.add_argument("--fp8", action="store_true", help="also time train_dit --attn sage --linear fp8")
     ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.steps} steps "
           f"after {args.warmup}; cells: ms/step (images/s)", flush=True)
-    runs = ["train_dit sage", "train_dit bf16", "PyTorch eager"] + (["PyTorch compile"] if args.compile else [])
-    ratios = ["eager / sage"] + (["compile / sage"] if args.compile else [])
+    ours = {"train_dit sage": ["--attn", "sage"], "train_dit bf16": ["--attn", "bf16"]}
+    if args.fp8:
+        ours["train_dit sage fp8"] = ["--attn", "sage", "--linear", "fp8"]
+    runs = list(ours) + ["PyTorch eager"] + (["PyTorch compile"] if args.compile else [])
+    ratio_of = [("eager / sage", "PyTorch eager", "train_dit sage")]
+    if args.compile:
+        ratio_of.append(("compile / sage", "PyTorch compile", "train_dit sage"))
+    if args.fp8:
+        ratio_of.append(("eager / sage fp8", "PyTorch eager", "train_dit sage fp8"))
+        if args.compile:
+            ratio_of.append(("compile / sage fp8", "PyTorch compile", "train_dit sage fp8"))
+    ratios = [r[0] for r in ratio_of]
     print("| config | tokens | batch | depth | " + " | ".join(runs + ratios) + " |")
     print("|---" * (4 + len(runs) + len(ratios)) + "|", flush=True)
     for name in args.configs.split(","):
@@ -136,10 +148,9 @@ def main():
         cfg = DiTConfig(image_size=size, channels=1, patch=patch, hidden=hidden, depth=depth,
                         heads=heads, num_classes=10)
         ms = {}
-        for attn in ("sage", "bf16"):
-            ms[f"train_dit {attn}"] = measure(f"config {name}, train_dit --attn {attn}", train_dit_step_ms,
-                                              args.train_dit, size, patch, hidden, depth, heads, batch, attn,
-                                              args.steps, args.warmup)
+        for run, flags in ours.items():
+            ms[run] = measure(f"config {name}, train_dit {' '.join(flags)}", train_dit_step_ms, args.train_dit,
+                              size, patch, hidden, depth, heads, batch, flags, args.steps, args.warmup)
         ms["PyTorch eager"] = measure(f"config {name}, PyTorch eager", pytorch_step_ms, cfg, batch,
                                       args.steps, args.warmup, False)
         if args.compile:
@@ -147,14 +158,11 @@ def main():
                                             args.steps, args.warmup, True)
         cell = lambda v: f"{v:.1f} ({batch / (v / 1e3):.0f})" if v else "—"  # noqa: E731
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "—"  # noqa: E731
-        sage = ms["train_dit sage"]
-        cells = [cell(ms[r]) for r in runs] + [ratio(ms["PyTorch eager"], sage)]
-        if args.compile:
-            cells.append(ratio(ms["PyTorch compile"], sage))
+        cells = [cell(ms[r]) for r in runs] + [ratio(ms[theirs], ms[mine]) for _, theirs, mine in ratio_of]
         print(f"| {name} (h{hidden} H{heads}) | {(size // patch) ** 2} | {batch} | {depth} | " + " | ".join(cells) + " |",
               flush=True)
     print("\nb, c, d run at depth 4 (a at DiT-B's full 12): the step time is linear in depth, so the ratios "
-          "hold for deeper models. x/y: how many times faster train_dit sage is.")
+          "hold for deeper models. x/y: how many times faster train_dit is (sage, or sage with FP8 linears).")
 
 
 if __name__ == "__main__":

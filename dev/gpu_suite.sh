@@ -59,7 +59,7 @@ if [ "$what" != tests ]; then
     [ -f "$BIN/libflash_bench.so" ] && python3 dev/bench_flash.py "$BIN/libflash_bench.so" 2>&1 | tee "$LOGS/bench_flash.log"
     if [ -x "$BIN/train_dit" ]; then
         cp "$BIN/train_dit" .
-        python3 dev/bench_step.py --configs a,b,c,d --compile 2>&1 | tee "$LOGS/bench_step.log"
+        python3 dev/bench_step.py --configs a,b,c,d --compile --fp8 2>&1 | tee "$LOGS/bench_step.log"
         [ -f "$BIN/libkernel_times.so" ] && python3 dev/profile_step.py --configs c,a --steps 8 \
             --lib "$BIN/libkernel_times.so" 2>&1 | tee "$LOGS/profile_step.log"
     fi

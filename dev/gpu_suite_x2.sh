@@ -31,7 +31,7 @@ elif [ "$part" = single ]; then
     TESTS=$!
     cp .devrun/train_dit .
     export CUDA_VISIBLE_DEVICES=0
-    python3 dev/bench_step.py --configs a,b,c,d --compile > $L/bench_step.log 2>&1; t bench_step_done
+    python3 dev/bench_step.py --configs a,b,c,d --compile --fp8 > $L/bench_step.log 2>&1; t bench_step_done
     python3 dev/bench_attention.py .devrun/libsage_bench.so > $L/bench_sage.log 2>&1; t bench_sage_done
     python3 dev/bench_flash.py .devrun/libflash_bench.so > $L/bench_flash.log 2>&1; t bench_flash_done
     python3 dev/profile_step.py --configs c,a --steps 8 --lib .devrun/libkernel_times.so > $L/profile_step.log 2>&1; t profile_done
