@@ -174,6 +174,10 @@ $(BUILD)/make_fashion_mnist: dev/make_fashion_mnist.c $(BUILD)/dataloader/image_
 data: $(BUILD)/make_fashion_mnist
 	$(BUILD)/make_fashion_mnist $(FASHION_MNIST_SRC) data/fashion-mnist
 
+# The CPU accuracy tools of sage attention, dev/sage_*_accuracy.c (make build/sage_bwd_int8_accuracy)
+$(BUILD)/sage_%_accuracy: dev/sage_%_accuracy.c $(LIB)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB) $(LDLIBS)
+
 clean:
 	rm -rf $(BUILD) train_dit
 

@@ -72,8 +72,36 @@ void attention_backward(float *dq, float *dk, float *dv,
 //  Every scale factors out of its product's sum (a per-row scale of the left operand), so each is
 //  one multiply of the int32 tile. Accuracy (dev/notes_attention_cpu.md): TOKEN keeps dq, dk, dv
 //  cosine >= 0.9998 against exact attention on Gaussian inputs; BLOCK gives 0.9988 for dq, dk.
+// FP8 backward: the same three products with 8-bit float operands (the candidates for Hopper's
+// FP8 wgmma; dev/notes_sage_fp8_bwd.md). Same loops and blocks (I, J) as the INT8 backward; dP
+// stays fp32 and S is recomputed from q8, k8 as above. "To F over a set" (F = e4m3, largest
+// value M = 448, or e5m2, M = 57344; round_to_e4m3 / round_to_e5m2): amax = max|x| over the
+// set, scale = amax/M, x8 = F(x·(M/amax)) (nearest-even, saturating; amax = 0 gives 0).
+//  a. Operands, per (b, h), all e4m3: dout -> do8, do_scale; q -> qe8, qe_scale (q itself, not
+//     q8: 8-bit wgmma needs both operands FP8, and a kernel writes these transposed in a pre-pass
+//     anyway); ks = k - k_mean -> ke8, ke_scale. The sets: TILE modes: per block of q_block
+//     queries (dout, q) or k_block keys (ks); BOUND modes: the whole head (one scale each, so that
+//     every scale factors out of every accumulation), with q replaced by q'_i = sigma_i·q_i below.
+//  b. Block (I, J): P, dP, dS in fp32 exactly as the INT8 backward. p8_ij = e4m3(P_ij·448)
+//     (static scale: P <= 1). dS to F_ds (e4m3 or e5m2 by mode, M_ds its largest value):
+//       SAGE_BWD_FP8_TILE (F_ds e4m3), SAGE_BWD_FP8_E5M2_TILE (e5m2): one set per block (I, J):
+//         ds8, sigma_i = ds_scale_IJ.
+//       SAGE_BWD_FP8_BOUND (e4m3), SAGE_BWD_FP8_E5M2_BOUND (e5m2): no reduction over the tile: a
+//         per-query bound b_i >= max_j |dS_ij|, b_i = 2^(m_i - lse_i)·(|dout_i|_2·vmax + |Dr_i|),
+//         m_i = max_j s_ij over the nk keys given (P_ij <= 2^(m_i - lse_i); a kernel takes m_i
+//         from the forward), vmax = max_j |v_j|_2 over the nk keys given (norms: fp32 sums in d
+//         order, sqrtf); ds8_ij = F_ds(dS_ij·(M_ds/b_i)), sigma_i = b_i/M_ds (b_i = 0 gives 0).
+//  c. With r = 1/sqrtf(D), fp32 sums of the exact products in index order:
+//     dv_jd += (Σ_{i∈I} p8_ij·do8_id)  · (do_scale/448)
+//     dk_jd += (Σ_{i∈I} ds8_ij·qe8_id) · ((sigma_i·qe_scale)·r)   TILE (sigma_i = ds_scale_IJ)
+//     dk_jd += (Σ_{i∈I} ds8_ij·qe8_id) · (qe_scale·r)             BOUND (sigma_i is in qe8)
+//     dq_id += (Σ_{j∈J} ds8_ij·ke8_jd) · ((sigma_i·ke_scale)·r)
+//     each product of a block scaled once and added in fp32, as in the INT8 backward.
 typedef enum { SAGE_PV_FP8 = 0, SAGE_PV_FP16 = 1 } SagePV;
-typedef enum { SAGE_BWD_FP32 = 0, SAGE_BWD_INT8_BLOCK = 1, SAGE_BWD_INT8_TOKEN = 2 } SageBwd;
+typedef enum {
+    SAGE_BWD_FP32 = 0, SAGE_BWD_INT8_BLOCK = 1, SAGE_BWD_INT8_TOKEN = 2,
+    SAGE_BWD_FP8_TILE = 3, SAGE_BWD_FP8_E5M2_TILE = 4, SAGE_BWD_FP8_BOUND = 5, SAGE_BWD_FP8_E5M2_BOUND = 6
+} SageBwd;
 typedef struct {
     int q_block;   // tokens per Q scale (default 64)
     int k_block;   // tokens per K scale, and the key-block size of the online softmax (default 64)
@@ -85,7 +113,8 @@ typedef struct {
                    // rotation is attention/hadamard_cuda.h, applied by the model (train_dit
                    // --sage-rotate, default 1).
     SageBwd bwd;   // precision of the backward's products (CPU definition only so far; default
-                   // SAGE_BWD_FP32 = 0, so a zero-initialized or designated initializer keeps it)
+                   // SAGE_BWD_FP32 = 0, so a zero-initialized or designated initializer keeps it;
+                   // a value outside the enum: message on stderr and NaN gradients)
 } SageConfig;
 #define SAGE_CONFIG_DEFAULT ((SageConfig){64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32})
 

@@ -195,7 +195,7 @@ static int check_sage_shape(const SpComm *comm, int N, SageConfig cfg, const cha
     if (check_ring_shape(comm, N, fn, err) != 0) return -1;
     if (cfg.rotate || cfg.bwd != SAGE_BWD_FP32) {
         dit_set_error(err, "%s: SageConfig.%s is not supported by the ring yet", fn,
-                      cfg.rotate ? "rotate" : "bwd (the INT8 backward)");
+                      cfg.rotate ? "rotate" : "bwd (the 8-bit backwards)");
         return -1;
     }
     int n = N / comm->ranks;

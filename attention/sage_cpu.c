@@ -28,8 +28,8 @@ float round_to_e4m3(float x) {
 }
 
 // Nearest float8 e5m2 value (OCP: 5 exponent bits with bias 15, 2 mantissa bits, subnormals in
-// steps of 2^-16, largest finite 57344), ties to even mantissa. |x| >= 57344 saturates to
-// ±57344 (the GPU's .satfinite conversion); NaN stays NaN.
+// steps of 2^-16, largest finite 57344), ties to even mantissa. |x| >= 57344 saturates to ±57344
+// (the GPU's .satfinite conversion: the format's infinities are never produced); NaN stays NaN.
 float round_to_e5m2(float x) {
     if (isnan(x)) return x;
     float ax = fabsf(x);
@@ -38,7 +38,7 @@ float round_to_e5m2(float x) {
     frexpf(ax, &e);
     int step_exp = (e - 1 < -14 ? -14 : e - 1) - 2;
     float r = ldexpf(rintf(ldexpf(ax, -step_exp)), step_exp);
-    return copysignf(r, x);                           // r <= 57344: 57344 is 7·2^13, ax/2^13 < 7
+    return copysignf(r, x);                           // r <= 57344 = 7·2^13: ax/2^13 < 7
 }
 
 // Nearest IEEE binary16 value (10 mantissa bits, subnormals in steps of 2^-24, largest finite
@@ -73,13 +73,17 @@ static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // The API has no error return: when scratch cannot be allocated, say so on stderr and make
 // the outputs NaN, so that no caller can take them for a result.
+static void fill_nan(float *a, size_t na, float *b, size_t nb, float *c, size_t nc) {
+    for (size_t i = 0; i < na; i++) a[i] = NAN;
+    for (size_t i = 0; i < nb; i++) b[i] = NAN;
+    for (size_t i = 0; i < nc; i++) c[i] = NAN;
+}
+
 static void fail_with_nan(const char *fn, float *a, size_t na, float *b, size_t nb,
                           float *c, size_t nc, int B, int H, int N, int D) {
     fprintf(stderr, "%s: out of memory for scratch (B=%d H=%d N=%d D=%d); outputs set to NaN\n",
             fn, B, H, N, D);
-    for (size_t i = 0; i < na; i++) a[i] = NAN;
-    for (size_t i = 0; i < nb; i++) b[i] = NAN;
-    for (size_t i = 0; i < nc; i++) c[i] = NAN;
+    fill_nan(a, na, b, nb, c, nc);
 }
 
 // ---- steps 1-2: quantization ----------------------------------------------------------------
@@ -260,103 +264,240 @@ static void quantize_tile(int8_t *x8, float *scale, const float *x, int n, int m
     }
 }
 
-// Scratch of the INT8 backward, for one block of q_block queries × k_block keys.
+// Scratch of the 8-bit backwards: one block of q_block queries × k_block keys and, for FP8, the
+// operands of one head (nq queries, nk keys).
 typedef struct {
     float *p, *ds, *dr;                 // P, dS (q_block, k_block); Dr of the block's rows (q_block)
-    int8_t *p8, *dsq8, *dsk8;   // (q_block, k_block)
-    float *p_scale, *dsk_scale;      // per key (k_block)
-    float *dsq_scale;                // per query (q_block)
+    float *sum;                         // one product tile in fp32 (max(q_block, k_block), D)
+    // INT8
+    int8_t *p8, *dsq8, *dsk8;           // (q_block, k_block)
+    float *p_scale, *dsk_scale;         // per key (k_block)
+    float *dsq_scale;                   // per query (q_block)
     int8_t *do8;                        // dout of the query block (q_block, D)
-    int32_t *sum;                       // one product tile (max(q_block, k_block), D)
-} Int8Scratch;
+    int32_t *isum;                      // one product tile (max(q_block, k_block), D)
+    // FP8: the 8-bit float values, held in floats
+    float *p8f, *ds8f;                  // (q_block, k_block)
+    float *qe8, *do8f, *ke8;            // (nq, D), (nq, D), (nk, D)
+    float *qe_scale, *do_scale, *ke_scale;   // per block (TILE modes) or one per head (BOUND modes)
+    float *sigma, *ds_inv;              // BOUND: b_i/M_ds and M_ds/b_i per query (nq)
+    float *tmp;                         // (max(nq, nk), D): ks, then q', before quantization
+} Bwd8Scratch;
 
-static void int8_scratch_free(Int8Scratch *w) {
-    free(w->p); free(w->ds); free(w->dr); free(w->p8); free(w->dsq8); free(w->dsk8);
-    free(w->p_scale); free(w->dsk_scale); free(w->dsq_scale); free(w->do8); free(w->sum);
+static void bwd8_scratch_free(Bwd8Scratch *w) {
+    free(w->p); free(w->ds); free(w->dr); free(w->sum);
+    free(w->p8); free(w->dsq8); free(w->dsk8); free(w->p_scale); free(w->dsk_scale); free(w->dsq_scale);
+    free(w->do8); free(w->isum);
+    free(w->p8f); free(w->ds8f); free(w->qe8); free(w->do8f); free(w->ke8);
+    free(w->qe_scale); free(w->do_scale); free(w->ke_scale); free(w->sigma); free(w->ds_inv); free(w->tmp);
 }
 
+static int bwd_is_fp8(SageBwd b) { return b >= SAGE_BWD_FP8_TILE; }
+static int bwd_is_bound(SageBwd b) { return b == SAGE_BWD_FP8_BOUND || b == SAGE_BWD_FP8_E5M2_BOUND; }
+static int bwd_ds_e5m2(SageBwd b) { return b == SAGE_BWD_FP8_E5M2_TILE || b == SAGE_BWD_FP8_E5M2_BOUND; }
+
 // Returns 0, or -1 when malloc fails (then nothing stays allocated).
-static int int8_scratch_alloc(Int8Scratch *w, int qb, int kb, int D) {
-    size_t tile = (size_t)qb * kb, rows = qb > kb ? qb : kb;
-    w->p = malloc(tile * sizeof(float));
-    w->ds = malloc(tile * sizeof(float));
-    w->dr = malloc((size_t)qb * sizeof(float));
-    w->p8 = malloc(tile);
-    w->dsq8 = malloc(tile);
-    w->dsk8 = malloc(tile);
-    w->p_scale = malloc((size_t)kb * sizeof(float));
-    w->dsk_scale = malloc((size_t)kb * sizeof(float));
-    w->dsq_scale = malloc((size_t)qb * sizeof(float));
-    w->do8 = malloc((size_t)qb * D);
-    w->sum = malloc(rows * D * sizeof(int32_t));
-    if (w->p && w->ds && w->dr && w->p8 && w->dsq8 && w->dsk8 && w->p_scale && w->dsk_scale &&
-        w->dsq_scale && w->do8 && w->sum) return 0;
-    int8_scratch_free(w);
+static int bwd8_scratch_alloc(Bwd8Scratch *w, int qb, int kb, int nq, int nk, int D, SageBwd bwd) {
+    memset(w, 0, sizeof(*w));
+    size_t tile = (size_t)qb * kb, rows = qb > kb ? qb : kb, tokens = nq > nk ? nq : nk;
+    int ok = (w->p = malloc(tile * sizeof(float))) && (w->ds = malloc(tile * sizeof(float))) &&
+             (w->dr = malloc((size_t)qb * sizeof(float))) && (w->sum = malloc(rows * D * sizeof(float)));
+    if (ok && !bwd_is_fp8(bwd))
+        ok = (w->p8 = malloc(tile)) && (w->dsq8 = malloc(tile)) && (w->dsk8 = malloc(tile)) &&
+             (w->p_scale = malloc((size_t)kb * sizeof(float))) && (w->dsk_scale = malloc((size_t)kb * sizeof(float))) &&
+             (w->dsq_scale = malloc((size_t)qb * sizeof(float))) && (w->do8 = malloc((size_t)qb * D)) &&
+             (w->isum = malloc(rows * D * sizeof(int32_t)));
+    if (ok && bwd_is_fp8(bwd))
+        ok = (w->p8f = malloc(tile * sizeof(float))) && (w->ds8f = malloc(tile * sizeof(float))) &&
+             (w->qe8 = malloc((size_t)nq * D * sizeof(float))) && (w->do8f = malloc((size_t)nq * D * sizeof(float))) &&
+             (w->ke8 = malloc((size_t)nk * D * sizeof(float))) &&
+             (w->qe_scale = malloc((size_t)ceil_div(nq, qb) * sizeof(float))) &&
+             (w->do_scale = malloc((size_t)ceil_div(nq, qb) * sizeof(float))) &&
+             (w->ke_scale = malloc((size_t)ceil_div(nk, kb) * sizeof(float))) &&
+             (w->sigma = malloc((size_t)nq * sizeof(float))) && (w->ds_inv = malloc((size_t)nq * sizeof(float))) &&
+             (w->tmp = malloc(tokens * D * sizeof(float)));
+    if (ok) return 0;
+    bwd8_scratch_free(w);
     return -1;
 }
 
-// sum (nj, D) = aᵀ·b with a (ni, nj) and b (ni, D) int8: int32 sums over the ni rows.
-static void int8_product_tn(int32_t *sum, const int8_t *a, const int8_t *b, int ni, int nj, int D) {
-    memset(sum, 0, (size_t)nj * D * sizeof(int32_t));
+// sum (nj, D) = aᵀ·b with a (ni, nj) and b (ni, D) int8: int32 sums over the ni rows (acc), then
+// each converted to fp32.
+static void int8_product_tn(float *sum, int32_t *acc, const int8_t *a, const int8_t *b, int ni, int nj, int D) {
+    memset(acc, 0, (size_t)nj * D * sizeof(int32_t));
     for (int i = 0; i < ni; i++)
         for (int j = 0; j < nj; j++) {
             int32_t aij = a[i * nj + j];
-            for (int d = 0; d < D; d++) sum[(size_t)j * D + d] += aij * b[(size_t)i * D + d];
+            for (int d = 0; d < D; d++) acc[(size_t)j * D + d] += aij * b[(size_t)i * D + d];
         }
+    for (size_t t = 0; t < (size_t)nj * D; t++) sum[t] = (float)acc[t];
 }
 
-// sum (ni, D) = a·b with a (ni, nj) and b (nj, D) int8: int32 sums over the nj columns.
-static void int8_product_nn(int32_t *sum, const int8_t *a, const int8_t *b, int ni, int nj, int D) {
-    memset(sum, 0, (size_t)ni * D * sizeof(int32_t));
+// sum (ni, D) = a·b with a (ni, nj) and b (nj, D) int8: int32 sums over the nj columns, then fp32.
+static void int8_product_nn(float *sum, int32_t *acc, const int8_t *a, const int8_t *b, int ni, int nj, int D) {
+    memset(acc, 0, (size_t)ni * D * sizeof(int32_t));
     for (int i = 0; i < ni; i++)
         for (int j = 0; j < nj; j++) {
             int32_t aij = a[i * nj + j];
-            for (int d = 0; d < D; d++) sum[(size_t)i * D + d] += aij * b[(size_t)j * D + d];
+            for (int d = 0; d < D; d++) acc[(size_t)i * D + d] += aij * b[(size_t)j * D + d];
         }
+    for (size_t t = 0; t < (size_t)ni * D; t++) sum[t] = (float)acc[t];
 }
 
-// y (rows, D) += sum · ((row_scale[r]·a)·b) in fp32, one factor per row r.
-static void add_scaled_rows(float *y, const int32_t *sum, const float *row_scale, float a, float b, int rows,
-                            int D) {
+// The FP8 products: the same shapes with 8-bit float values (exact products), fp32 sums in order.
+static void fp8_product_tn(float *sum, const float *a, const float *b, int ni, int nj, int D) {
+    memset(sum, 0, (size_t)nj * D * sizeof(float));
+    for (int i = 0; i < ni; i++)
+        for (int j = 0; j < nj; j++)
+            for (int d = 0; d < D; d++) sum[(size_t)j * D + d] += a[i * nj + j] * b[(size_t)i * D + d];
+}
+
+static void fp8_product_nn(float *sum, const float *a, const float *b, int ni, int nj, int D) {
+    memset(sum, 0, (size_t)ni * D * sizeof(float));
+    for (int i = 0; i < ni; i++)
+        for (int j = 0; j < nj; j++)
+            for (int d = 0; d < D; d++) sum[(size_t)i * D + d] += a[i * nj + j] * b[(size_t)j * D + d];
+}
+
+// y (rows, D) += sum · ((row_scale[r]·a)·b) in fp32, one factor per row r (row_scale NULL: 1).
+static void add_scaled_rows(float *y, const float *sum, const float *row_scale, float a, float b, int rows, int D) {
     for (int r = 0; r < rows; r++) {
-        float f = (row_scale[r] * a) * b;
-        for (int d = 0; d < D; d++) y[(size_t)r * D + d] += (float)sum[(size_t)r * D + d] * f;
+        float f = ((row_scale ? row_scale[r] : 1.0f) * a) * b;
+        for (int d = 0; d < D; d++) y[(size_t)r * D + d] += sum[(size_t)r * D + d] * f;
     }
 }
 
-// The INT8 backward of attention.h (cfg.bwd BLOCK or TOKEN) over the nk keys given. dout, out, dq:
-// (B, H, nq, D); lse (B, H, nq); v, dk, dv: (B, H, nk, D); q8/k8 and scales as in
-// sage_forward_quantized. Block (I, J): P, dS (ni × nj) in fp32, then int8 with the scales of
-// cfg.bwd; dv_J += p8ᵀ·do8, dk_J += ds8ᵀ·q8_I, dq_I += ds8·k8_J as int32 sums, each scaled once
-// and added in fp32.
-static void backward_int8(float *dq, float *dk, float *dv,
-                          const float *dout, const float *v, const float *out, const float *lse,
+// n values x to e4m3 (largest M = 448) or e5m2 (M = 57344) over one set: amax = max|x|,
+// y = F(x·(M/amax)); returns amax/M (amax = 0 gives y = 0 and 0).
+static float quantize_fp8(float *y, const float *x, size_t n, int e5m2) {
+    float big = e5m2 ? 57344.0f : 448.0f, amax = 0.0f;
+    for (size_t t = 0; t < n; t++) amax = fmaxf(amax, fabsf(x[t]));
+    float inv = amax > 0.0f ? big / amax : 0.0f;
+    for (size_t t = 0; t < n; t++) y[t] = e5m2 ? round_to_e5m2(x[t] * inv) : round_to_e4m3(x[t] * inv);
+    return amax / big;
+}
+
+// x (n, D) to e4m3 in sets of `block` tokens (the last may be shorter) -> y (n, D), scales (ceil(n/block)).
+static void quantize_fp8_blocks(float *y, float *scales, const float *x, int n, int D, int block) {
+    for (int t0 = 0; t0 < n; t0 += block) {
+        int count = n - t0 < block ? n - t0 : block;
+        scales[t0 / block] = quantize_fp8(y + (size_t)t0 * D, x + (size_t)t0 * D, (size_t)count * D, 0);
+    }
+}
+
+static float dot_f32(const float *a, const float *b, int D) {
+    float sum = 0.0f;
+    for (int d = 0; d < D; d++) sum += a[d] * b[d];
+    return sum;
+}
+
+// Step a of the FP8 backward for one head: dout, q, out (nq, D), lse (nq); k, v (nk, D); k_mean (D);
+// q8, q_scale, k8, k_scale of the head (for m_i). Fills w's qe8, do8f, ke8, their scales and,
+// BOUND, sigma and ds_inv.
+static void fp8_head_operands(Bwd8Scratch *w, const float *dout, const float *q, const float *out, const float *lse,
+                              const float *k, const float *v, const float *k_mean,
+                              const int8_t *q8, const float *q_scale, const int8_t *k8, const float *k_scale,
+                              int nq, int nk, int D, SageConfig cfg) {
+    int bound = bwd_is_bound(cfg.bwd), qblk = bound ? nq : cfg.q_block, kblk = bound ? nk : cfg.k_block;
+    for (int j = 0; j < nk; j++)
+        for (int d = 0; d < D; d++) w->tmp[(size_t)j * D + d] = k[(size_t)j * D + d] - k_mean[d];
+    quantize_fp8_blocks(w->ke8, w->ke_scale, w->tmp, nk, D, kblk);
+    quantize_fp8_blocks(w->do8f, w->do_scale, dout, nq, D, qblk);
+    if (!bound) {
+        quantize_fp8_blocks(w->qe8, w->qe_scale, q, nq, D, qblk);
+        return;
+    }
+    // b_i = 2^(m_i - lse_i)·(|dout_i|·vmax + |Dr_i|) >= |dS_ij|; q'_i = sigma_i·q_i
+    float big = bwd_ds_e5m2(cfg.bwd) ? 57344.0f : 448.0f, vmax = 0.0f;
+    for (int j = 0; j < nk; j++) vmax = fmaxf(vmax, sqrtf(dot_f32(v + (size_t)j * D, v + (size_t)j * D, D)));
+    for (int i = 0; i < nq; i++) {
+        const float *doi = dout + (size_t)i * D;
+        float qs = q_scale[i / cfg.q_block], m = -INFINITY;
+        for (int j = 0; j < nk; j++)
+            m = fmaxf(m, (float)dot_i8(q8 + (size_t)i * D, k8 + (size_t)j * D, D) * (qs * k_scale[j / cfg.k_block]));
+        float b = exp2f(m - lse[i]) * (sqrtf(dot_f32(doi, doi, D)) * vmax + fabsf(dot_f32(doi, out + (size_t)i * D, D)));
+        w->sigma[i] = b / big;
+        w->ds_inv[i] = b > 0.0f ? big / b : 0.0f;
+        for (int d = 0; d < D; d++) w->tmp[(size_t)i * D + d] = w->sigma[i] * q[(size_t)i * D + d];
+    }
+    quantize_fp8_blocks(w->qe8, w->qe_scale, w->tmp, nq, D, nq);
+}
+
+// Steps b (quantization) and c of the INT8 backward for block (I, J) from w->p, w->ds; do8 and
+// do_scale of block I are in w. Blocks of dv, dk (nj, D) and dq (ni, D); q8, k8 of the blocks.
+static void int8_block_products(Bwd8Scratch *w, float *dq, float *dk, float *dv, const int8_t *q8, float qs,
+                                const int8_t *k8, float ks, float do_scale, int ni, int nj, int D, float r, float u,
+                                SageBwd bwd) {
+    quantize_tile(w->p8, w->p_scale, w->p, ni, nj, 1, bwd);
+    quantize_tile(w->dsq8, w->dsq_scale, w->ds, ni, nj, 0, bwd);
+    quantize_tile(w->dsk8, w->dsk_scale, w->ds, ni, nj, 1, bwd);
+    int8_product_tn(w->sum, w->isum, w->p8, w->do8, ni, nj, D);   // dv_J += p8ᵀ·do8
+    add_scaled_rows(dv, w->sum, w->p_scale, do_scale, 1.0f, nj, D);
+    int8_product_tn(w->sum, w->isum, w->dsk8, q8, ni, nj, D);     // dk_J += ds8ᵀ·q8_I
+    add_scaled_rows(dk, w->sum, w->dsk_scale, qs, u, nj, D);
+    int8_product_nn(w->sum, w->isum, w->dsq8, k8, ni, nj, D);     // dq_I += ds8·k8_J
+    add_scaled_rows(dq, w->sum, w->dsq_scale, ks, r, ni, D);
+}
+
+// Steps b (quantization) and c of the FP8 backward for block (I, J) of query block bi (first query
+// i0) and key block bj (first key j0) from w->p, w->ds and the head's operands in w.
+static void fp8_block_products(Bwd8Scratch *w, float *dq, float *dk, float *dv, int bi, int i0, int bj, int j0,
+                               int ni, int nj, int D, float r, SageBwd bwd) {
+    int bound = bwd_is_bound(bwd), e5m2 = bwd_ds_e5m2(bwd);
+    float qe_scale = w->qe_scale[bound ? 0 : bi], do_scale = w->do_scale[bound ? 0 : bi];
+    float ke_scale = w->ke_scale[bound ? 0 : bj], ds_scale = 1.0f;
+    for (int t = 0; t < ni * nj; t++) w->p8f[t] = round_to_e4m3(w->p[t] * 448.0f);
+    if (bound) {
+        for (int i = 0; i < ni; i++)
+            for (int j = 0; j < nj; j++) {
+                float x = w->ds[i * nj + j] * w->ds_inv[i0 + i];
+                w->ds8f[i * nj + j] = e5m2 ? round_to_e5m2(x) : round_to_e4m3(x);
+            }
+    } else {
+        ds_scale = quantize_fp8(w->ds8f, w->ds, (size_t)ni * nj, e5m2);
+    }
+    const float *qe8 = w->qe8 + (size_t)i0 * D, *do8 = w->do8f + (size_t)i0 * D, *ke8 = w->ke8 + (size_t)j0 * D;
+    fp8_product_tn(w->sum, w->p8f, do8, ni, nj, D);    // dv_J += p8ᵀ·do8
+    add_scaled_rows(dv, w->sum, NULL, do_scale / 448.0f, 1.0f, nj, D);
+    fp8_product_tn(w->sum, w->ds8f, qe8, ni, nj, D);   // dk_J += ds8ᵀ·qe8_I
+    add_scaled_rows(dk, w->sum, NULL, bound ? qe_scale : ds_scale * qe_scale, r, nj, D);
+    fp8_product_nn(w->sum, w->ds8f, ke8, ni, nj, D);   // dq_I += ds8·ke8_J
+    add_scaled_rows(dq, w->sum, bound ? w->sigma + i0 : NULL, bound ? ke_scale : ds_scale * ke_scale, r, ni, D);
+}
+
+// The INT8 and FP8 backwards of attention.h (cfg.bwd != SAGE_BWD_FP32) over the nk keys given.
+// dout, q, out, dq: (B, H, nq, D); lse (B, H, nq); k, v, dk, dv: (B, H, nk, D); q8/k8 and scales as
+// in sage_forward_quantized; k_mean (B, H, D). Block (I, J): P, dS (ni × nj) in fp32, then 8-bit
+// with the scales of cfg.bwd; dv_J += p8ᵀ·do8, dk_J += ds8ᵀ·q8_I, dq_I += ds8·k8_J, each block's
+// product scaled once and added in fp32.
+static void backward_8bit(float *dq, float *dk, float *dv,
+                          const float *dout, const float *q, const float *k, const float *v,
+                          const float *out, const float *lse,
                           const int8_t *q8, const float *q_scale, const int8_t *k8, const float *k_scale,
-                          int B, int H, int nq, int nk, int D, SageConfig cfg) {
-    int qb = cfg.q_block, kb = cfg.k_block, nqb = ceil_div(nq, qb), nkb = ceil_div(nk, kb);
+                          const float *k_mean, int B, int H, int nq, int nk, int D, SageConfig cfg) {
+    int qb = cfg.q_block, kb = cfg.k_block, nqb = ceil_div(nq, qb), nkb = ceil_div(nk, kb), fp8 = bwd_is_fp8(cfg.bwd);
     const float r = 1.0f / sqrtf((float)D);
     const float u = r / (r * 1.44269504f);   // undoes sage_quantize_q's c = (1/sqrtf(D))·log2(e)
-    Int8Scratch w;
-    if (int8_scratch_alloc(&w, qb, kb, D) != 0) {
+    Bwd8Scratch w;
+    if (bwd8_scratch_alloc(&w, qb, kb, nq, nk, D, cfg.bwd) != 0) {
         size_t n_q = (size_t)B * H * nq * D, n_k = (size_t)B * H * nk * D;
         fail_with_nan("sage_backward_quantized", dq, n_q, dk, n_k, dv, n_k, B, H, nq, D);
         return;
     }
     for (int bh = 0; bh < B * H; bh++) {
         size_t q_head = (size_t)bh * nq * D, k_head = (size_t)bh * nk * D;
+        if (fp8)
+            fp8_head_operands(&w, dout + q_head, q + q_head, out + q_head, lse + (size_t)bh * nq, k + k_head,
+                              v + k_head, k_mean + (size_t)bh * D, q8 + q_head, q_scale + (size_t)bh * nqb,
+                              k8 + k_head, k_scale + (size_t)bh * nkb, nq, nk, D, cfg);
         for (int bi = 0; bi < nqb; bi++) {
             int i0 = bi * qb, ni = nq - i0 < qb ? nq - i0 : qb;
             const float *do_blk = dout + q_head + (size_t)i0 * D;
             const int8_t *q8_blk = q8 + q_head + (size_t)i0 * D;
             float *dq_blk = dq + q_head + (size_t)i0 * D;
             float qs = q_scale[(size_t)bh * nqb + bi];
-            float do_scale = quantize_block(w.do8, do_blk, NULL, 1.0f, ni, D);
-            for (int i = 0; i < ni; i++) {
-                const float *oi = out + q_head + (size_t)(i0 + i) * D, *doi = do_blk + (size_t)i * D;
-                float sum = 0.0f;
-                for (int d = 0; d < D; d++) sum += doi[d] * oi[d];
-                w.dr[i] = sum;
-            }
+            float do_scale = fp8 ? 0.0f : quantize_block(w.do8, do_blk, NULL, 1.0f, ni, D);
+            for (int i = 0; i < ni; i++)
+                w.dr[i] = dot_f32(do_blk + (size_t)i * D, out + q_head + (size_t)(i0 + i) * D, D);
             for (int bj = 0; bj < nkb; bj++) {
                 int j0 = bj * kb, nj = nk - j0 < kb ? nk - j0 : kb;
                 const int8_t *k8_blk = k8 + k_head + (size_t)j0 * D;
@@ -369,25 +510,20 @@ static void backward_int8(float *dq, float *dk, float *dv,
                     for (int j = 0; j < nj; j++) {
                         float s = (float)dot_i8(q8_blk + (size_t)i * D, k8_blk + (size_t)j * D, D) * (qs * ks);
                         float p = exp2f(s - lse_i);
-                        float dp = 0.0f;
-                        for (int d = 0; d < D; d++) dp += doi[d] * v_blk[(size_t)j * D + d];
+                        float dp = dot_f32(doi, v_blk + (size_t)j * D, D);
                         w.p[i * nj + j] = p;
                         w.ds[i * nj + j] = p * (dp - w.dr[i]);
                     }
                 }
-                quantize_tile(w.p8, w.p_scale, w.p, ni, nj, 1, cfg.bwd);
-                quantize_tile(w.dsq8, w.dsq_scale, w.ds, ni, nj, 0, cfg.bwd);
-                quantize_tile(w.dsk8, w.dsk_scale, w.ds, ni, nj, 1, cfg.bwd);
-                int8_product_tn(w.sum, w.p8, w.do8, ni, nj, D);   // dv_J += p8ᵀ·do8
-                add_scaled_rows(dv_blk, w.sum, w.p_scale, do_scale, 1.0f, nj, D);
-                int8_product_tn(w.sum, w.dsk8, q8_blk, ni, nj, D);   // dk_J += ds8ᵀ·q8_I
-                add_scaled_rows(dk_blk, w.sum, w.dsk_scale, qs, u, nj, D);
-                int8_product_nn(w.sum, w.dsq8, k8_blk, ni, nj, D);   // dq_I += ds8·k8_J
-                add_scaled_rows(dq_blk, w.sum, w.dsq_scale, ks, r, ni, D);
+                if (fp8)
+                    fp8_block_products(&w, dq_blk, dk_blk, dv_blk, bi, i0, bj, j0, ni, nj, D, r, cfg.bwd);
+                else
+                    int8_block_products(&w, dq_blk, dk_blk, dv_blk, q8_blk, qs, k8_blk, ks, do_scale, ni, nj, D, r, u,
+                                        cfg.bwd);
             }
         }
     }
-    int8_scratch_free(&w);
+    bwd8_scratch_free(&w);
 }
 
 // s_ij recomputed from q8, k8 and their scales; P_ij = 2^(s_ij - lse_i);
@@ -399,8 +535,14 @@ void sage_backward_quantized(float *dq, float *dk, float *dv,
                              const int8_t *q8, const float *q_scale,
                              const int8_t *k8, const float *k_scale, const float *k_mean,
                              int B, int H, int nq, int nk, int D, SageConfig cfg) {
+    if ((unsigned)cfg.bwd > SAGE_BWD_FP8_E5M2_BOUND) {
+        fprintf(stderr, "sage_backward_quantized: SageConfig.bwd = %d is not a SageBwd (0..%d); gradients set to NaN\n",
+                (int)cfg.bwd, (int)SAGE_BWD_FP8_E5M2_BOUND);
+        fill_nan(dq, (size_t)B * H * nq * D, dk, (size_t)B * H * nk * D, dv, (size_t)B * H * nk * D);
+        return;
+    }
     if (cfg.bwd != SAGE_BWD_FP32) {
-        backward_int8(dq, dk, dv, dout, v, out, lse, q8, q_scale, k8, k_scale, B, H, nq, nk, D, cfg);
+        backward_8bit(dq, dk, dv, dout, q, k, v, out, lse, q8, q_scale, k8, k_scale, k_mean, B, H, nq, nk, D, cfg);
         return;
     }
     int nqb = ceil_div(nq, cfg.q_block), nkb = ceil_div(nk, cfg.k_block);

@@ -7,12 +7,13 @@
 # logging (it costs host time on every call).
 #
 #   BIN=.devrun LOGS=$OUT bash dev/bench_sp.sh        (on a machine with 2 GPUs and NCCL)
-#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu" STEPS=10 BYTES_STEPS=3 ATTN=sage|bf16,
+#   optional: SIZES="352 256" RUNS="ulysses2 ring2 1gpu ulysses2g8" STEPS=10 BYTES_STEPS=3 ATTN=sage|bf16,
 #             DEADLINE=<epoch seconds> (runs that would start later than 5 s before it are skipped)
 #
 # Image sizes: 256 (patch 2: 128² = 16,384 tokens) and 352 (176² = 30,976 tokens: 32,768 is no
 # square, and sage under ring needs T/2 to be a multiple of 64, so the side a multiple of 16).
 # Time per step: the median of train_log.csv's ms over steps 4..STEPS (the first are warm-up).
+# ulysses2g8: Ulysses 2 with 8 head groups instead of the default 4 (a line under the table).
 set -uo pipefail
 BIN=${BIN:-.}
 LOGS=${LOGS:-bench_sp_out}
@@ -23,7 +24,7 @@ mkdir -p "$LOGS"
 MODEL="--data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --attn $ATTN --ckpt-every 0 --sample-every 0 --seed 1"
 
 SIZES=${SIZES:-256 352}
-RUNS=${RUNS:-1gpu ulysses2 ring2}
+RUNS=${RUNS:-1gpu ulysses2 ring2 ulysses2g8}
 DEADLINE=${DEADLINE:-$(( $(date +%s) + 100000 ))}
 
 run() {   # name, image size, extra flags
@@ -41,6 +42,7 @@ for size in $SIZES; do
             1gpu) run "t${size}_1gpu" "$size" ;;
             ulysses2) run "t${size}_ulysses2" "$size" --gpus 2 --sp-ulysses 2 ;;
             ring2) run "t${size}_ring2" "$size" --gpus 2 --sp-ring 2 ;;
+            ulysses2g8) run "t${size}_ulysses2g8" "$size" --gpus 2 --sp-ulysses 2 --sp-head-groups 8 ;;
         esac
     done
 done
@@ -76,6 +78,10 @@ for size in (256, 352):
     f = lambda x: f"{x:.1f}" if x else "not run"
     s = lambda x: f"{one / x:.2f}x" if (one and x) else "-"
     print(f"| {T:,} | {f(one)} | {f(uly)} | {s(uly)} | {f(ring)} | {s(ring)} |")
+for size in (256, 352):
+    g8 = ms_per_step(f"t{size}_ulysses2g8")
+    one = ms_per_step(f"t{size}_1gpu")
+    if g8: print(f"Ulysses 2 with 8 head groups, {(size // 2) ** 2:,} tokens: {g8:.1f} ms" + (f" ({one / g8:.2f}x)" if one else ""))
 
 # Bytes sent per rank in one step, from NCCL's log: Send (not to itself), AllGather (n-1)·count
 # (count per rank), ReduceScatter (n-1)·count (count per rank), AllReduce 2(n-1)/n·count (ring

@@ -1,12 +1,15 @@
-// Measures the INT8 backward of sage attention (SageConfig.bwd, attention.h) against the default
-// fp32-operand backward: cosine and rel L2 of dq, dk, dv against exact attention's gradient
-// (attention_forward / attention_backward in fp32), on (a) Gaussian inputs and (b) outliers
-// (K + 20 on every 4th channel, q and k ×8 on channels 3 and D/2 + 6, as test_attention_cpu's
-// sage_vs_exact), without and with the Hadamard rotation, FP8 and FP16 P·V, D = 64 and 128.
-// Prints a markdown table (dev/notes_attention_cpu.md). Build and run from the repository root:
-//   cc -O2 -std=c11 -D_GNU_SOURCE -I. -o build/sage_bwd_int8_accuracy dev/sage_bwd_int8_accuracy.c
-//      attention/attention_cpu.c attention/sage_cpu.c layers/common.c -lm
-//   build/sage_bwd_int8_accuracy [N=1024] [H=2] [D=0: both 64 and 128]
+// Measures the 8-bit backwards of sage attention (SageConfig.bwd, attention.h: INT8 and FP8) against
+// the default fp32-operand backward: cosine and rel L2 of dq, dk, dv against exact attention's
+// gradient (attention_forward / attention_backward in fp32), and rel L2 against SAGE_BWD_FP32's
+// gradient from the same sage forward (the error of the backward's products alone), on
+// (a) Gaussian inputs and (b) outliers (K + 20 on every 4th channel, q and k ×8 on channels 3 and
+// D/2 + 6, as test_attention_cpu's sage_vs_exact), D = 64 and 128. Forward configurations:
+// Gaussian without the Hadamard rotation, outliers with it (the only case where the fp32 backward
+// reaches the 0.999 bar), each with FP8 and FP16 P·V; all = 1: all four for both inputs.
+// Prints a markdown table (dev/notes_attention_cpu.md, dev/notes_sage_fp8_bwd.md). From the
+// repository root:
+//   make build/sage_bwd_int8_accuracy
+//   build/sage_bwd_int8_accuracy [N=1024] [H=2] [D=0: both 64 and 128] [all=0]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,18 +24,21 @@ static float *floats(size_t n) {
 }
 
 static const char *bwd_name(SageBwd bwd) {
-    return bwd == SAGE_BWD_FP32 ? "fp32" : bwd == SAGE_BWD_INT8_BLOCK ? "INT8 block" : "INT8 token";
+    static const char *names[] = {"fp32", "INT8 block", "INT8 token", "FP8 tile", "FP8 e5m2 tile",
+                                  "FP8 bound", "FP8 e5m2 bound"};
+    return names[bwd];
 }
 
 int main(int argc, char **argv) {
     int N = argc > 1 ? atoi(argv[1]) : 1024;
     int H = argc > 2 ? atoi(argv[2]) : 2;
     int D_only = argc > 3 ? atoi(argv[3]) : 0;
-    const int B = 1, dims[2] = {64, 128};
-    const SageBwd bwds[3] = {SAGE_BWD_FP32, SAGE_BWD_INT8_BLOCK, SAGE_BWD_INT8_TOKEN};
+    int all = argc > 4 ? atoi(argv[4]) : 0;
+    const int B = 1, dims[2] = {64, 128}, n_bwd = SAGE_BWD_FP8_E5M2_BOUND + 1;
     printf("sage backward vs exact attention's gradient, B=%d H=%d N=%d, blocks of 64, seed 1234+D\n\n", B, H, N);
-    printf("| inputs | rotate | P·V | D | backward | dq cos | dq rel L2 | dk cos | dk rel L2 | dv cos | dv rel L2 |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| inputs | rotate | P·V | D | backward | dq cos | dk cos | dv cos | dq rel L2 | dk rel L2 | dv rel L2 "
+           "| vs fp32 bwd: dq / dk / dv rel L2 |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int outliers = 0; outliers < 2; outliers++)
         for (int di = 0; di < 2; di++) {
             int D = dims[di];
@@ -53,24 +59,27 @@ int main(int argc, char **argv) {
             attention_forward(out, lse, q, k, v, B, H, N, D);
             attention_backward(g_ref[0], g_ref[1], g_ref[2], dout, q, k, v, out, lse, B, H, N, D);
             float *s_out = floats(n), *s_lse = floats(rows), *g[3] = {floats(n), floats(n), floats(n)};
+            float *g32[3] = {floats(n), floats(n), floats(n)};
             for (int rotate = 0; rotate < 2; rotate++)
                 for (int pv = 0; pv < 2; pv++) {
+                    if (!all && rotate != outliers) continue;
                     SageConfig cfg = {64, 64, pv ? SAGE_PV_FP16 : SAGE_PV_FP8, rotate, SAGE_BWD_FP32};
                     sage_forward(s_out, s_lse, q, k, v, B, H, N, D, cfg);
-                    for (int b = 0; b < 3; b++) {
-                        cfg.bwd = bwds[b];
-                        for (int t = 0; t < 3; t++) memset(g[t], 0, n * sizeof(float));
-                        sage_backward(g[0], g[1], g[2], dout, q, k, v, s_out, s_lse, B, H, N, D, cfg);
+                    for (int b = 0; b < n_bwd; b++) {
+                        cfg.bwd = (SageBwd)b;
+                        float **gb = b == SAGE_BWD_FP32 ? g32 : g;
+                        for (int t = 0; t < 3; t++) memset(gb[t], 0, n * sizeof(float));
+                        sage_backward(gb[0], gb[1], gb[2], dout, q, k, v, s_out, s_lse, B, H, N, D, cfg);
                         printf("| %s | %s | %s | %d | %s |", outliers ? "outliers" : "Gaussian",
-                               rotate ? "yes" : "no", pv ? "FP16" : "FP8", D, bwd_name(bwds[b]));
-                        for (int t = 0; t < 3; t++)
-                            printf(" %.6f | %.2e |", cosine(g[t], g_ref[t], n), rel_l2(g[t], g_ref[t], n));
-                        printf("\n");
+                               rotate ? "yes" : "no", pv ? "FP16" : "FP8", D, bwd_name(cfg.bwd));
+                        for (int t = 0; t < 3; t++) printf(" %.6f |", cosine(gb[t], g_ref[t], n));
+                        for (int t = 0; t < 3; t++) printf(" %.2e |", rel_l2(gb[t], g_ref[t], n));
+                        for (int t = 0; t < 3; t++) printf(" %.2e%s", rel_l2(gb[t], g32[t], n), t < 2 ? " /" : " |\n");
                         fflush(stdout);
                     }
                 }
             free(q); free(k); free(v); free(dout); free(out); free(lse); free(s_out); free(s_lse);
-            for (int t = 0; t < 3; t++) { free(g_ref[t]); free(g[t]); }
+            for (int t = 0; t < 3; t++) { free(g_ref[t]); free(g[t]); free(g32[t]); }
         }
     return 0;
 }

@@ -308,6 +308,13 @@ static float e4m3_decode(int code) {
     return code & 0x80 ? -mag : mag;
 }
 
+// e5m2 code (sign, 5 exponent bits with bias 15, 2 mantissa bits) to its value; inf / NaN for exponent 31
+static float e5m2_decode(int code) {
+    int e = (code >> 2) & 31, m = code & 3;
+    float mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? ldexpf((float)m, -16) : ldexpf((float)(4 + m), e - 17);
+    return code & 0x80 ? -mag : mag;
+}
+
 // binary16 code to its value; inf / NaN for exponent 31
 static float fp16_decode(int code) {
     int e = (code >> 10) & 31, m = code & 1023;
@@ -362,6 +369,45 @@ Test(rounding, e4m3_exhaustive) {
         if (rng_u32(&rng) & 1) x = -x;
         float expect = brute_nearest(x, table, 127);
         cr_assert(round_to_e4m3(x) == expect, "%.9g -> %g, brute force %g", x, round_to_e4m3(x), expect);
+    }
+}
+
+Test(rounding, e5m2_exhaustive) {
+    // positive finite values: codes 0..0x7b ascending, 57344 = code 0x7b
+    float table[124];
+    for (int c = 0; c < 124; c++) table[c] = e5m2_decode(c);
+    cr_assert(table[123] == 57344.0f && table[1] == ldexpf(1, -16) && table[4] == ldexpf(1, -14));
+    for (int c = 0; c < 256; c++) {
+        float x = e5m2_decode(c);
+        if (!isfinite(x)) continue;
+        float r = round_to_e5m2(x);
+        cr_expect(r == x && signbit(r) == signbit(x), "code 0x%02x: %g -> %g", c, x, r);
+    }
+    for (int c = 0; c < 123; c++) {
+        float a = table[c], b = table[c + 1], mid = 0.5f * (a + b);   // exact in fp32
+        float even = (c % 2 == 0) ? a : b;
+        cr_expect(round_to_e5m2(mid) == even, "midpoint %g of %g, %g -> %g, expected %g",
+                  mid, a, b, round_to_e5m2(mid), even);
+        cr_expect(round_to_e5m2(-mid) == -even, "midpoint %g negative", mid);
+        cr_expect(round_to_e5m2(nextafterf(mid, 0)) == a, "just below %g", mid);
+        cr_expect(round_to_e5m2(nextafterf(mid, INFINITY)) == b, "just above %g", mid);
+    }
+    // saturating (not IEEE overflow to the format's inf): the tie 61440 and above give 57344 too
+    const float big[] = {nextafterf(57344.0f, INFINITY), 61440.0f, 65536.0f, 1e6f, 3e38f, INFINITY};
+    for (int i = 0; i < 6; i++) {
+        cr_expect(round_to_e5m2(big[i]) == 57344.0f, "%g saturates to 57344, got %g", big[i], round_to_e5m2(big[i]));
+        cr_expect(round_to_e5m2(-big[i]) == -57344.0f, "%g saturates to -57344", -big[i]);
+    }
+    cr_expect(round_to_e5m2(ldexpf(1, -17)) == 0.0f, "2^-17 is the tie to 0");
+    cr_expect(round_to_e5m2(nextafterf(ldexpf(1, -17), 1)) == ldexpf(1, -16), "above 2^-17 rounds to 2^-16");
+    cr_expect(round_to_e5m2(1e-30f) == 0.0f && round_to_e5m2(1e-45f) == 0.0f, "tiny to 0");
+    cr_expect(isnan(round_to_e5m2(NAN)), "NaN stays NaN");
+    Rng rng; rng_seed(&rng, 8);
+    for (int i = 0; i < 100000; i++) {
+        float x = ldexpf(1.0f + rng_uniform(&rng), -19 + (int)(rng_u32(&rng) % 35));   // 2^-19 .. 2^16
+        if (rng_u32(&rng) & 1) x = -x;
+        float expect = brute_nearest(x, table, 124);   // above 57344 the nearest finite value: saturation
+        cr_assert(round_to_e5m2(x) == expect, "%.9g -> %g, brute force %g", x, round_to_e5m2(x), expect);
     }
 }
 
@@ -866,5 +912,215 @@ Test(sage_backward_int8, default_backward_is_fp32) {
     cr_expect(rel_l2(g[3], g[0], 3 * n) > 1e-3, "SAGE_BWD_INT8_TOKEN gave the fp32 result (rel L2 %g)",
               rel_l2(g[3], g[0], 3 * n));
     for (int c = 0; c < 4; c++) free(g[c]);
+    free(q); free(k); free(v); free(dout); free(out); free(lse);
+}
+
+// ---- 11: the FP8 backward (SageConfig.bwd = SAGE_BWD_FP8_*) ---------------------------------------
+
+static int fp8_bound_mode(SageBwd b) { return b == SAGE_BWD_FP8_BOUND || b == SAGE_BWD_FP8_E5M2_BOUND; }
+static int fp8_e5m2_mode(SageBwd b) { return b == SAGE_BWD_FP8_E5M2_TILE || b == SAGE_BWD_FP8_E5M2_BOUND; }
+
+static float round_fp8(float x, int e5m2) { return e5m2 ? round_to_e5m2(x) : round_to_e4m3(x); }
+
+// One set of the FP8 rule of attention.h on rows r0..r0+nr, columns c0..c0+nc of x (ld columns):
+// float amax, M = 448 (e4m3) or 57344 (e5m2), code = F(x·(M/amax)); writes code·(amax/M) into y.
+static void fp8_dequantized(double *y, const double *x, int ld, int r0, int nr, int c0, int nc, int e5m2) {
+    float amax = 0, big = e5m2 ? 57344.0f : 448.0f;
+    for (int i = r0; i < r0 + nr; i++)
+        for (int j = c0; j < c0 + nc; j++) amax = fmaxf(amax, fabsf((float)x[(size_t)i * ld + j]));
+    float inv = amax > 0 ? big / amax : 0.0f;
+    for (int i = r0; i < r0 + nr; i++)
+        for (int j = c0; j < c0 + nc; j++)
+            y[(size_t)i * ld + j] = (double)round_fp8((float)x[(size_t)i * ld + j] * inv, e5m2) * (amax / big);
+}
+
+// The FP8 backward of attention.h in double, dequantize-then-multiply over whole (N, N) matrices:
+// P, dS, m_i, b_i in double; P~ = e4m3(P·448)/448; dout~, q~, ks~ = dequantized e4m3 operands per
+// block (TILE) or per head (BOUND, with q' = sigma_i·q); TILE: dS~ per q_block × k_block tile, used
+// by both products; BOUND: codes c_ij = F(dS_ij·(M/b_i)), dS~ = c·sigma_i for dq and c (the scale is
+// in q') for dk. dv = P~ᵀ·dout~, dk = dS~ᵀ·q~/sqrt(D), dq = dS~·ks~/sqrt(D).
+static void sage_backward_fp8_double(double *dq, double *dk, double *dv, const QK *r, const float *q, const float *k,
+                                     const float *v, const float *dout, const float *out, const float *lse,
+                                     int B, int H, int N, int D, SageConfig cfg) {
+    size_t NN = (size_t)N * N, ND = (size_t)N * D;
+    double *p = zero_doubles(NN), *ds = zero_doubles(NN), *pq = zero_doubles(NN), *dsq = zero_doubles(NN);
+    double *dsk = zero_doubles(NN), *m = zero_doubles(N), *b = zero_doubles(N);
+    double *qx = zero_doubles(ND), *kx = zero_doubles(ND), *dox = zero_doubles(ND);
+    double *qq = zero_doubles(ND), *kq = zero_doubles(ND), *doq = zero_doubles(ND);
+    const int bound = fp8_bound_mode(cfg.bwd), e5m2 = fp8_e5m2_mode(cfg.bwd);
+    const int qblk = bound ? N : cfg.q_block, kblk = bound ? N : cfg.k_block;
+    const double big = e5m2 ? 57344 : 448;
+    for (int bh = 0; bh < B * H; bh++) {
+        size_t head = (size_t)bh * N * D;
+        double vmax = 0;
+        for (int j = 0; j < N; j++) {
+            double n2 = 0;
+            for (int d = 0; d < D; d++) n2 += (double)v[head + (size_t)j * D + d] * v[head + (size_t)j * D + d];
+            vmax = fmax(vmax, sqrt(n2));
+        }
+        for (int i = 0; i < N; i++) {
+            double dr = 0, do2 = 0;
+            for (int d = 0; d < D; d++) {
+                dr += (double)dout[head + (size_t)i * D + d] * out[head + (size_t)i * D + d];
+                do2 += (double)dout[head + (size_t)i * D + d] * dout[head + (size_t)i * D + d];
+            }
+            m[i] = -INFINITY;
+            for (int j = 0; j < N; j++) {
+                long dot = 0;
+                for (int d = 0; d < D; d++) dot += r->qk.q8[head + (size_t)i * D + d] * r->qk.k8[head + (size_t)j * D + d];
+                double s = (double)dot * r->qk.q_scale[bh * r->nqb + i / cfg.q_block]
+                                       * r->qk.k_scale[bh * r->nkb + j / cfg.k_block];
+                double pij = exp2(s - lse[(size_t)bh * N + i]), dp = 0;
+                for (int d = 0; d < D; d++) dp += (double)dout[head + (size_t)i * D + d] * v[head + (size_t)j * D + d];
+                p[(size_t)i * N + j] = pij;
+                ds[(size_t)i * N + j] = pij * (dp - dr);
+                m[i] = fmax(m[i], s);
+            }
+            b[i] = exp2(m[i] - lse[(size_t)bh * N + i]) * (sqrt(do2) * vmax + fabs(dr));
+        }
+        for (int i = 0; i < N; i++)
+            for (int d = 0; d < D; d++) {
+                size_t t = (size_t)i * D + d;
+                dox[t] = dout[head + t];
+                qx[t] = bound ? b[i] / big * q[head + t] : q[head + t];
+                kx[t] = (double)(k[head + t] - r->qk.k_mean[bh * D + d]);
+            }
+        for (int i0 = 0; i0 < N; i0 += qblk) {
+            int ni = N - i0 < qblk ? N - i0 : qblk;
+            fp8_dequantized(doq, dox, D, i0, ni, 0, D, 0);
+            fp8_dequantized(qq, qx, D, i0, ni, 0, D, 0);
+        }
+        for (int j0 = 0; j0 < N; j0 += kblk) fp8_dequantized(kq, kx, D, j0, N - j0 < kblk ? N - j0 : kblk, 0, D, 0);
+        for (size_t t = 0; t < NN; t++) pq[t] = round_to_e4m3((float)p[t] * 448.0f) / 448.0;
+        if (bound) {
+            for (int i = 0; i < N; i++)
+                for (int j = 0; j < N; j++) {
+                    size_t t = (size_t)i * N + j;
+                    float inv = b[i] > 0 ? (float)(big / b[i]) : 0.0f;
+                    dsk[t] = round_fp8((float)ds[t] * inv, e5m2);
+                    dsq[t] = dsk[t] * (b[i] / big);
+                }
+        } else {
+            for (int i0 = 0; i0 < N; i0 += cfg.q_block)
+                for (int j0 = 0; j0 < N; j0 += cfg.k_block)
+                    fp8_dequantized(dsq, ds, N, i0, N - i0 < cfg.q_block ? N - i0 : cfg.q_block,
+                                    j0, N - j0 < cfg.k_block ? N - j0 : cfg.k_block, e5m2);
+            memcpy(dsk, dsq, NN * sizeof(double));
+        }
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < N; j++)
+                for (int d = 0; d < D; d++) {
+                    size_t at_i = head + (size_t)i * D + d, at_j = head + (size_t)j * D + d;
+                    dv[at_j] += pq[(size_t)i * N + j] * doq[(size_t)i * D + d];
+                    dk[at_j] += dsk[(size_t)i * N + j] * qq[(size_t)i * D + d] / sqrt((double)D);
+                    dq[at_i] += dsq[(size_t)i * N + j] * kq[(size_t)j * D + d] / sqrt((double)D);
+                }
+    }
+    free(p); free(ds); free(pq); free(dsq); free(dsk); free(m); free(b);
+    free(qx); free(kx); free(dox); free(qq); free(kq); free(doq);
+}
+
+static const SageBwd fp8_modes[4] = {SAGE_BWD_FP8_TILE, SAGE_BWD_FP8_E5M2_TILE, SAGE_BWD_FP8_BOUND,
+                                     SAGE_BWD_FP8_E5M2_BOUND};
+static const char *fp8_mode_names[4] = {"TILE", "E5M2_TILE", "BOUND", "E5M2_BOUND"};
+
+// Tiny cases with partial blocks (N=11, q_block 4, k_block 3, B=1, H=2, D=8, K + 20 on channel 1),
+// the four FP8 modes, against the double re-implementation above.
+Test(sage_backward_fp8, matches_definition_in_double) {
+    const int B = TINY_B, H = TINY_H, N = TINY_N, D = TINY_D;
+    size_t n = (size_t)B * H * N * D;
+    const char *names[3] = {"dq", "dk", "dv"};
+    for (int mode = 0; mode < 4; mode++) {
+        SageConfig cfg = {4, 3, SAGE_PV_FP8, 0, fp8_modes[mode]};
+        TinyBackward c = tiny_backward(cfg, 20 + mode);
+        double *ref = zero_doubles(3 * n);
+        sage_backward_fp8_double(ref, ref + n, ref + 2 * n, &c.r, c.q, c.k, c.v, c.dout, c.out, c.lse, B, H, N, D, cfg);
+        // measured 3.7e-8 .. 2.7e-7 (fp32 vs double; the 8-bit codes agree)
+        for (int t = 0; t < 3; t++) {
+            double err = rel_l2_vs_double(c.grads + t * n, ref + t * n, n);
+            cr_expect(err < 1e-5, "%s %s rel L2 vs double definition %g (tolerance 1e-5)", fp8_mode_names[mode],
+                      names[t], err);
+        }
+        tiny_backward_free(&c);
+        free(ref);
+    }
+}
+
+// Gaussian inputs (B=1, H=2, N, D, seed), sage's FP16 forward, then the backward in each FP8 mode:
+// rel[mode][t] = rel L2 of dq, dk, dv (t) against SAGE_BWD_FP32's gradient from the same forward
+// (the error of the backward's products alone); grads[mode] kept for comparisons between modes.
+typedef struct { double rel[4][3]; float *grads[4]; size_t n; } Fp8VsFp32;
+
+static Fp8VsFp32 fp8_vs_fp32_backward(int N, int D, uint64_t seed) {
+    const int B = 1, H = 2;
+    size_t n = (size_t)B * H * N * D, nr = (size_t)B * H * N;
+    Rng rng; rng_seed(&rng, seed);
+    float *q = normal_floats(&rng, n, 1.0f), *k = normal_floats(&rng, n, 1.0f), *v = normal_floats(&rng, n, 1.0f);
+    float *dout = normal_floats(&rng, n, 1.0f), *out = zero_floats(n), *lse = zero_floats(nr), *g32 = zero_floats(3 * n);
+    SageConfig cfg = {64, 64, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
+    sage_forward(out, lse, q, k, v, B, H, N, D, cfg);
+    sage_backward(g32, g32 + n, g32 + 2 * n, dout, q, k, v, out, lse, B, H, N, D, cfg);
+    Fp8VsFp32 e = {.n = n};
+    for (int mode = 0; mode < 4; mode++) {
+        cfg.bwd = fp8_modes[mode];
+        float *g = e.grads[mode] = zero_floats(3 * n);
+        sage_backward(g, g + n, g + 2 * n, dout, q, k, v, out, lse, B, H, N, D, cfg);
+        for (int t = 0; t < 3; t++) e.rel[mode][t] = rel_l2(g + t * n, g32 + t * n, n);
+    }
+    free(q); free(k); free(v); free(dout); free(out); free(lse); free(g32);
+    return e;
+}
+
+// Measured (N=256, seed 1234+D; dev/sage_bwd_int8_accuracy 256 2), rel L2 against the fp32 backward,
+// dq / dk / dv:
+//   D=64:  TILE 3.7e-2 / 3.7e-2 / 3.7e-2   E5M2_TILE 5.7e-2 / 5.7e-2 / 3.7e-2
+//          BOUND 3.8e-2 / 3.8e-2 / 3.8e-2  E5M2_BOUND 5.9e-2 / 5.9e-2 / 3.8e-2
+//   D=128: TILE 3.7e-2 / 3.6e-2 / 3.5e-2   E5M2_TILE 5.7e-2 / 5.7e-2 / 3.5e-2
+//          BOUND 3.8e-2 / 3.8e-2 / 3.6e-2  E5M2_BOUND 5.9e-2 / 5.9e-2 / 3.6e-2
+// (two e4m3 operands per product, each ~2.6% rms relative rounding; INT8 TOKEN: 1.5e-2.)
+// Bounds: e4m3 modes < 0.055, e5m2 modes < 0.085, every mode > 0.02 (the mode is applied: the fp32
+// backward is not 8-bit); dq and dk of the e5m2 modes > 1.3× their e4m3 twin's (dS really is e5m2),
+// dv the same for a TILE mode and its e5m2 twin (dv uses only P and dout, both e4m3); TILE and
+// BOUND results differ (the scales are not the same).
+Test(sage_backward_fp8, close_to_fp32_backward) {
+    const char *names[3] = {"dq", "dk", "dv"};
+    const int dims[2] = {64, 128};
+    for (int di = 0; di < 2; di++) {
+        Fp8VsFp32 e = fp8_vs_fp32_backward(256, dims[di], 1234 + dims[di]);
+        for (int mode = 0; mode < 4; mode++)
+            for (int t = 0; t < 3; t++) {
+                double bound = fp8_e5m2_mode(fp8_modes[mode]) && t < 2 ? 0.085 : 0.055;
+                cr_expect(e.rel[mode][t] < bound && e.rel[mode][t] > 0.02, "D=%d %s %s: rel L2 vs fp32 backward %g",
+                          dims[di], fp8_mode_names[mode], names[t], e.rel[mode][t]);
+            }
+        for (int mode = 0; mode < 4; mode += 2) {
+            for (int t = 0; t < 2; t++)
+                cr_expect(e.rel[mode + 1][t] > 1.3 * e.rel[mode][t], "D=%d %s: %s %g not clearly above %s %g", dims[di],
+                          names[t], fp8_mode_names[mode + 1], e.rel[mode + 1][t], fp8_mode_names[mode], e.rel[mode][t]);
+            cr_expect(memcmp(e.grads[mode] + 2 * e.n, e.grads[mode + 1] + 2 * e.n, e.n * sizeof(float)) == 0,
+                      "D=%d: dv of %s and %s differ", dims[di], fp8_mode_names[mode], fp8_mode_names[mode + 1]);
+        }
+        cr_expect(rel_l2(e.grads[0], e.grads[2], 3 * e.n) > 1e-3, "D=%d: TILE and BOUND give the same result", dims[di]);
+        for (int mode = 0; mode < 4; mode++) free(e.grads[mode]);
+    }
+}
+
+// A bwd value outside SageBwd: the gradients are NaN (and a message names the value).
+Test(sage_backward_fp8, unknown_mode_gives_nan) {
+    enum { B = 1, H = 1, N = 8, D = 8 };
+    size_t n = (size_t)B * H * N * D;
+    Rng rng; rng_seed(&rng, 19);
+    float *q = normal_floats(&rng, n, 1.0f), *k = normal_floats(&rng, n, 1.0f), *v = normal_floats(&rng, n, 1.0f);
+    float *dout = normal_floats(&rng, n, 1.0f), *out = zero_floats(n), *lse = zero_floats((size_t)B * H * N);
+    const int bad[2] = {SAGE_BWD_FP8_E5M2_BOUND + 1, -1};
+    for (int c = 0; c < 2; c++) {
+        SageConfig cfg = SAGE_CONFIG_DEFAULT;
+        sage_forward(out, lse, q, k, v, B, H, N, D, cfg);
+        cfg.bwd = (SageBwd)bad[c];
+        float *g = zero_floats(3 * n);
+        sage_backward(g, g + n, g + 2 * n, dout, q, k, v, out, lse, B, H, N, D, cfg);
+        for (size_t i = 0; i < 3 * n; i++) cr_assert(isnan(g[i]), "bwd %d: gradient %zu is %g, not NaN", bad[c], i, g[i]);
+        free(g);
+    }
     free(q); free(k); free(v); free(dout); free(out); free(lse);
 }

@@ -465,11 +465,14 @@ Test(ring_sage, misaligned_shards_are_an_error) {
     err[0] = 0;
     cr_expect(ring_sage_forward(&comm, s.out, s.lse, CP(s.q), CP(s.k), CP(s.v), CP(k_mean), B, H, N, D, rotate, err) == -1);
     cr_expect(strstr(err, "rotate") != NULL, "message: %s", err);
-    SageConfig int8_bwd = {8, 8, SAGE_PV_FP8, 0, SAGE_BWD_INT8_TOKEN};   // single-process only so far
-    err[0] = 0;
-    cr_expect(ring_sage_forward(&comm, s.out, s.lse, CP(s.q), CP(s.k), CP(s.v), CP(k_mean), B, H, N, D, int8_bwd,
-                                err) == -1);
-    cr_expect(strstr(err, "INT8 backward") != NULL, "message: %s", err);
+    const SageBwd bwd8[2] = {SAGE_BWD_INT8_TOKEN, SAGE_BWD_FP8_BOUND};   // single-process only so far
+    for (int b = 0; b < 2; b++) {
+        SageConfig cfg8 = {8, 8, SAGE_PV_FP8, 0, bwd8[b]};
+        err[0] = 0;
+        cr_expect(ring_sage_forward(&comm, s.out, s.lse, CP(s.q), CP(s.k), CP(s.v), CP(k_mean), B, H, N, D, cfg8,
+                                    err) == -1);
+        cr_expect(strstr(err, "8-bit backwards") != NULL, "message: %s", err);
+    }
     free_ranks(k_mean, R); free_shards(&s); free_problem(&p);
 }
 
