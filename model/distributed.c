@@ -611,10 +611,14 @@ int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, f
     return 0;
 }
 
+static void gather_what(char *what, size_t cap, size_t bytes, int n_buffers) {
+    snprintf(what, cap, "ncclAllGather of %d buffers, %zu bytes per rank", n_buffers, bytes);
+}
+
 int dist_all_gather_queue(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream,
                           char *err) {
     char what[128];
-    snprintf(what, sizeof(what), "ncclAllGather of %d buffers, %zu bytes per rank", n_buffers, bytes);
+    gather_what(what, sizeof(what), bytes, n_buffers);
     if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
     ncclResult_t r = ncclGroupStart();
     for (int i = 0; i < n_buffers && r == ncclSuccess; i++)
@@ -626,7 +630,7 @@ int dist_all_gather_queue(DistComm *c, void *const *buffers, size_t bytes, int n
 int dist_all_gather(DistComm *c, void *const *buffers, size_t bytes, int n_buffers, cudaStream_t stream, char *err) {
     if (dist_all_gather_queue(c, buffers, bytes, n_buffers, stream, err) != 0) return -1;
     char what[128];
-    snprintf(what, sizeof(what), "ncclAllGather of %d buffers, %zu bytes per rank", n_buffers, bytes);
+    gather_what(what, sizeof(what), bytes, n_buffers);
     return wait_stream(c, stream, what, err);
 }
 

@@ -334,26 +334,34 @@ static float brute_nearest(float x, const float *table, int n) {
     return copysignf(table[bi], x);
 }
 
+// Every code of the format (decode(c), c < codes) rounds to itself, except NaN and, when the
+// format saturates instead of overflowing, ±inf; every midpoint of neighbours in the ascending
+// non-negative values table[0..n) ties to the even code, and the floats just below / above it
+// round down / up.
+static void expect_rounding_grid(float (*round)(float), float (*decode)(int), int codes, const float *table, int n,
+                                 int saturating) {
+    for (int c = 0; c < codes; c++) {
+        float x = decode(c);
+        if (isnan(x) || (saturating && isinf(x))) continue;
+        float r = round(x);
+        cr_expect(r == x && signbit(r) == signbit(x), "code 0x%04x: %g -> %g", c, x, r);
+    }
+    for (int c = 0; c + 1 < n; c++) {
+        float a = table[c], b = table[c + 1], mid = 0.5f * (a + b);   // exact in fp32
+        float even = (c % 2 == 0) ? a : b;
+        cr_expect(round(mid) == even, "midpoint %.9g of %g, %g -> %g, expected %g", mid, a, b, round(mid), even);
+        cr_expect(round(-mid) == -even, "midpoint %.9g negative", mid);
+        cr_expect(round(nextafterf(mid, 0)) == a, "just below %.9g", mid);
+        cr_expect(round(nextafterf(mid, INFINITY)) == b, "just above %.9g", mid);
+    }
+}
+
 Test(rounding, e4m3_exhaustive) {
     // positive finite values: codes 0..126 ascending, 448 = code 126
     float table[127];
     for (int c = 0; c < 127; c++) table[c] = e4m3_decode(c);
     cr_assert(table[126] == 448.0f && table[1] == ldexpf(1, -9) && table[8] == ldexpf(1, -6));
-    for (int c = 0; c < 256; c++) {
-        float x = e4m3_decode(c);
-        if (isnan(x)) continue;
-        float r = round_to_e4m3(x);
-        cr_expect(r == x && signbit(r) == signbit(x), "code 0x%02x: %g -> %g", c, x, r);
-    }
-    for (int c = 0; c < 126; c++) {
-        float a = table[c], b = table[c + 1], mid = 0.5f * (a + b);   // exact in fp32
-        float even = (c % 2 == 0) ? a : b;
-        cr_expect(round_to_e4m3(mid) == even, "midpoint %g of %g, %g -> %g, expected %g",
-                  mid, a, b, round_to_e4m3(mid), even);
-        cr_expect(round_to_e4m3(-mid) == -even, "midpoint %g negative", mid);
-        cr_expect(round_to_e4m3(nextafterf(mid, 0)) == a, "just below %g", mid);
-        cr_expect(round_to_e4m3(nextafterf(mid, INFINITY)) == b, "just above %g", mid);
-    }
+    expect_rounding_grid(round_to_e4m3, e4m3_decode, 256, table, 127, 1);
     const float big[] = {448.001f, 464.0f, 480.0f, 1e6f, 3e38f, INFINITY};
     for (int i = 0; i < 6; i++) {
         cr_expect(round_to_e4m3(big[i]) == 448.0f, "%g saturates to 448, got %g", big[i], round_to_e4m3(big[i]));
@@ -377,21 +385,7 @@ Test(rounding, e5m2_exhaustive) {
     float table[124];
     for (int c = 0; c < 124; c++) table[c] = e5m2_decode(c);
     cr_assert(table[123] == 57344.0f && table[1] == ldexpf(1, -16) && table[4] == ldexpf(1, -14));
-    for (int c = 0; c < 256; c++) {
-        float x = e5m2_decode(c);
-        if (!isfinite(x)) continue;
-        float r = round_to_e5m2(x);
-        cr_expect(r == x && signbit(r) == signbit(x), "code 0x%02x: %g -> %g", c, x, r);
-    }
-    for (int c = 0; c < 123; c++) {
-        float a = table[c], b = table[c + 1], mid = 0.5f * (a + b);   // exact in fp32
-        float even = (c % 2 == 0) ? a : b;
-        cr_expect(round_to_e5m2(mid) == even, "midpoint %g of %g, %g -> %g, expected %g",
-                  mid, a, b, round_to_e5m2(mid), even);
-        cr_expect(round_to_e5m2(-mid) == -even, "midpoint %g negative", mid);
-        cr_expect(round_to_e5m2(nextafterf(mid, 0)) == a, "just below %g", mid);
-        cr_expect(round_to_e5m2(nextafterf(mid, INFINITY)) == b, "just above %g", mid);
-    }
+    expect_rounding_grid(round_to_e5m2, e5m2_decode, 256, table, 124, 1);
     // saturating (not IEEE overflow to the format's inf): the tie 61440 and above give 57344 too
     const float big[] = {nextafterf(57344.0f, INFINITY), 61440.0f, 65536.0f, 1e6f, 3e38f, INFINITY};
     for (int i = 0; i < 6; i++) {
@@ -417,20 +411,7 @@ Test(rounding, fp16_exhaustive) {
     float *table = zero_floats(n);
     for (int c = 0; c < n; c++) table[c] = fp16_decode(c);
     cr_assert(table[n - 1] == 65504.0f && table[1] == ldexpf(1, -24));
-    for (int c = 0; c < 65536; c++) {
-        float x = fp16_decode(c);
-        if (isnan(x)) continue;
-        float r = round_to_fp16(x);
-        cr_expect(r == x && signbit(r) == signbit(x), "code 0x%04x: %g -> %g", c, x, r);
-    }
-    for (int c = 0; c + 1 < n; c++) {
-        float a = table[c], b = table[c + 1], mid = 0.5f * (a + b);
-        float even = (c % 2 == 0) ? a : b;
-        cr_expect(round_to_fp16(mid) == even, "midpoint %.9g of %g, %g -> %g", mid, a, b, round_to_fp16(mid));
-        cr_expect(round_to_fp16(-mid) == -even, "midpoint %.9g negative", mid);
-        cr_expect(round_to_fp16(nextafterf(mid, 0)) == a, "just below %.9g", mid);
-        cr_expect(round_to_fp16(nextafterf(mid, INFINITY)) == b, "just above %.9g", mid);
-    }
+    expect_rounding_grid(round_to_fp16, fp16_decode, 65536, table, n, 0);
     // overflow as IEEE: the tie 65520 and above go to inf, just below stays 65504
     cr_expect(round_to_fp16(nextafterf(65520.0f, 0)) == 65504.0f, "below 65520");
     cr_expect(isinf(round_to_fp16(65520.0f)) && round_to_fp16(-1e9f) == -INFINITY, "overflow to inf");

@@ -175,18 +175,23 @@ static void dp_rank(int rank, const char *dir) {
     _exit(0);
 }
 
-Test(data_parallel, two_half_batches_equal_one_full_batch, .timeout = 300) {
-    REQUIRE_2_GPUS();
-    char dir[] = "/tmp/test_distributed_cuda_XXXXXX", path[512], err[DIT_ERR_LEN];
-    cr_assert(mkdtemp(dir));
+// Runs rank_main(r, dir) in WORLD forked children; each must exit with 0 within 200 s.
+static void run_ranks(void (*rank_main)(int, const char *), const char *dir) {
     fflush(NULL);
     pid_t pids[WORLD];
     for (int r = 0; r < WORLD; r++)
-        if ((pids[r] = fork()) == 0) dp_rank(r, dir);
+        if ((pids[r] = fork()) == 0) rank_main(r, dir);
     int statuses[WORLD];
     double took = wait_children(pids, WORLD, 200.0, statuses);
     for (int r = 0; r < WORLD; r++)
         cr_assert_eq(statuses[r], 0, "rank %d exited with %d after %.1f s (see its stderr)", r, statuses[r], took);
+}
+
+Test(data_parallel, two_half_batches_equal_one_full_batch, .timeout = 300) {
+    REQUIRE_2_GPUS();
+    char dir[] = "/tmp/test_distributed_cuda_XXXXXX", path[512], err[DIT_ERR_LEN];
+    cr_assert(mkdtemp(dir));
+    run_ranks(dp_rank, dir);
 
     // the reference, now that the children are gone: one GPU, the full batch
     StepResult ref;
@@ -414,14 +419,7 @@ Test(zero1, sharded_update_equals_the_replicated_one_bitwise, .timeout = 300) {
     REQUIRE_2_GPUS();
     char dir[] = "/tmp/test_distributed_cuda_XXXXXX";
     cr_assert(mkdtemp(dir));
-    fflush(NULL);
-    pid_t pids[WORLD];
-    for (int r = 0; r < WORLD; r++)
-        if ((pids[r] = fork()) == 0) zero_rank(r, dir);
-    int statuses[WORLD];
-    double took = wait_children(pids, WORLD, 200.0, statuses);
-    for (int r = 0; r < WORLD; r++)
-        cr_assert_eq(statuses[r], 0, "rank %d exited with %d after %.1f s (see its stderr)", r, statuses[r], took);
+    run_ranks(zero_rank, dir);
     Dit cpu;
     char err[DIT_ERR_LEN];
     cr_assert_eq(dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err), 0, "%s", err);

@@ -223,6 +223,21 @@ typedef struct {
 
 typedef struct { float *out, *lse, *dq, *dk, *dv; } Result;   // global, host
 
+// Each rank's forward results for in's shapes: out (bf16 shard), lse, and sage's k_mean, v_scale.
+static void alloc_forward_results(uint16_t **out, float **lse, float **k_mean, float **v_scale, const Inputs *in) {
+    size_t heads = (size_t)in->B * in->H;
+    for (int i = 0; i < R; i++) {
+        out[i] = dmalloc_on(i, in->shard * 2);
+        lse[i] = dmalloc(in->shard / in->D * 4);
+        k_mean[i] = dmalloc(heads * in->D * 4);
+        v_scale[i] = dmalloc(heads * in->D * 4);
+    }
+}
+
+static void free_forward_results(uint16_t **out, float **lse, float **k_mean, float **v_scale) {
+    for (int i = 0; i < R; i++) { cudaFree(out[i]); cudaFree(lse[i]); cudaFree(k_mean[i]); cudaFree(v_scale[i]); }
+}
+
 static Inputs make_inputs(int B, int H, int N, int D, uint64_t seed) {
     Inputs in = {B, H, N, D, N / R, (size_t)B * H * N * D, (size_t)B * H * N * D / R, {0}, {{0}}};
     Rng rng;
@@ -384,11 +399,9 @@ static Result sequence_parallel(Group *g, const Inputs *in, Mode mode, const Sag
     char err[DIT_ERR_LEN] = "";
     uint16_t *out[R];
     float *lse[R], *grads[3][R], *k_mean[R], *v_scale[R];
+    alloc_forward_results(out, lse, k_mean, v_scale, in);
     for (int i = 0; i < R; i++) {
-        out[i] = dmalloc_on(i, shard * 2);
-        lse[i] = dmalloc(rows * 4);
-        k_mean[i] = dmalloc((size_t)B * H * D * 4);
-        v_scale[i] = dmalloc((size_t)B * H * D * 4);
+        CUDA_OK(cudaSetDevice(i));
         for (int t = 0; t < 3; t++) {
             grads[t][i] = dmalloc(shard * 4);
             CUDA_OK(cudaMemset(grads[t][i], 0, shard * 4));   // the functions accumulate
@@ -437,8 +450,8 @@ static Result sequence_parallel(Group *g, const Inputs *in, Mode mode, const Sag
             gather(dst[t], buf, B * H, N, n, i, (size_t)D * 4);
             cudaFree(grads[t][i]);
         }
-        cudaFree(out[i]); cudaFree(lse[i]); cudaFree(k_mean[i]); cudaFree(v_scale[i]);
     }
+    free_forward_results(out, lse, k_mean, v_scale);
     free(bits); free(buf);
     return res;
 }
@@ -812,16 +825,14 @@ static void check_ring2_backward_bitwise(const SagePV *sage, int B, int H, int N
     group_init(&g);
     int flash_was = flash_backward_set_deterministic(1), sage_was = sage_backward_set_deterministic(1);
     Inputs in = make_inputs(B, H, N, D, seed);
-    size_t shard = in.shard, rows = shard / D;
+    size_t shard = in.shard;
     char err[DIT_ERR_LEN] = "";
     uint16_t *out[R];
     float *lse[R], *k_mean[R], *v_scale[R], *host[3][R], *lib[3][R], *ref[3][R];
     for (int t = 0; t < 3; t++) random_rank_data(host[t], lib[t], shard, seed * 10 + t);
+    alloc_forward_results(out, lse, k_mean, v_scale, &in);
     for (int i = 0; i < R; i++) {
-        out[i] = dmalloc_on(i, shard * 2);
-        lse[i] = dmalloc(rows * 4);
-        k_mean[i] = dmalloc((size_t)B * H * D * 4);
-        v_scale[i] = dmalloc((size_t)B * H * D * 4);
+        CUDA_OK(cudaSetDevice(i));
         for (int t = 0; t < 3; t++) {
             ref[t][i] = dmalloc(shard * 4);
             CUDA_OK(cudaMemcpy(ref[t][i], host[t][i], shard * 4, cudaMemcpyHostToDevice));
@@ -853,10 +864,9 @@ static void check_ring2_backward_bitwise(const SagePV *sage, int B, int H, int N
         cr_expect_eq(differ, 0, "%s: %s differs from the ring with return trip in %zu of %zu elements", name, what[t],
                      differ, R * shard);
     }
-    for (int i = 0; i < R; i++) {
-        cudaFree(out[i]); cudaFree(lse[i]); cudaFree(k_mean[i]); cudaFree(v_scale[i]);
+    free_forward_results(out, lse, k_mean, v_scale);
+    for (int i = 0; i < R; i++)
         for (int t = 0; t < 3; t++) { cudaFree(lib[t][i]); cudaFree(ref[t][i]); free(host[t][i]); }
-    }
     free_inputs(&in);
     flash_backward_set_deterministic(flash_was);
     sage_backward_set_deterministic(sage_was);
