@@ -142,10 +142,19 @@ def train_dit_command(args, extra):
     return cmd + extra + (["--no-flip"] if args.no_flip else [])
 
 
+def run_kind_flags(kind):
+    """train_dit's flags for one run kind: an --attn kind, optionally "+fp8" for FP8 block linears
+    (e.g. "sage+fp8" -> --attn sage --linear fp8)."""
+    attn, plus, linear = kind.partition("+")
+    if plus and linear != "fp8":
+        sys.exit(f"loss_curves.py: run kind {kind!r}: expected ATTN or ATTN+fp8")
+    return ["--attn", attn] + (["--linear", "fp8"] if plus else [])
+
+
 def start_train_dit(args, attn, out_dir):
     """Starts one train_dit run (its output in out_dir/stdout.txt); returns the Popen."""
-    cmd = train_dit_command(args, [
-        "--attn", attn, "--steps", str(args.steps), "--lr", repr(args.lr), "--warmup", str(args.warmup),
+    cmd = train_dit_command(args, run_kind_flags(attn) + [
+        "--steps", str(args.steps), "--lr", repr(args.lr), "--warmup", str(args.warmup),
         "--weight-decay", repr(args.weight_decay), "--grad-clip", repr(args.grad_clip),
         "--label-dropout", repr(args.label_dropout), "--t-sampling", args.t_sampling, "--ema-decay",
         repr(args.ema_decay), "--ckpt-every", "0", "--sample-every", str(args.sample_every), "--save-init",
@@ -401,7 +410,8 @@ def main():
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                     help="the reference: fp32, or autocast bf16 (default: fp32 on cpu, bf16 on cuda)")
     ap.add_argument("--attn", default=None,
-                    help="train_dit runs, comma-separated (default: exact,sage on cpu; sage,bf16 on cuda)")
+                    help="train_dit runs, comma-separated --attn kinds, each optionally +fp8 for --linear fp8 "
+                         "(default: exact,sage on cpu; sage,bf16 on cuda)")
     ap.add_argument("--seeds", default="", help="comma-separated stream seeds for extra reference runs (spread)")
     ap.add_argument("--parallel", action="store_true",
                     help="all runs at once (a GPU that small models leave mostly idle); else one after another")
@@ -517,7 +527,7 @@ def spread_summary(runs, ref_name, seed_names, window):
         dev = np.max(np.abs(s[name] - s[ref_name]))
         line = f"- {name}: largest |smoothed − {ref_name}| {dev:.2e} = {dev / spread:.2g} × the spread"
         for exact in ("train_dit bf16", "train_dit exact"):   # sage against exact attention
-            if name == "train_dit sage" and exact in s:
+            if name in ("train_dit sage", "train_dit sage+fp8") and exact in s:
                 dev_exact = np.max(np.abs(s[name] - s[exact]))
                 line += f"; largest |smoothed − {exact}| {dev_exact:.2e} = {dev_exact / spread:.2g} × the spread"
         lines.append(line)
@@ -533,7 +543,8 @@ def sample_panel(out, path):
         if name.startswith("train_dit_"):
             found = sorted(f for f in os.listdir(folder) if f.startswith("samples_") and f.endswith(".png"))
             if found:
-                grids.append((f"train_dit --attn {name[len('train_dit_'):]}", os.path.join(folder, found[-1])))
+                flags = " ".join(run_kind_flags(name[len("train_dit_"):]))
+                grids.append((f"train_dit {flags}", os.path.join(folder, found[-1])))
     ref = os.path.join(out, "torch", "samples", "samples_000001.png")
     if os.path.exists(ref):
         grids.append(("PyTorch (EMA weights, train_dit's sampler)", ref))
