@@ -2,7 +2,7 @@
 # The loss-curve showcase of issue 7 on one H200, both configs at once (dev/notes_loss_curves.md):
 #   fmnist256: depth 6, hidden 384, 6 heads, patch 2, 32x32 Fashion-MNIST (256 tokens), batch 32, 2000 steps
 #   long4k:    the same model at 128x128 (Fashion-MNIST upscaled, 4096 tokens), batch 2, 500 steps
-# each with train_dit --attn sage (FP8 P·V), sage-fp16 and bf16 (ATTNS), PyTorch bf16 on the same
+# each with train_dit --attn sage (FP8 P·V), sage-fp16, bf16 and sage with FP8 linears (ATTNS), PyTorch bf16 on the same
 # stream and two other seeds, all runs concurrently. BIN holds train_dit, libditc.so, make_fashion_mnist and Fashion-MNIST's
 # four idx .gz files; LIMIT (s) stops runs still going. The device tool returns at most 8 files,
 # so everything but the checkpoints is packed into $OUT/curves.tgz.
@@ -10,7 +10,7 @@
 set -u
 BIN=${BIN:?set BIN to the folder with the binaries and the idx files}
 LIMIT=${LIMIT:-200}
-ATTNS=${ATTNS:-sage,sage-fp16,bf16}
+ATTNS=${ATTNS:-sage,sage-fp16,bf16,sage+fp8}
 OUT=${OUT:-out/showcase}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=2 LD_LIBRARY_PATH=$PWD/.devlibs:${LD_LIBRARY_PATH:-}
