@@ -575,13 +575,14 @@ Test(cuda, optimizer) {
     }
     EXPECT_CLOSE(dp_gpu, dp_cpu, n, 1e-3, "adamw update p - p0 (fp32 cancellation)");
     EXPECT_CLOSE(download_f32(d_ema, n), ema, n, TOL_F32, "ema (from the updated params)");
-    // the EMA's own step, ema - p0 = (1 - decay)·(p - p0): compared as such, not only ema ≈ p0
+    // the EMA's own step, ema - p0 = (1 - decay)·(p - p0) ~ 1e-6: compared as such, not only
+    // ema ≈ p0; one ulp of ema (~4e-9 at |p| ~ 0.05, fma or not) is ~0.4% of it, hence 1e-2
     float *de_gpu = download_f32(d_ema, n);
     for (size_t i = 0; i < n; i++) {
         de_gpu[i] -= p0[i];
         dp_cpu[i] = ema[i] - p0[i];
     }
-    EXPECT_CLOSE(de_gpu, dp_cpu, n, 1e-3, "ema step ema - p0 (fp32 cancellation)");
+    EXPECT_CLOSE(de_gpu, dp_cpu, n, 1e-2, "ema step ema - p0 (fp32 cancellation)");
 
     // a parameter group that starts one element in (not 16-byte aligned): the element-wise path
     size_t n1 = n - 1;
