@@ -1172,17 +1172,17 @@ int dit_gpu_set_step(DitGpu *m, float lr, float beta1, float beta2, float ema_de
     return 0;
 }
 
-// dit_gpu_update's kernels, after dit_gpu_set_step: the norm, AdamW and EMA, reading the step's
-// values from m->step_constants (what the step's graph captures).
+// dit_gpu_update's kernels, after dit_gpu_set_step: the norm, then AdamW with the EMA in the same
+// pass, reading the step's values from m->step_constants (what the step's graph captures).
 static int queue_optimizer(DitGpu *m, float beta1, float beta2, float eps, float weight_decay, float grad_clip,
                            char *err) {
     cudaStream_t s = m->stream;
     TRY(sqrt_cuda(m->acts.grad_norm, m->acts.grad_sumsq, s, err));
     size_t lo, hi;
     shard_range(m, &lo, &hi);
-    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors),
-    // cut to the slice: the per-block copies of a tensor are adjacent, so this is one launch per
-    // tensor kind (and slice edge).
+    // AdamW + EMA over runs of consecutive tensors with the same weight decay (matrices or
+    // vectors), cut to the slice: the per-block copies of a tensor are adjacent, so this is one
+    // launch per tensor kind (and slice edge). The tensors tile the buffer without gaps.
     int n = dit_num_tensors(&m->cfg);
     DitTensorInfo *info = (DitTensorInfo *)malloc(n * sizeof(DitTensorInfo));
     if (!info) {
@@ -1200,13 +1200,12 @@ static int queue_optimizer(DitGpu *m, float beta1, float beta2, float eps, float
         float wd = info[i].ndim >= 2 ? weight_decay : 0.0f;
         if (o < end)
             status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
-                                       m->adam_m_memory + o, m->adam_v_memory + o, end - o, m->step_constants, beta1,
-                                       beta2, eps, wd, m->acts.grad_norm, grad_clip, s, err);
+                                       m->adam_m_memory + o, m->adam_v_memory + o, m->ema_memory + o, end - o,
+                                       m->step_constants, beta1, beta2, eps, wd, m->acts.grad_norm, grad_clip, s, err);
         i = j;
     }
     free(info);
-    TRY(status);
-    return ema_update_cuda(m->ema_memory + lo, m->params_memory + lo, hi - lo, &m->step_constants->ema_decay, s, err);
+    return status;
 }
 
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,
