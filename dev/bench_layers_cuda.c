@@ -16,24 +16,9 @@
 #include <cuda_runtime_api.h>
 #include "layers/common.h"
 #include "layers/layers_cuda.h"
+#include "dev/bench_cuda.h"
 
-#define WARMUP 5
-#define REPEATS 50
 #define PEAK_GBS 4000.0
-
-#define CK(call) do {                                                                          \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-#define OK(call) do {                                                                          \
-        if ((call) != 0) {                                                                     \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, err);         \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
 
 typedef struct {
     const char *name;
@@ -66,11 +51,6 @@ static void *random_buffer(size_t bytes) {
     return d;
 }
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 // Median ms of one call of `op` (a function of the case's buffers).
 typedef struct {
     const Config *c;
@@ -84,23 +64,12 @@ typedef struct {
 
 typedef void (*Op)(Case *);
 
+// op(cs) through bench_median_ms
+typedef struct { Op op; Case *cs; } CaseCall;
+static void run_case_call(void *p) { ((CaseCall *)p)->op(((CaseCall *)p)->cs); }
 static double time_op(Op op, Case *cs) {
-    cudaEvent_t start, stop;
-    CK(cudaEventCreate(&start));
-    CK(cudaEventCreate(&stop));
-    float ms[REPEATS];
-    for (int i = 0; i < WARMUP; i++) op(cs);
-    for (int i = 0; i < REPEATS; i++) {
-        CK(cudaEventRecord(start, 0));
-        op(cs);
-        CK(cudaEventRecord(stop, 0));
-        CK(cudaEventSynchronize(stop));
-        CK(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    CK(cudaEventDestroy(start));
-    CK(cudaEventDestroy(stop));
-    qsort(ms, REPEATS, sizeof *ms, cmp_float);
-    return ms[REPEATS / 2];
+    CaseCall call = {op, cs};
+    return bench_median_ms(run_case_call, &call);
 }
 
 #define BTC(cs) (cs)->c->B, (cs)->c->T, (cs)->c->h
@@ -235,7 +204,7 @@ int main(int argc, char **argv) {
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("GPU: %s, %d SMs; median of %d runs after %d warm-up; %% of %.1f TB/s\n", prop.name,
-           prop.multiProcessorCount, REPEATS, WARMUP, PEAK_GBS / 1000);
+           prop.multiProcessorCount, BENCH_REPEATS, BENCH_WARMUP, PEAK_GBS / 1000);
     OK(layers_cuda_create(&ctx, (size_t)1 << 22, err));
     const Config configs[] = {
         {"a", 64, 256, 768, 12, 64, 12},

@@ -17,24 +17,9 @@
 #include <cuda_runtime_api.h>
 #include "layers/common.h"
 #include "layers/linear_fp8_cuda.h"
+#include "dev/bench_cuda.h"
 
-#define WARMUP 5
-#define REPEATS 50
 #define DEPTH 4
-
-#define CK(call) do {                                                                          \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
-#define OK(call) do {                                                                          \
-        if ((call) != 0) {                                                                     \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, err);         \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
 
 static char err[DIT_ERR_LEN];
 static LayersCuda ctx;
@@ -68,28 +53,12 @@ static bf16 *random_bf16(size_t n, float amplitude) {
     return d;
 }
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
+// op(cs) through bench_median_ms
+typedef struct { Op op; Case *cs; } CaseCall;
+static void run_case_call(void *p) { ((CaseCall *)p)->op(((CaseCall *)p)->cs); }
 static double time_op(Op op, Case *cs) {
-    cudaEvent_t start, stop;
-    CK(cudaEventCreate(&start));
-    CK(cudaEventCreate(&stop));
-    float ms[REPEATS];
-    for (int i = 0; i < WARMUP; i++) op(cs);
-    for (int i = 0; i < REPEATS; i++) {
-        CK(cudaEventRecord(start, 0));
-        op(cs);
-        CK(cudaEventRecord(stop, 0));
-        CK(cudaEventSynchronize(stop));
-        CK(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    CK(cudaEventDestroy(start));
-    CK(cudaEventDestroy(stop));
-    qsort(ms, REPEATS, sizeof *ms, cmp_float);
-    return ms[REPEATS / 2];
+    CaseCall call = {op, cs};
+    return bench_median_ms(run_case_call, &call);
 }
 
 static void bf16_forward(Case *c) { OK(linear_forward_cuda(c->y, c->x, c->w, c->b, c->M, c->IC, c->OC, &ctx, 0, err)); }
@@ -118,6 +87,26 @@ static void quant_backward(Case *c) {
 
 typedef struct { double bf16_f, bf16_b, fp8_f, fp8_b, qf, qb; } Times;
 
+// One cuBLASLt matmul (D = Aᵀ·B, alpha 1, beta 0) with a chosen algorithm, for bench_median_ms.
+typedef struct {
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld;
+    const void *a, *b;
+    void *d;
+    cublasLtMatmulAlgo_t algo;
+} RawGemm;
+
+static void run_raw_gemm(void *p) {
+    const RawGemm *g = p;
+    const float alpha = 1.0f, beta = 0.0f;
+    cublasStatus_t s = cublasLtMatmul(ctx.lt, g->desc, &alpha, g->a, g->la, g->b, g->lb, &beta, g->d, g->ld, g->d,
+                                      g->ld, &g->algo, ctx.lt_workspace, ctx.lt_workspace_bytes, 0);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "%s:%d: cublasLtMatmul: %s\n", __FILE__, __LINE__, cublasLtGetStatusString(s));
+        exit(1);
+    }
+}
+
 // The FP8 GEMM alone as the layer's forward issues it (outᵀ (m, n) = Aᵀ·B, A (k, m), B (k, n)
 // e4m3, unit scales, bf16 out), FAST_ACCUM off (the layer) or on (Transformer Engine's forward
 // setting): median ms.
@@ -138,7 +127,6 @@ static double raw_fp8_gemm_ms(int m, int n, int k, int8_t fast_accum) {
     cublasLtMatmulPreference_t pref;
     cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
     uint64_t ws = ctx.lt_workspace_bytes;
-    float alpha = 1.0f, beta = 0.0f;
 #define LT(call) do { cublasStatus_t s_ = (call); if (s_ != CUBLAS_STATUS_SUCCESS) { \
         fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cublasLtGetStatusString(s_)); exit(1); } } while (0)
     LT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -159,28 +147,15 @@ static double raw_fp8_gemm_ms(int m, int n, int k, int8_t fast_accum) {
         fprintf(stderr, "raw_fp8_gemm_ms: no algorithm\n");
         exit(1);
     }
-    cudaEvent_t start, stop;
-    CK(cudaEventCreate(&start));
-    CK(cudaEventCreate(&stop));
-    float ms[REPEATS];
-    for (int i = 0; i < WARMUP + REPEATS; i++) {
-        CK(cudaEventRecord(start, 0));
-        LT(cublasLtMatmul(ctx.lt, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &heur.algo, ctx.lt_workspace,
-                          ctx.lt_workspace_bytes, 0));
-        CK(cudaEventRecord(stop, 0));
-        CK(cudaEventSynchronize(stop));
-        if (i >= WARMUP) CK(cudaEventElapsedTime(&ms[i - WARMUP], start, stop));
-    }
 #undef LT
-    qsort(ms, REPEATS, sizeof *ms, cmp_float);
-    CK(cudaEventDestroy(start));
-    CK(cudaEventDestroy(stop));
+    RawGemm g = {desc, la, lb, ld, a, b, d, heur.algo};
+    double ms = bench_median_ms(run_raw_gemm, &g);
     cublasLtMatmulPreferenceDestroy(pref);
     cublasLtMatrixLayoutDestroy(ld), cublasLtMatrixLayoutDestroy(lb), cublasLtMatrixLayoutDestroy(la);
     cublasLtMatmulDescDestroy(desc);
     void *bufs[] = {a, b, d, one};
     for (int i = 0; i < 4; i++) CK(cudaFree(bufs[i]));
-    return ms[REPEATS / 2];
+    return ms;
 }
 
 static Times bench_layer(const char *name, int M, int IC, int OC) {
@@ -234,7 +209,7 @@ int main(int argc, char **argv) {
     struct cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     printf("GPU: %s, %d SMs; median of %d runs after %d warm-up; output gradient %s\n", prop.name,
-           prop.multiProcessorCount, REPEATS, WARMUP, grad_format == FP8_E4M3 ? "e4m3" : "e5m2");
+           prop.multiProcessorCount, BENCH_REPEATS, BENCH_WARMUP, grad_format == FP8_E4M3 ? "e4m3" : "e5m2");
     OK(layers_cuda_create(&ctx, (size_t)1 << 22, err));
     const int M = 16384, h = 2048;
     const struct { const char *name; int IC, OC; } layers[] = {

@@ -37,6 +37,23 @@ __device__ inline float block_sum(float v) {
 
 static inline bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
+// ---- cuBLASLt ------------------------------------------------------------------------------
+// Largest power of two (≤ 256) dividing the address: tells cuBLASLt's heuristic which kernels
+// may touch the buffer (its default assumes 256-byte alignment).
+static inline uint32_t alignment_of(const void *p) {
+    uint32_t align = 256;
+    while (align > 1 && (uintptr_t)p % align) align >>= 1;
+    return align;
+}
+
+// The last part of every GEMM of the layers (linear_cuda.cu, linear_fp8_cuda.cu): cuBLASLt's first
+// algorithm for desc and the layouts (C = D in place) under ctx's workspace and the real alignments
+// of a, b and d, then D = op(A)·op(B) + beta·D on stream. where: the sizes (and what else helps) for
+// the error messages. Returns 0, or -1 with a message in err.
+int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout_t layout_a, const void *b,
+                  cublasLtMatrixLayout_t layout_b, void *d, cublasLtMatrixLayout_t layout_d, float beta,
+                  const char *what, const char *where, const LayersCuda *ctx, cudaStream_t stream, char *err);
+
 // x[j] = p[j] for j < n (n <= VEC), 0 for j >= n.
 __device__ inline void load_bf16x8(float x[VEC], const bf16 *p, int n, bool vec) {
     if (vec && n == VEC) {

@@ -49,12 +49,39 @@ static int dbias_chunks(int M, int OC) { return column_splits(1, M, OC, 1, SIZE_
 
 size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M, OC) * OC; }
 
-// Largest power of two (≤ 256) dividing the address: tells cuBLASLt's heuristic which kernels
-// may touch the buffer (its default assumes 256-byte alignment).
-static uint32_t alignment_of(const void *p) {
-    uint32_t align = 256;
-    while (align > 1 && (uintptr_t)p % align) align >>= 1;
-    return align;
+int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout_t layout_a, const void *b,
+                  cublasLtMatrixLayout_t layout_b, void *d, cublasLtMatrixLayout_t layout_d, float beta,
+                  const char *what, const char *where, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    int status = 0, found = 0;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t heuristic;
+    uint64_t workspace_bytes = ctx->lt_workspace_bytes;
+    uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
+    float alpha = 1.0f;
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceCreate(&pref), "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
+                        "%s", what);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
+                        "%s (%s)", what, where);
+    if (found == 0) {
+        dit_set_error(err, "%s:%d: cuBLASLt has no algorithm for %s (%s)", __FILE__, __LINE__, what, where);
+        status = -1;
+        goto cleanup;
+    }
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmul(ctx->lt, desc, &alpha, a, layout_a, b, layout_b, &beta, d, layout_d,
+                                            d, layout_d, &heuristic.algo, ctx->lt_workspace, ctx->lt_workspace_bytes, stream),
+                        "%s (%s)", what, where);
+cleanup:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    return status;
 }
 
 // D (m, n) = op(A)·op(B) + beta·D, column-major, op = transpose where trans_*; A, B bf16, D of
@@ -67,18 +94,13 @@ static int matmul(void *d, cudaDataType_t d_type, const bf16 *a, const bf16 *b,
     int status = 0;
     cublasLtMatmulDesc_t desc = NULL;
     cublasLtMatrixLayout_t layout_a = NULL, layout_b = NULL, layout_d = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t heuristic;
-    int found = 0;
     cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     int32_t bf16_type = CUDA_R_16BF;
     int64_t aux_ld = m;
-    uint64_t workspace_bytes = ctx->lt_workspace_bytes;
-    uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
-    float alpha = 1.0f;
+    char where[64];
+    snprintf(where, sizeof where, "m=%d n=%d k=%d, epilogue %d", m, n, k, (int)epilogue);
 
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), "%s (%s)", what, where);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
@@ -105,30 +127,8 @@ static int matmul(void *d, cudaDataType_t d_type, const bf16 *a, const bf16 *b,
                         "%s: B layout (k=%d n=%d)", what, k, n);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_d, d_type, m, n, m),
                         "%s: D layout (m=%d n=%d)", what, m, n);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceCreate(&pref), "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
-                        "%s (m=%d n=%d k=%d)", what, m, n, k);
-    if (found == 0) {
-        dit_set_error(err, "%s:%d: cuBLASLt has no algorithm for %s (m=%d n=%d k=%d, epilogue %d)",
-                      __FILE__, __LINE__, what, m, n, k, (int)epilogue);
-        status = -1;
-        goto cleanup;
-    }
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmul(ctx->lt, desc, &alpha, a, layout_a, b, layout_b, &beta, d, layout_d,
-                                            d, layout_d, &heuristic.algo, ctx->lt_workspace, ctx->lt_workspace_bytes, stream),
-                        "%s (m=%d n=%d k=%d)", what, m, n, k);
+    status = lt_matmul_run(desc, a, layout_a, b, layout_b, d, layout_d, beta, what, where, ctx, stream, err);
 cleanup:
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (layout_d) cublasLtMatrixLayoutDestroy(layout_d);
     if (layout_b) cublasLtMatrixLayoutDestroy(layout_b);
     if (layout_a) cublasLtMatrixLayoutDestroy(layout_a);

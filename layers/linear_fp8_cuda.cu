@@ -183,13 +183,6 @@ static int check_saved(const char *fn, const char *name, const Fp8Saved *saved, 
 }
 
 // ---- FP8 matmul ----------------------------------------------------------------------------
-// Largest power of two (<= 256) dividing the address (cuBLASLt's heuristic assumes 256 unless told).
-static uint32_t alignment_of(const void *p) {
-    uint32_t align = 256;
-    while (align > 1 && (uintptr_t)p % align) align >>= 1;
-    return align;
-}
-
 // D (m, n) = scale_a·scale_b·Aᵀ·B + beta·D, column-major; A (k, m) and B (k, n) fp8, both with K
 // contiguous (lda = ldb = k), fp32 accumulation (FAST_ACCUM off), D (and C) of d_type (bf16 or fp32);
 // bias: an m-long bf16 vector added to each column in the epilogue (NULL: none).
@@ -206,20 +199,16 @@ static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaData
     int status = 0;
     cublasLtMatmulDesc_t desc = NULL;
     cublasLtMatrixLayout_t layout_a = NULL, layout_b = NULL, layout_d = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t heuristic;
-    int found = 0;
     cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
     cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     int32_t bf16_type = CUDA_R_16BF;
     int8_t fast_accum = 0;
-    uint64_t workspace_bytes = ctx->lt_workspace_bytes;
     uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
-    float alpha = 1.0f;
     // every pointer's alignment, for the messages (cuBLASLt answers a misaligned one with "not supported")
-    char where[160];
-    snprintf(where, sizeof where, "m=%d n=%d k=%d; alignment A %u B %u D %u bias %u scales %u %u", m, n, k, align_a,
-             align_b, align_d, bias ? alignment_of(bias) : 0, alignment_of(scale_a), alignment_of(scale_b));
+    char where[224];
+    snprintf(where, sizeof where, "m=%d n=%d k=%d; alignment A %u B %u D %u bias %u scales %u %u; FP8 needs sm_89+; "
+             "CUBLASLT_LOG_MASK=31 logs cuBLASLt's reason", m, n, k, align_a, align_b, align_d,
+             bias ? alignment_of(bias) : 0, alignment_of(scale_a), alignment_of(scale_b));
     if (align_a < 16 || align_b < 16 || align_d < 16 || (bias && alignment_of(bias) < 16)) {
         dit_set_error(err, "%s:%d: %s: FP8 GEMMs need 16-byte aligned matrices and bias (%s)", __FILE__, __LINE__,
                       what, where);
@@ -248,30 +237,8 @@ static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaData
     CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_a, a_type, k, m, k), "%s: A layout (m=%d k=%d)", what, m, k);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_b, b_type, k, n, k), "%s: B layout (k=%d n=%d)", what, k, n);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatrixLayoutCreate(&layout_d, d_type, m, n, m), "%s: D layout (m=%d n=%d)", what, m, n);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceCreate(&pref), "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof workspace_bytes),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof align_a),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof align_b),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof align_d),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
-                        "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
-                        "%s (%s)", what, where);
-    if (found == 0) {
-        dit_set_error(err, "%s:%d: cuBLASLt has no FP8 algorithm for %s (%s; FP8 needs sm_89+)",
-                      __FILE__, __LINE__, what, where);
-        status = -1;
-        goto cleanup;
-    }
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmul(ctx->lt, desc, &alpha, a, layout_a, b, layout_b, &beta, d, layout_d,
-                                            d, layout_d, &heuristic.algo, ctx->lt_workspace, ctx->lt_workspace_bytes, stream),
-                        "%s (%s; CUBLASLT_LOG_MASK=31 logs cuBLASLt's reason)", what, where);
+    status = lt_matmul_run(desc, a, layout_a, b, layout_b, d, layout_d, beta, what, where, ctx, stream, err);
 cleanup:
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (layout_d) cublasLtMatrixLayoutDestroy(layout_d);
     if (layout_b) cublasLtMatrixLayoutDestroy(layout_b);
     if (layout_a) cublasLtMatrixLayoutDestroy(layout_a);

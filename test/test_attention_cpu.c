@@ -10,6 +10,7 @@
 #include "layers/common.h"
 #include "test/compare.h"
 #include "test/cpu_arrays_test.h"
+#include "test/fp8_codes_test.h"
 
 // ---- helpers -------------------------------------------------------------------------------
 
@@ -300,21 +301,6 @@ Test(sage_quantize, all_zero_k_and_v_give_zeros_not_nan) {
 
 // ---- 5: rounding helpers vs brute force -----------------------------------------------------
 
-// e4m3fn code (sign, 4 exponent bits with bias 7, 3 mantissa bits) to its value; NaN for S.1111.111
-static float e4m3_decode(int code) {
-    int e = (code >> 3) & 15, m = code & 7;
-    if (e == 15 && m == 7) return NAN;
-    float mag = e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
-    return code & 0x80 ? -mag : mag;
-}
-
-// e5m2 code (sign, 5 exponent bits with bias 15, 2 mantissa bits) to its value; inf / NaN for exponent 31
-static float e5m2_decode(int code) {
-    int e = (code >> 2) & 31, m = code & 3;
-    float mag = e == 31 ? (m ? NAN : INFINITY) : e == 0 ? ldexpf((float)m, -16) : ldexpf((float)(4 + m), e - 17);
-    return code & 0x80 ? -mag : mag;
-}
-
 // binary16 code to its value; inf / NaN for exponent 31
 static float fp16_decode(int code) {
     int e = (code >> 10) & 31, m = code & 1023;
@@ -356,6 +342,30 @@ static void expect_rounding_grid(float (*round)(float), float (*decode)(int), in
     }
 }
 
+// The ends of an 8-bit format (largest finite value table[n - 1]): the values big[0..nbig) and
+// their negatives saturate to ±table[n - 1]; 2^tie_exp (half the smallest subnormal) is the tie that
+// rounds to 0 and the float above it rounds to table[1]; tiny values to 0; NaN stays NaN. Then
+// 100000 random values of either sign from 2^lo_exp to 2^(lo_exp + span) against brute force.
+static void expect_fp8_ends_and_random(float (*round)(float), const float *table, int n, const float *big, int nbig,
+                                       int tie_exp, int lo_exp, int span, uint64_t seed) {
+    float max = table[n - 1];
+    for (int i = 0; i < nbig; i++) {
+        cr_expect(round(big[i]) == max, "%g saturates to %g, got %g", big[i], max, round(big[i]));
+        cr_expect(round(-big[i]) == -max, "%g saturates to %g", -big[i], -max);
+    }
+    cr_expect(round(ldexpf(1, tie_exp)) == 0.0f, "2^%d is the tie to 0", tie_exp);
+    cr_expect(round(nextafterf(ldexpf(1, tie_exp), 1)) == table[1], "above 2^%d rounds to %g", tie_exp, table[1]);
+    cr_expect(round(1e-30f) == 0.0f && round(1e-45f) == 0.0f, "tiny to 0");
+    cr_expect(isnan(round(NAN)), "NaN stays NaN");
+    Rng rng; rng_seed(&rng, seed);
+    for (int i = 0; i < 100000; i++) {
+        float x = ldexpf(1.0f + rng_uniform(&rng), lo_exp + (int)(rng_u32(&rng) % span));
+        if (rng_u32(&rng) & 1) x = -x;
+        float expect = brute_nearest(x, table, n);   // above the largest value the nearest finite one: saturation
+        cr_assert(round(x) == expect, "%.9g -> %g, brute force %g", x, round(x), expect);
+    }
+}
+
 Test(rounding, e4m3_exhaustive) {
     // positive finite values: codes 0..126 ascending, 448 = code 126
     float table[127];
@@ -363,21 +373,7 @@ Test(rounding, e4m3_exhaustive) {
     cr_assert(table[126] == 448.0f && table[1] == ldexpf(1, -9) && table[8] == ldexpf(1, -6));
     expect_rounding_grid(round_to_e4m3, e4m3_decode, 256, table, 127, 1);
     const float big[] = {448.001f, 464.0f, 480.0f, 1e6f, 3e38f, INFINITY};
-    for (int i = 0; i < 6; i++) {
-        cr_expect(round_to_e4m3(big[i]) == 448.0f, "%g saturates to 448, got %g", big[i], round_to_e4m3(big[i]));
-        cr_expect(round_to_e4m3(-big[i]) == -448.0f, "%g saturates to -448", -big[i]);
-    }
-    cr_expect(round_to_e4m3(ldexpf(1, -10)) == 0.0f, "2^-10 is the tie to 0");
-    cr_expect(round_to_e4m3(nextafterf(ldexpf(1, -10), 1)) == ldexpf(1, -9), "above 2^-10 rounds to 2^-9");
-    cr_expect(round_to_e4m3(1e-30f) == 0.0f && round_to_e4m3(1e-45f) == 0.0f, "tiny to 0");
-    cr_expect(isnan(round_to_e4m3(NAN)), "NaN stays NaN");
-    Rng rng; rng_seed(&rng, 6);
-    for (int i = 0; i < 100000; i++) {
-        float x = ldexpf(1.0f + rng_uniform(&rng), -12 + (int)(rng_u32(&rng) % 23));   // 2^-12 .. 2^11
-        if (rng_u32(&rng) & 1) x = -x;
-        float expect = brute_nearest(x, table, 127);
-        cr_assert(round_to_e4m3(x) == expect, "%.9g -> %g, brute force %g", x, round_to_e4m3(x), expect);
-    }
+    expect_fp8_ends_and_random(round_to_e4m3, table, 127, big, 6, -10, -12, 23, 6);   // random 2^-12 .. 2^11
 }
 
 Test(rounding, e5m2_exhaustive) {
@@ -388,21 +384,7 @@ Test(rounding, e5m2_exhaustive) {
     expect_rounding_grid(round_to_e5m2, e5m2_decode, 256, table, 124, 1);
     // saturating (not IEEE overflow to the format's inf): the tie 61440 and above give 57344 too
     const float big[] = {nextafterf(57344.0f, INFINITY), 61440.0f, 65536.0f, 1e6f, 3e38f, INFINITY};
-    for (int i = 0; i < 6; i++) {
-        cr_expect(round_to_e5m2(big[i]) == 57344.0f, "%g saturates to 57344, got %g", big[i], round_to_e5m2(big[i]));
-        cr_expect(round_to_e5m2(-big[i]) == -57344.0f, "%g saturates to -57344", -big[i]);
-    }
-    cr_expect(round_to_e5m2(ldexpf(1, -17)) == 0.0f, "2^-17 is the tie to 0");
-    cr_expect(round_to_e5m2(nextafterf(ldexpf(1, -17), 1)) == ldexpf(1, -16), "above 2^-17 rounds to 2^-16");
-    cr_expect(round_to_e5m2(1e-30f) == 0.0f && round_to_e5m2(1e-45f) == 0.0f, "tiny to 0");
-    cr_expect(isnan(round_to_e5m2(NAN)), "NaN stays NaN");
-    Rng rng; rng_seed(&rng, 8);
-    for (int i = 0; i < 100000; i++) {
-        float x = ldexpf(1.0f + rng_uniform(&rng), -19 + (int)(rng_u32(&rng) % 35));   // 2^-19 .. 2^16
-        if (rng_u32(&rng) & 1) x = -x;
-        float expect = brute_nearest(x, table, 124);   // above 57344 the nearest finite value: saturation
-        cr_assert(round_to_e5m2(x) == expect, "%.9g -> %g, brute force %g", x, round_to_e5m2(x), expect);
-    }
+    expect_fp8_ends_and_random(round_to_e5m2, table, 124, big, 6, -17, -19, 35, 8);   // random 2^-19 .. 2^16
 }
 
 Test(rounding, fp16_exhaustive) {

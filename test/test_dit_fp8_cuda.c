@@ -24,14 +24,13 @@
 #include "model/dit.h"
 #include "model/dit_gpu.h"
 #include "test/compare.h"
+#include "test/cuda_test.h"
 #include "test/model_test.h"
 
 #define TOL_OUT 0.05
 #define MIN_OUT 5e-3
 #define TOL_LOSS 5e-3
 #define TOL_GRAD 0.1
-
-#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
 
 // 32×32 images, patch 2: 256 tokens, head dim 64; B·T = 512 rows.
 static const DitConfig fp8_config = {.image_size = 32, .channels = 3, .patch = 2, .hidden = 128,

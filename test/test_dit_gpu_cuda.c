@@ -32,6 +32,7 @@
 #include "model/dit_gpu.h"
 #include "model/sample.h"
 #include "test/compare.h"
+#include "test/cuda_test.h"
 #include "test/model_test.h"
 
 #define TOL_OUT 1.5e-2
@@ -39,13 +40,6 @@
 #define TOL_GRAD 2e-2
 #define TOL_LOSS_10 1e-2
 #define TOL_SAMPLE 2e-2
-
-#define REQUIRE_GPU() do {                                                                     \
-        int count_ = 0;                                                                        \
-        if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0)                         \
-            cr_skip_test("no CUDA GPU found");                                                 \
-    } while (0)
-#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
 
 // 20×20 images, patch 2: 100 tokens (a partial 64-token attention block), head dim 64.
 static const DitConfig small_config = {.image_size = 20, .channels = 3, .patch = 2, .hidden = 128,

@@ -24,59 +24,18 @@
 #include "layers/layers.h"
 #include "layers/linear_fp8_cuda.h"
 #include "test/compare.h"
+#include "test/cuda_test.h"
+#include "test/fp8_codes_test.h"
 #include "test/linear_fp8_data.h"
 
 #define TOL_OUT 5e-3
 #define TOL_GEMM_F32 1e-3
 #define TOL_F32 1e-5
 
-#define REQUIRE_GPU() do {                                                                     \
-        int count_ = 0;                                                                        \
-        if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0)                         \
-            cr_skip_test("no CUDA GPU found");                                                 \
-    } while (0)
-#define CK(call) do {                                                                          \
-        cudaError_t e_ = (call);                                                               \
-        cr_assert_eq(e_, cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                \
-    } while (0)
-#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
-
-#define EXPECT_CLOSE(out, ref, n, tol, name) do {                                             \
-        double r_ = rel_l2(out, ref, n);                                                       \
-        cr_log_info("%s: rel L2 %.3g (tolerance %.0e)", name, r_, (double)(tol));              \
-        cr_expect(r_ <= (tol), "%s: rel L2 error %.3g > %.0e", name, r_, (double)(tol));       \
-    } while (0)
-
-// ---- host and device buffers, freed after each test --------------------------------------
-#define MAX_BUFFERS 256
-static void *host_buffers[MAX_BUFFERS], *device_buffers[MAX_BUFFERS];
-static int n_host, n_device;
 static LayersCuda ctx;
 static char err[DIT_ERR_LEN];
 static void *workspace;
 static size_t workspace_bytes;
-
-static void *host_alloc(size_t bytes) {
-    cr_assert(n_host < MAX_BUFFERS, "too many host buffers");
-    void *p = calloc(1, bytes ? bytes : 1);
-    cr_assert(p, "calloc of %zu bytes", bytes);
-    return host_buffers[n_host++] = p;
-}
-
-static void *device_alloc(size_t bytes) {
-    cr_assert(n_device < MAX_BUFFERS, "too many device buffers");
-    void *p = NULL;
-    CK(cudaMalloc(&p, bytes));
-    return device_buffers[n_device++] = p;
-}
-
-static float *host_floats(size_t n) { return host_alloc(n * sizeof(float)); }
-
-static float *copy_floats(const float *x, size_t n) {
-    float *y = host_floats(n);
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
 
 // N(0, std²) rounded to bf16.
 static float *randn_bf16(Rng *rng, size_t n, float std) {
@@ -86,53 +45,8 @@ static float *randn_bf16(Rng *rng, size_t n, float std) {
     return x;
 }
 
-static bf16 *upload_bf16(const float *x, size_t n) {
-    uint16_t *bits = host_alloc(n * sizeof(uint16_t));
-    for (size_t i = 0; i < n; i++) bits[i] = bf16_bits_from_float(x[i]);
-    bf16 *d = device_alloc(n * sizeof(bf16));
-    CK(cudaMemcpy(d, bits, n * sizeof(bf16), cudaMemcpyHostToDevice));
-    return d;
-}
-
-static float *upload_f32(const float *x, size_t n) {
-    float *d = device_alloc(n * sizeof(float));
-    CK(cudaMemcpy(d, x, n * sizeof(float), cudaMemcpyHostToDevice));
-    return d;
-}
-
-static void *poisoned(size_t bytes) {
-    void *d = device_alloc(bytes);
-    CK(cudaMemset(d, 0xFF, bytes));
-    return d;
-}
-
-static float *download_bf16(const bf16 *d, size_t n) {
-    uint16_t *bits = host_alloc(n * sizeof(uint16_t));
-    CK(cudaDeviceSynchronize());
-    CK(cudaMemcpy(bits, d, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-    float *x = host_floats(n);
-    for (size_t i = 0; i < n; i++) x[i] = float_from_bf16_bits(bits[i]);
-    return x;
-}
-
-static float *download_f32(const float *d, size_t n) {
-    float *x = host_floats(n);
-    CK(cudaDeviceSynchronize());
-    CK(cudaMemcpy(x, d, n * sizeof(float), cudaMemcpyDeviceToHost));
-    return x;
-}
-
-// The value of an fp8 byte (OCP e4m3fn: bias 7, 0x7f/0xff NaN; e5m2: bias 15, IEEE-like).
-static float fp8_value(uint8_t b, Fp8Format format) {
-    int sign = b >> 7, mant_bits = format == FP8_E4M3 ? 3 : 2, bias = format == FP8_E4M3 ? 7 : 15;
-    int e = (b & 0x7f) >> mant_bits, m = b & ((1 << mant_bits) - 1);
-    float v;
-    if (format == FP8_E4M3 && e == 15 && m == 7) v = NAN;
-    else if (format == FP8_E5M2 && e == 31) v = m ? NAN : INFINITY;
-    else if (e == 0) v = ldexpf((float)m, 1 - bias - mant_bits);
-    else v = ldexpf((float)((1 << mant_bits) + m), e - bias - mant_bits);
-    return sign ? -v : v;
-}
+// The value of an fp8 byte in the given format.
+static float fp8_value(uint8_t b, Fp8Format format) { return format == FP8_E4M3 ? e4m3_decode(b) : e5m2_decode(b); }
 
 static void setup(void) {
     int count = 0;
@@ -143,9 +57,7 @@ static void setup(void) {
 }
 
 static void teardown(void) {
-    for (int i = 0; i < n_host; i++) free(host_buffers[i]);
-    for (int i = 0; i < n_device; i++) cudaFree(device_buffers[i]);
-    n_host = n_device = 0;
+    free_buffers();
     cudaFree(workspace);
     workspace = NULL;
     if (ctx.lt) layers_cuda_destroy(&ctx);

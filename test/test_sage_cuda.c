@@ -12,15 +12,11 @@
 #include "attention/sage_cuda.h"
 #include "layers/common.h"
 #include "test/attention_test.h"
+#include "test/fp8_codes_test.h"
 
 static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32},
                          GPU_FP16 = {64, 64, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
 
-static float from_e4m3(uint8_t b) {
-    int e = (b >> 3) & 15, m = b & 7;
-    float x = e == 0 ? ldexpf((float)m, -9) : (e == 15 && m == 7 ? NAN : ldexpf(1.0f + m / 8.0f, e - 7));
-    return (b & 0x80) ? -x : x;
-}
 static float from_fp16(uint16_t h) {
     int e = (h >> 10) & 31, m = h & 1023;
     float x = e == 0 ? ldexpf((float)m, -24) : (e == 31 ? (m ? NAN : INFINITY) : ldexpf(1.0f + m / 1024.0f, e - 15));
@@ -162,7 +158,7 @@ static void check_quantize(int B, int H, int N, int D, SagePV pv, InputKind kind
                     float x = c.v[((size_t)bh * N + t) * D + d];
                     want = pv == SAGE_PV_FP8 ? (vs > 0 ? round_to_e4m3(x / vs) : 0) : round_to_fp16(x);
                 }
-                got = pv == SAGE_PV_FP8 ? from_e4m3(((uint8_t *)g.v_t)[at]) : from_fp16(((uint16_t *)g.v_t)[at]);
+                got = pv == SAGE_PV_FP8 ? e4m3_decode(((uint8_t *)g.v_t)[at]) : from_fp16(((uint16_t *)g.v_t)[at]);
                 v_bad += got != want;
             }
         }

@@ -17,14 +17,8 @@
 #include "layers/layers.h"
 #include "model/dit.h"
 #include "model/dit_gpu.h"
+#include "test/cuda_test.h"
 #include "test/model_test.h"
-
-#define REQUIRE_GPU() do {                                                                     \
-        int count_ = 0;                                                                        \
-        if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0)                         \
-            cr_skip_test("no CUDA GPU found");                                                 \
-    } while (0)
-#define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
 
 // 16×16 images, patch 2: 64 tokens, head dim 64 (as test_dit_gpu_cuda's resume test).
 static const DitConfig config = {.image_size = 16, .channels = 3, .patch = 2, .hidden = 128,
@@ -145,6 +139,9 @@ static void check_graph_against_eager(DitAttention attention, const Schedule *s,
 }
 
 static const int batch_4[6] = {4, 4, 4, 4, 4, 4}, rotate_1[6] = {1, 1, 1, 1, 1, 1};
+// lr warm-up over 3 steps (it changes at steps 1-4, then stays) and the EMA decay's warm-up (it
+// changes at every step): each replay must read its own step's constants.
+static const Schedule warmups = {.lr = 1e-3f, .warmup = 3, .ema_decay = 0.999f, .warmup_ema = 1};
 
 // Step 1 runs eagerly (the warm-up), step 2 is captured and replayed, steps 3-6 replay.
 Test(step_graph, six_steps_bitwise_equal_to_eager) {
@@ -153,27 +150,22 @@ Test(step_graph, six_steps_bitwise_equal_to_eager) {
     check_graph_against_eager(DIT_ATTN_SAGE, &s, 6, batch_4, rotate_1, "sage, constant lr", 1, 5);
 }
 
-// lr warm-up over 3 steps (it changes at steps 1-4, then stays) and the EMA decay's warm-up (it
-// changes at every step): each replay must read its own step's constants.
 Test(step_graph, lr_and_ema_warmup_bitwise_equal_to_eager) {
     REQUIRE_GPU();
-    Schedule s = {.lr = 1e-3f, .warmup = 3, .ema_decay = 0.999f, .warmup_ema = 1};
-    check_graph_against_eager(DIT_ATTN_SAGE, &s, 6, batch_4, rotate_1, "sage, warm-ups", 1, 5);
+    check_graph_against_eager(DIT_ATTN_SAGE, &warmups, 6, batch_4, rotate_1, "sage, warm-ups", 1, 5);
 }
 
 Test(step_graph, flash_attention_bitwise_equal_to_eager) {
     REQUIRE_GPU();
-    Schedule s = {.lr = 1e-3f, .warmup = 3, .ema_decay = 0.999f, .warmup_ema = 1};
-    check_graph_against_eager(DIT_ATTN_EXACT, &s, 6, batch_4, rotate_1, "bf16 flash, warm-ups", 1, 5);
+    check_graph_against_eager(DIT_ATTN_EXACT, &warmups, 6, batch_4, rotate_1, "bf16 flash, warm-ups", 1, 5);
 }
 
 // A new batch size (step 4) and a new SageConfig (step 7: rotation off) each drop the graph: one
 // eager step, then a new capture. Three captures, two replays per key.
 Test(step_graph, a_changed_batch_or_sage_config_is_captured_again) {
     REQUIRE_GPU();
-    Schedule s = {.lr = 1e-3f, .warmup = 3, .ema_decay = 0.999f, .warmup_ema = 1};
     static const int batch[9] = {4, 4, 4, 3, 3, 3, 3, 3, 3}, rotate[9] = {1, 1, 1, 1, 1, 1, 0, 0, 0};
-    check_graph_against_eager(DIT_ATTN_SAGE, &s, 9, batch, rotate, "sage, batch and rotation changed", 3, 6);
+    check_graph_against_eager(DIT_ATTN_SAGE, &warmups, 9, batch, rotate, "sage, batch and rotation changed", 3, 6);
 }
 
 // The graph is for one GPU: a model with optimizer shards (ZeRO-1) is refused with a message.
