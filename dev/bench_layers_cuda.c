@@ -77,7 +77,7 @@ static double time_op(Op op, Case *cs) {
 
 static void op_ln_forward(Case *cs) {
     int h = cs->c->h;
-    OK(layernorm_modulate_forward_cuda(cs->y, cs->mean, cs->rstd, cs->x, cs->mod, cs->mod + h, BTC(cs), 6 * h, 0, err));
+    OK(layernorm_modulate_forward_cuda(cs->y, cs->mean, cs->rstd, cs->x, cs->mod, cs->mod + h, BTC(cs), 6 * h, NULL, 0, err));
 }
 static void op_ln_dmod(Case *cs) {
     int h = cs->c->h;
@@ -94,11 +94,11 @@ static void op_gres_forward(Case *cs) {
 }
 static void op_gres_backward(Case *cs) {
     OK(gated_residual_backward_cuda(NULL, cs->dx, cs->dmod + 2 * cs->c->h, cs->dy, cs->x, cs->mod + 2 * cs->c->h, BTC(cs),
-                                    6 * cs->c->h, &ctx, 0, err));
+                                    6 * cs->c->h, NULL, &ctx, 0, err));
 }
 static void op_split_forward(Case *cs) { OK(split_heads_forward_cuda(cs->q, cs->k, cs->v, cs->qkv, HEADS(cs), 0, err)); }
 static void op_split_backward(Case *cs) { OK(split_heads_backward_cuda(cs->qkv, cs->q, cs->k, cs->v, HEADS(cs), 0, err)); }
-static void op_merge_forward(Case *cs) { OK(merge_heads_forward_cuda(cs->y, cs->q, HEADS(cs), 0, err)); }
+static void op_merge_forward(Case *cs) { OK(merge_heads_forward_cuda(cs->y, cs->q, HEADS(cs), NULL, 0, err)); }
 static void op_merge_backward(Case *cs) { OK(merge_heads_backward_cuda(cs->q, cs->y, HEADS(cs), 0, err)); }
 // linear backward with IC = 8: the dweight GEMM is small, the difference with/without dbias is the dbias
 static void op_linear_dbias(Case *cs) {

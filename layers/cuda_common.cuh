@@ -29,6 +29,37 @@ __device__ inline float block_sum(float v) {
     return sum;
 }
 
+// ---- amax: max |x| for the FP8 layers' scales (layers/linear_fp8_cuda.h) ----------------------
+// A producer of a tensor that an FP8 linear quantizes can take its amax on the way: each thread
+// folds |x| of the bf16 values it stores into m (fmaxf: NaN skipped), then one of these folds m
+// into *amax. *amax and m are non-negative floats, whose bits order as unsigned ints: atomicMax
+// on the bits is exact and order-free, so the amax (and the scale) are bitwise those of a
+// separate pass. The read first skips the atomic when *amax is already >= m (a stale read is
+// smaller, never larger: it only costs an atomic); __ldcg reads L2, where the atomics land.
+__device__ inline void amax_update(float *amax, float m) {
+    if (m > __ldcg(amax)) atomicMax((unsigned int *)amax, __float_as_uint(m));
+}
+
+// The float the bf16 store of x holds (round to nearest even, as store_bf16x8).
+__device__ inline float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Max over the 32 lanes of a warp (all active).
+__device__ inline float warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// *amax = max(*amax, m over the block): every thread of a block of BLOCK_SIZE calls it.
+__device__ inline void block_amax_update(float *amax, float m) {
+    __shared__ float warp_maxes[BLOCK_SIZE / 32];
+    m = warp_max(m);
+    if (threadIdx.x % 32 == 0) warp_maxes[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < BLOCK_SIZE / 32; w++) m = fmaxf(m, warp_maxes[w]);
+    amax_update(amax, m);
+}
+
 // ---- 16-byte vectors of VEC bf16 -----------------------------------------------------------
 // The memory-bound kernels move VEC consecutive bf16 per thread: one 16-byte load or store when
 // the caller's `vec` flag says every row start is 16-byte aligned (sizes multiples of VEC,

@@ -73,7 +73,10 @@ int split_heads_forward_cuda(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, 
                              cudaStream_t stream, char *err);
 int split_heads_backward_cuda(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const bf16 *dv,
                               int B, int T, int H, int D, cudaStream_t stream, char *err);
-int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int D,
+// out_amax (here and in the producers below): NULL, or a device float raised to
+// max(*out_amax, max |out|) on the way (exact; for an FP8 linear that quantizes out:
+// layers/linear_fp8_cuda.h). NULL runs the kernel of before (a template instance without it).
+int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int D, float *out_amax,
                              cudaStream_t stream, char *err);
 int merge_heads_backward_cuda(bf16 *do_, const bf16 *dout, int B, int T, int H, int D,
                               cudaStream_t stream, char *err);
@@ -106,7 +109,7 @@ int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
 // at b·mod_stride (slices of the adaLN projection's output).
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     const bf16 *inp, const bf16 *shift, const bf16 *scale,
-                                    int B, int T, int C, int mod_stride,
+                                    int B, int T, int C, int mod_stride, float *out_amax,
                                     cudaStream_t stream, char *err);
 // dinp (bf16, may be NULL) += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂)); dshift_b, dscale_b
 // (fp32, sample b at b·mod_stride) += Σ_t dout, Σ_t dout·x̂. The token sums are split over
@@ -123,18 +126,19 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err);
 // dres (bf16, may be NULL) += dout; dh (bf16) += gate·dout; dgate_b (fp32) += Σ_t dout·h (token
 // sums split as in layernorm_modulate_backward_cuda, partials in ctx->scratch). dres must not
-// alias dout.
+// alias dout. dh_amax: NULL, or raised to max |dh| (as out_amax above).
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride,
+                                 int B, int T, int C, int mod_stride, float *dh_amax,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // ---- pointwise (bf16 in and out, fp32 math) -----------------------------------------------
-int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
+// GELU and the in-place dGELU (the FP8 MLP's; amax: NULL, or raised to max |result|, as out_amax).
+int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err);
 int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);
 // d = GELU'(inp)·d in place (WRITTEN, not accumulated: the FP8 MLP's dGELU after its dinp GEMM).
-int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
+int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err);
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 int silu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);

@@ -27,23 +27,17 @@
 #define QTILE 64           // the quantize kernel's tile: QTILE × QTILE elements per block
 
 // ---- amax ----------------------------------------------------------------------------------
-// *amax = max(*amax, max_i |x_i|) over n bf16 (n a multiple of VEC, x 16-byte aligned). *amax is
-// a non-negative float, so its bits order as unsigned ints and atomicMax is exact: every run
-// gives the same value whatever the order. NaNs are skipped here (they reach the GEMM as fp8 NaN).
+// *amax = max(*amax, max_i |x_i|) over n bf16 (n a multiple of VEC, x 16-byte aligned): exact and
+// order-free (block_amax_update, layers/cuda_common.cuh). NaNs are skipped here (they reach the
+// GEMM as fp8 NaN).
 __global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
-    __shared__ float warp_max[BLOCK_SIZE / 32];
     float m = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC; i < n; i += (size_t)gridDim.x * BLOCK_SIZE * VEC) {
         float v[VEC];
         load_bf16x8(v, x + i, VEC, true);
         for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[j]));
     }
-    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    for (int w = 1; w < BLOCK_SIZE / 32; w++) m = fmaxf(m, warp_max[w]);
-    atomicMax((unsigned int *)amax, __float_as_uint(m));
+    block_amax_update(amax, m);
 }
 
 // ---- quantize ------------------------------------------------------------------------------
@@ -96,14 +90,19 @@ static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *
     return 0;
 }
 
-// The three steps without the argument check: amax = 0, amax reduction, quantize.
+// The three steps without the argument check: amax = 0, amax reduction into *amax_scratch,
+// quantize; given_amax (max |x|, from x's producer): the quantize step alone, with that amax.
 static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C, Fp8Format format,
-                    float *amax, cudaStream_t stream, char *err) {
-    size_t n = (size_t)R * C;
-    CUDA_CHECK(err, cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
-    unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
-    fp8_amax_kernel<<<blocks < AMAX_BLOCKS ? blocks : AMAX_BLOCKS, BLOCK_SIZE, 0, stream>>>(amax, x, n);
-    LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d", R, C);
+                    const float *given_amax, float *amax_scratch, cudaStream_t stream, char *err) {
+    const float *amax = given_amax;
+    if (!amax) {
+        size_t n = (size_t)R * C;
+        CUDA_CHECK(err, cudaMemsetAsync(amax_scratch, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
+        unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
+        fp8_amax_kernel<<<blocks < AMAX_BLOCKS ? blocks : AMAX_BLOCKS, BLOCK_SIZE, 0, stream>>>(amax_scratch, x, n);
+        LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d", R, C);
+        amax = amax_scratch;
+    }
     dim3 grid(blocks_for(C, QTILE), blocks_for(fp8_padded_rows(R), QTILE));
     fp8_quantize_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, amax, R, C, format);
     LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d", R, C, (int)format);
@@ -113,7 +112,7 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R,
 int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err) {
     if (check_quantize_args("fp8_quantize_cuda", q, qt, x, R, C, err)) return -1;
-    return quantize(q, qt, scale, x, R, C, format, amax_scratch, stream, err);
+    return quantize(q, qt, scale, x, R, C, format, NULL, amax_scratch, stream, err);
 }
 
 // ---- workspace -----------------------------------------------------------------------------
@@ -248,7 +247,8 @@ cleanup:
 
 // ---- the layer -----------------------------------------------------------------------------
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                            void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
     const char *fn = "linear_fp8_forward_cuda";
     Workspace ws;
@@ -258,9 +258,11 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
     // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
     float *inp_scale = save ? save->scale : ws.scale + T_INP;
-    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err))
+    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP, stream,
+                 err))
         return -1;
-    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, ws.amax + T_WEIGHT, stream, err)) return -1;
+    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream, err))
+        return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
     snprintf(what, sizeof what, "linear fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
@@ -269,19 +271,20 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
+                                 int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                 float *out_amax, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, workspace, workspace_bytes, ctx, stream,
-                                err))
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, workspace, workspace_bytes,
+                                ctx, stream, err))
         return -1;
-    return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, stream, err);
+    return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
 }
 
 // dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight += doutᵀ·inp (inp: the
-// forward's saved inpᵀ and scale); dbias += Σ_m dout.
+// forward's saved inpᵀ and scale); dbias += Σ_m dout. dout_amax: max |dout| or NULL (computed here).
 static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float *dbias, const bf16 *dout,
                     const Fp8Saved *inp, const bf16 *weight, int M, int IC, int OC, Fp8Format grad_format,
-                    void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                    const float *dout_amax, void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
         dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
@@ -294,12 +297,14 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
     uint8_t *w_qt = take(&ws, (size_t)IC * OC);
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
-    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, M, OC, grad_format, ws.amax + T_DOUT, stream, err))
+    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, M, OC, grad_format, dout_amax,
+                 ws.amax + T_DOUT, stream, err))
         return -1;
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
-        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, ws.amax + T_WEIGHT, stream, err))
+        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream,
+                     err))
             return -1;
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
@@ -314,18 +319,20 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
 
 int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
-                             int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
+                             int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
+                             void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return backward("linear_fp8_backward_cuda", dinp, 1.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
-                    grad_format, workspace, workspace_bytes, ctx, stream, err);
+                    grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
-                                   int M, int IC, int OC, Fp8Format grad_format, void *workspace,
-                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place
+                                   int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
+                                   float *dpre_amax, void *workspace, size_t workspace_bytes,
+                                   const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (and its amax)
     if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
-                 grad_format, workspace, workspace_bytes, ctx, stream, err)) return -1;
-    return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, stream, err);
+                 grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
+    return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, dpre_amax, stream, err);
 }

@@ -8,7 +8,10 @@
 // row-major and/or transposed fp8 copies that Hopper's K-major "TN" FP8 GEMMs need) into the
 // caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync). The
 // forward can also keep its quantized input for the backward (Fp8Saved), which then reads that
-// copy instead of quantizing inp again.
+// copy instead of quantizing inp again. A caller whose kernel wrote inp (or dout) can take its
+// amax on the way (layers/cuda_common.cuh, amax_update) and pass it (inp_amax, dout_amax): the
+// call then skips its own amax pass; the scale, the bytes and the result are the same. NULL: the
+// call computes the amax itself.
 // ±inf saturates to ±FP8_MAX (as round_to_e4m3 / round_to_e5m2); NaN stays NaN.
 // Requirements: M >= 1 (any M: the dweight GEMM reduces over M, and its transposed operands have
 // Mp = fp8_padded_rows(M) columns, the pad columns zero), IC and OC multiples of 16 (cuBLASLt FP8
@@ -42,33 +45,41 @@ size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 // out (M, OC) = inp (M, IC)·weightᵀ (OC, IC) + bias (OC); bias (bf16, may be NULL) in the epilogue.
 // save: NULL, or where to keep inp's quantized transposed copy and scale for the backward (the
 // same quantization pass writes both copies: 1 byte more per element than without).
+// inp_amax: NULL, or a device float holding max |inp| (exactly: it sets the scale).
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                            void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
 // FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet
-// checked on a GPU: dev/notes_linear_fp8.md).
+// checked on a GPU: dev/notes_linear_fp8.md). out_amax: NULL, or a device float that the GELU pass
+// raises to max(*out_amax, max |out|) (for the next FP8 linear, which reads out).
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
+                                 int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                 float *out_amax, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout (from the bf16
 // dout, as linear_backward_cuda). inp: what the forward of the same inp and M saved (its e4m3
 // copy is the dweight GEMM's operand, as if quantized here). dout is quantized to grad_format
 // (FP8_E5M2 as Transformer Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and
 // dbias may be NULL; dbias needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
+// dout_amax: NULL, or a device float holding max |dout|.
 int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
-                             int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
+                             int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
+                             void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The MLP's second layer as linear_dgelu_backward_cuda: dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
 // is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight, dbias
 // accumulate as in linear_fp8_backward_cuda (inp: the forward's saved copy of GELU(pre_gelu)).
+// dpre_amax: NULL, or a device float that the dGELU pass raises to max(*dpre_amax, max |dpre|).
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
-                                   int M, int IC, int OC, Fp8Format grad_format, void *workspace,
-                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err);
+                                   int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
+                                   float *dpre_amax, void *workspace, size_t workspace_bytes,
+                                   const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
 // -> q (R, C) and/or qt (C, Rp) = fp8(x·2^-e) (either may be NULL; Rp = fp8_padded_rows(R), qt's

@@ -10,7 +10,9 @@
 // One warp per row of C channels, sample b = row / T; lane l reads the vectors l, l + 32, ...:
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
 // out = x̂·(1 + scale_b) + shift_b. The second and third reads of the row come from L1.
-__global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd,
+// AMAX: *out_amax = max(*out_amax, max |out|) of the values stored (one update per row).
+template <bool AMAX>
+__global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd, float *out_amax,
                                                   const bf16 *inp, const bf16 *shift, const bf16 *scale,
                                                   int rows, int T, int C, int mod_stride, bool vec) {
     int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -30,6 +32,7 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
     }
     float s = rsqrtf(warp_sum(sq) / C + LAYERNORM_EPS);
     bf16 *y = out + (size_t)row * C;
+    float vmax = 0.0f;
     for (int c = lane * VEC; c < C; c += 32 * VEC) {
         int n = min(VEC, C - c);
         float shv[VEC], scv[VEC];
@@ -38,10 +41,14 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         load_bf16x8(scv, sc + c, n, vec);
         for (int j = 0; j < VEC; j++) v[j] = (v[j] - m) * s * (1.0f + scv[j]) + shv[j];
         store_bf16x8(y + c, v, n, vec);
+        if (AMAX)
+            for (int j = 0; j < n; j++) vmax = fmaxf(vmax, fabsf(bf16_rounded(v[j])));
     }
+    if (AMAX) vmax = warp_max(vmax);   // the whole warp is here (rows leave by whole warps)
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = s;
+        if (AMAX) amax_update(out_amax, vmax);
     }
 }
 
@@ -133,14 +140,15 @@ static int check_sizes(const char *fn, int B, int T, int C, int mod_stride, char
 
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     const bf16 *inp, const bf16 *shift, const bf16 *scale,
-                                    int B, int T, int C, int mod_stride,
+                                    int B, int T, int C, int mod_stride, float *out_amax,
                                     cudaStream_t stream, char *err) {
     if (check_sizes("layernorm_modulate_forward_cuda", B, T, C, mod_stride, err)) return -1;
     int rows = B * T;
     bool vec = C % VEC == 0 && mod_stride % VEC == 0 && aligned16(out) && aligned16(inp) &&
                aligned16(shift) && aligned16(scale);
-    layernorm_modulate_forward_kernel<<<blocks_for(rows, ROWS_PER_BLOCK), BLOCK_SIZE, 0, stream>>>(
-        out, mean, rstd, inp, shift, scale, rows, T, C, mod_stride, vec);
+    auto kernel = out_amax ? layernorm_modulate_forward_kernel<true> : layernorm_modulate_forward_kernel<false>;
+    kernel<<<blocks_for(rows, ROWS_PER_BLOCK), BLOCK_SIZE, 0, stream>>>(
+        out, mean, rstd, out_amax, inp, shift, scale, rows, T, C, mod_stride, vec);
     LAUNCH_CHECK(err, "layernorm_modulate_forward_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }

@@ -37,22 +37,29 @@ __global__ void gated_residual_forward_kernel(bf16 *out, const bf16 *res, const 
 }
 
 // dres += dout; dh += gate_b[c]·dout (elementwise, VEC elements per thread as the forward).
-__global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, const bf16 *dout, const bf16 *gate,
+// AMAX: *dh_amax = max(*dh_amax, max |dh|) of the values stored.
+template <bool AMAX>
+__global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, float *dh_amax, const bf16 *dout, const bf16 *gate,
                                            size_t n, int TC, int C, int mod_stride, bool vec) {
     size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (i0 >= n) return;
-    int count = (int)min((size_t)VEC, n - i0);
-    float d[VEC], acc[VEC], g[VEC];
-    load_bf16x8(d, dout + i0, count, vec);
-    load_gates(g, gate, i0, count, TC, C, mod_stride, vec);
-    if (dres) {
-        load_bf16x8(acc, dres + i0, count, vec);
-        for (int j = 0; j < VEC; j++) acc[j] += d[j];
-        store_bf16x8(dres + i0, acc, count, vec);
+    float m = 0.0f;
+    if (i0 < n) {
+        int count = (int)min((size_t)VEC, n - i0);
+        float d[VEC], acc[VEC], g[VEC];
+        load_bf16x8(d, dout + i0, count, vec);
+        load_gates(g, gate, i0, count, TC, C, mod_stride, vec);
+        if (dres) {
+            load_bf16x8(acc, dres + i0, count, vec);
+            for (int j = 0; j < VEC; j++) acc[j] += d[j];
+            store_bf16x8(dres + i0, acc, count, vec);
+        }
+        load_bf16x8(acc, dh + i0, count, vec);
+        for (int j = 0; j < VEC; j++) acc[j] += g[j] * d[j];
+        store_bf16x8(dh + i0, acc, count, vec);
+        if (AMAX)
+            for (int j = 0; j < count; j++) m = fmaxf(m, fabsf(bf16_rounded(acc[j])));
     }
-    load_bf16x8(acc, dh + i0, count, vec);
-    for (int j = 0; j < VEC; j++) acc[j] += g[j] * d[j];
-    store_bf16x8(dh + i0, acc, count, vec);
+    if (AMAX) block_amax_update(dh_amax, m);
 }
 
 // Block (column tile, image b, row range r) of the dgate sums (cuda_common.cuh's column
@@ -83,11 +90,28 @@ __global__ void gated_residual_dgate_kernel(float *dgate, float *partial, const 
 }
 
 // GELU(x) = 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³).
-__global__ void gelu_forward_kernel(bf16 *out, const bf16 *inp, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float x = __bfloat162float(inp[i]);
-    out[i] = __float2bfloat16(0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x))));
+__device__ __forceinline__ float gelu(float x) {
+    return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+}
+
+// out = GELU(inp), VEC elements per thread (16-byte vectors when vec). GELU runs only in the FP8
+// MLP (the bf16 one has it in the GEMM's epilogue), whose next linear quantizes out: AMAX:
+// *amax = max(*amax, max |out|) on the way (VEC per thread keeps the blocks, and so the amax
+// updates, 8x fewer than one element per thread).
+template <bool AMAX>
+__global__ void gelu_forward_kernel(bf16 *out, const bf16 *inp, float *amax, size_t n, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    float m = 0.0f;
+    if (i0 < n) {
+        int count = (int)min((size_t)VEC, n - i0);
+        float v[VEC];
+        load_bf16x8(v, inp + i0, count, vec);
+        for (int j = 0; j < VEC; j++) v[j] = gelu(v[j]);
+        store_bf16x8(out + i0, v, count, vec);
+        if (AMAX)
+            for (int j = 0; j < count; j++) m = fmaxf(m, fabsf(bf16_rounded(v[j])));
+    }
+    if (AMAX) block_amax_update(amax, m);
 }
 
 // GELU'(x) = 0.5·(1 + tanh u) + 0.5·x·(1 - tanh² u)·sqrt(2/π)·(1 + 3·0.044715·x²).
@@ -105,11 +129,23 @@ __global__ void gelu_backward_kernel(bf16 *dinp, const bf16 *inp, const bf16 *do
     dinp[i] = __float2bfloat16(__bfloat162float(dinp[i]) + grad * __bfloat162float(dout[i]));
 }
 
-// d = GELU'(inp)·d, in place.
-__global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    d[i] = __float2bfloat16(gelu_grad(__bfloat162float(inp[i])) * __bfloat162float(d[i]));
+// d = GELU'(inp)·d, in place, VEC elements per thread as gelu_forward_kernel (the FP8 MLP's
+// dGELU, whose result the previous linear quantizes: AMAX, *amax = max(*amax, max |d|)).
+template <bool AMAX>
+__global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, float *amax, size_t n, bool vec) {
+    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    float m = 0.0f;
+    if (i0 < n) {
+        int count = (int)min((size_t)VEC, n - i0);
+        float x[VEC], v[VEC];
+        load_bf16x8(x, inp + i0, count, vec);
+        load_bf16x8(v, d + i0, count, vec);
+        for (int j = 0; j < VEC; j++) v[j] = gelu_grad(x[j]) * v[j];
+        store_bf16x8(d + i0, v, count, vec);
+        if (AMAX)
+            for (int j = 0; j < count; j++) m = fmaxf(m, fabsf(bf16_rounded(v[j])));
+    }
+    if (AMAX) block_amax_update(amax, m);
 }
 
 // SiLU(x) = x·σ(x).
@@ -173,7 +209,7 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
 
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride,
+                                 int B, int T, int C, int mod_stride, float *dh_amax,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
     if (check_btc("gated_residual_backward_cuda", B, T, C, mod_stride, err) ||
         check_product("gated_residual_backward_cuda", "grid.y B", B, 1, 65535, err) ||
@@ -192,8 +228,9 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
         LAUNCH_CHECK(err, "column_partials_finish_kernel", "B=%d C=%d splits=%d", B, C, splits);
     }
     vec = vec && mod_stride % VEC == 0 && aligned16(dh) && aligned16(gate) && (!dres || aligned16(dres));
-    gated_residual_dinp_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(
-        dres, dh, dout, gate, n, T * C, C, mod_stride, vec);
+    auto dinp_kernel = dh_amax ? gated_residual_dinp_kernel<true> : gated_residual_dinp_kernel<false>;
+    dinp_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(
+        dres, dh, dh_amax, dout, gate, n, T * C, C, mod_stride, vec);
     LAUNCH_CHECK(err, "gated_residual_dinp_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }
@@ -207,8 +244,15 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
         return 0;                                                                              \
     } while (0)
 
-int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {
-    LAUNCH_ELEMENTWISE(gelu_forward_kernel, n, out, inp);
+// GELU and the in-place dGELU: VEC elements per thread, amax NULL or raised to max |result|.
+int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err) {
+    if (n == 0) return 0;
+    if (check_grid_x(__func__, n, BLOCK_SIZE, err)) return -1;   // (as the scalar kernels: conservative)
+    bool vec = n % VEC == 0 && aligned16(out) && aligned16(inp);
+    auto kernel = amax ? gelu_forward_kernel<true> : gelu_forward_kernel<false>;
+    kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(out, inp, amax, n, vec);
+    LAUNCH_CHECK(err, "gelu_forward_kernel", "n=%zu amax=%s", n, amax ? "on" : "off");
+    return 0;
 }
 
 int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
@@ -216,8 +260,14 @@ int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
     LAUNCH_ELEMENTWISE(gelu_backward_kernel, n, dinp, inp, dout);
 }
 
-int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {
-    LAUNCH_ELEMENTWISE(gelu_backward_inplace_kernel, n, d, inp);
+int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err) {
+    if (n == 0) return 0;
+    if (check_grid_x(__func__, n, BLOCK_SIZE, err)) return -1;   // (as the scalar kernels: conservative)
+    bool vec = n % VEC == 0 && aligned16(d) && aligned16(inp);
+    auto kernel = amax ? gelu_backward_inplace_kernel<true> : gelu_backward_inplace_kernel<false>;
+    kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(d, inp, amax, n, vec);
+    LAUNCH_CHECK(err, "gelu_backward_inplace_kernel", "n=%zu amax=%s", n, amax ? "on" : "off");
+    return 0;
 }
 
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {

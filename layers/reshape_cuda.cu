@@ -89,12 +89,25 @@ __device__ inline size_t merged_index(size_t i, int T, int H, int D) {
     return ((b * H + h) * T + t) * D + d;
 }
 
-__global__ void merge_heads_forward_kernel(bf16 *out, const bf16 *o, int T, int H, int D, size_t n, bool vec) {
+// AMAX: *out_amax = max(*out_amax, max |out|) (an FP8 linear quantizes out).
+template <bool AMAX>
+__global__ void merge_heads_forward_kernel(bf16 *out, float *out_amax, const bf16 *o, int T, int H, int D, size_t n,
+                                           bool vec) {
     size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC;
-    if (i0 >= n) return;
-    int count = (int)min((size_t)VEC, n - i0);
-    for (int j = 0; j < count; j += vec ? VEC : 1)
-        copy_bf16x8(out + i0 + j, o + merged_index(i0 + j, T, H, D), vec ? VEC : 1, vec);
+    float m = 0.0f;
+    if (i0 < n) {
+        int count = (int)min((size_t)VEC, n - i0);
+        for (int j = 0; j < count; j += vec ? VEC : 1) {
+            const bf16 *src = o + merged_index(i0 + j, T, H, D);
+            copy_bf16x8(out + i0 + j, src, vec ? VEC : 1, vec);
+            if (AMAX) {
+                float v[VEC];
+                load_bf16x8(v, src, vec ? VEC : 1, vec);
+                for (int e = 0; e < VEC; e++) m = fmaxf(m, fabsf(v[e]));   // (the zeros beyond count add nothing)
+            }
+        }
+    }
+    if (AMAX) block_amax_update(out_amax, m);
 }
 
 // do_[merged_index(i)] += dout[i] (a bijection: one writer per element).
@@ -183,12 +196,13 @@ int split_heads_backward_cuda(bf16 *dqkv, const bf16 *dq, const bf16 *dk, const 
     return 0;
 }
 
-int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int D,
+int merge_heads_forward_cuda(bf16 *out, const bf16 *o, int B, int T, int H, int D, float *out_amax,
                              cudaStream_t stream, char *err) {
     if (check_heads("merge_heads_forward_cuda", B, T, H, D, err)) return -1;
     size_t n = (size_t)B * T * H * D;
     bool vec = D % VEC == 0 && aligned16(out) && aligned16(o);
-    merge_heads_forward_kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(out, o, T, H, D, n, vec);
+    auto kernel = out_amax ? merge_heads_forward_kernel<true> : merge_heads_forward_kernel<false>;
+    kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(out, out_amax, o, T, H, D, n, vec);
     LAUNCH_CHECK(err, "merge_heads_forward_kernel", "B=%d T=%d H=%d D=%d", B, T, H, D);
     return 0;
 }

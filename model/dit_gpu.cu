@@ -127,6 +127,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
         TAKE(ar, a->ln1_fp8t, L * h * Mp); TAKE(ar, a->att_merged_fp8t, L * h * Mp);
         TAKE(ar, a->ln2_fp8t, L * h * Mp); TAKE(ar, a->gelu_fp8t, L * 4 * h * Mp);
         TAKE(ar, a->fp8_scales, L * 4 * FP8_SCALE_SLOT);
+        TAKE(ar, a->fp8_amax, 2 * L * 4);
         m->fp8_saved_bytes = arena.used - first;
     }
     // sequence parallelism
@@ -303,6 +304,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->tokens = dit_tokens(cfg) / sp_size(m);
     m->linear = linear;
     if (linear == DIT_LINEAR_FP8) TRY(check_fp8_linear(cfg, m->tokens, batch, &m->fp8_workspace_bytes, err));
+    m->fp8_producer_amax = linear == DIT_LINEAR_FP8;
     m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
     m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
@@ -725,9 +727,10 @@ __device__ __forceinline__ void load_grad8(float (&x)[HADAMARD_VALUES_PER_LANE],
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32 (or bf16):
 // split_heads_backward (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when
 // rotate, rounded to bf16 once (bf16 inputs: copied bit for bit when rotate is off).
-template <int D, typename G>
-__global__ void merge_qkv_grad_kernel(bf16 *dqkv, const G *dq, const G *dk, const G *dv, int T, int H, bool rotate,
-                                      float norm, size_t rows) {
+// AMAX: *amax = max(*amax, max |dqkv|) (the FP8 qkv linear's dout).
+template <int D, bool AMAX, typename G>
+__global__ void merge_qkv_grad_kernel(bf16 *dqkv, float *amax, const G *dq, const G *dk, const G *dv, int T, int H,
+                                      bool rotate, float norm, size_t rows) {
     constexpr int L = D / HADAMARD_VALUES_PER_LANE;
     const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
     const bool valid = row < rows;
@@ -738,6 +741,11 @@ __global__ void merge_qkv_grad_kernel(bf16 *dqkv, const G *dq, const G *dk, cons
     load_grad8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
     if (rotate) rotate_if<D>(x, which < 2, norm);
     if (valid) store_bf16x8(dqkv + r * D + c, x, VEC, true);
+    if (AMAX) {   // every thread of the block is here (rows past the end hold m = 0)
+        float m = 0.0f;
+        for (int j = 0; j < VEC && valid; j++) m = fmaxf(m, fabsf(bf16_rounded(x[j])));
+        block_amax_update(amax, m);
+    }
 }
 
 // Ulysses: the same rotation and rounding on the head-sharded gradients, before the all-to-all:
@@ -780,13 +788,19 @@ static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv
 }
 
 // rotate: sage's rotation of dq and dk here (off when round_qkv_grad has applied it already).
+// amax: NULL, or raised to max |dqkv| (the kernel without it: the work of before).
 template <typename G>
-static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk, const G *dv, bool rotate, int B,
-                          char *err) {
+static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk, const G *dv, bool rotate,
+                          float *amax, int B, char *err) {
     int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
     size_t rows = (size_t)B * T * 3 * H;
-    LAUNCH_HEAD_ROWS(merge_qkv_grad_kernel, D, rows, m->stream, dqkv, dq, dk, dv, T, H, rotate, 1.0f / sqrtf((float)D));
-    LAUNCH_CHECK(err, "merge_qkv_grad_kernel", "B·T=%d H=%d D=%d", B * T, H, D);
+    // the grid of LAUNCH_HEAD_ROWS; the instance picked by D and by amax
+    size_t rows_per_block = 256 / (D / HADAMARD_VALUES_PER_LANE);
+    unsigned blocks = (unsigned)((rows + rows_per_block - 1) / rows_per_block);
+    auto kernel = D == 128 ? (amax ? merge_qkv_grad_kernel<128, true, G> : merge_qkv_grad_kernel<128, false, G>)
+                           : (amax ? merge_qkv_grad_kernel<64, true, G> : merge_qkv_grad_kernel<64, false, G>);
+    kernel<<<blocks, 256, 0, m->stream>>>(dqkv, amax, dq, dk, dv, T, H, rotate, 1.0f / sqrtf((float)D), rows);
+    LAUNCH_CHECK(err, "merge_qkv_grad_kernel", "B·T=%d H=%d D=%d amax=%s", B * T, H, D, amax ? "on" : "off");
     return 0;
 }
 
@@ -885,8 +899,15 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 #define FP8_GRAD_FORMAT FP8_E4M3
 
 // Block l's FP8 inputs saved by the forward for the backward (m->acts: ln1_fp8t .. fp8_scales):
-// (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear. bf16: all NULL, unused.
-typedef struct { Fp8Saved qkv, proj, fc1, fc2; } BlockFp8Inputs;
+// (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear; and where the
+// kernels that write the linears' inputs and douts leave their amax (acts.fp8_amax). bf16, or
+// fp8_producer_amax off: the amax pointers NULL (the producers run without it, the linears take
+// their own); bf16: the saved copies NULL too, unused.
+typedef struct { float *qkv, *proj, *fc1, *fc2; } Fp8Amax;
+typedef struct {
+    Fp8Saved qkv, proj, fc1, fc2;
+    Fp8Amax inp_amax, dout_amax;
+} BlockFp8Inputs;
 
 static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     BlockFp8Inputs in = {};
@@ -898,46 +919,67 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     in.proj = (Fp8Saved){a->att_merged_fp8t + stride, scales + FP8_SCALE_SLOT};
     in.fc1 = (Fp8Saved){a->ln2_fp8t + stride, scales + 2 * FP8_SCALE_SLOT};
     in.fc2 = (Fp8Saved){a->gelu_fp8t + 4 * stride, scales + 3 * FP8_SCALE_SLOT};
+    if (m->fp8_producer_amax) {
+        float *fwd = a->fp8_amax + (size_t)l * 4, *bwd = a->fp8_amax + (size_t)(m->cfg.depth + l) * 4;
+        in.inp_amax = (Fp8Amax){fwd, fwd + 1, fwd + 2, fwd + 3};
+        in.dout_amax = (Fp8Amax){bwd, bwd + 1, bwd + 2, bwd + 3};
+    }
     return in;
 }
 
+// Zeroes the forward's (which = 0) or the backward's (1) amax slots of every block (FP8 with
+// fp8_producer_amax; else nothing).
+static int zero_fp8_amax(const DitGpu *m, int which, char *err) {
+    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_producer_amax) return 0;
+    size_t count = (size_t)m->cfg.depth * 4;
+    CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax + which * count, 0, count * sizeof(float), m->stream),
+               "zeroing %zu FP8 amax slots", count);
+    return 0;
+}
+
 // out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
-// (also by the sampling forwards: harmless, every training step runs its own forward first)
+// (also by the sampling forwards: harmless, every training step runs its own forward first);
+// inp_amax: max |inp| from inp's producer, or NULL
 static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                int M, int IC, int OC, const Fp8Saved *save, char *err) {
+                                int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, m->fp8_workspace,
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, m->fp8_workspace,
                                        m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu)
+// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8: out_amax (or NULL) gets max |out|
 static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
-                                     const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save, char *err) {
+                                     const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
+                                     const float *inp_amax, float *out_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, m->fp8_workspace,
-                                            m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, out_amax,
+                                            m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout
+// dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
+// dout_amax: max |dout| from dout's producer, or NULL
 static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float *dbias, const bf16 *dout,
                                  const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M, int IC, int OC,
-                                 char *err) {
+                                 const float *dout_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_backward_cuda(dinp, dweight, dbias, dout, saved, weight, M, IC, OC, FP8_GRAD_FORMAT,
-                                        m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+                                        dout_amax, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream,
+                                        err);
     return linear_backward_cuda(dinp, dweight, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate
+// dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate; FP8: dpre_amax (or
+// NULL) gets max |dpre|
 static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float *dbias, const bf16 *dout,
                                        const bf16 *inp, const Fp8Saved *saved, const bf16 *pre_gelu,
-                                       const bf16 *weight, int M, int IC, int OC, char *err) {
+                                       const bf16 *weight, int M, int IC, int OC, const float *dout_amax,
+                                       float *dpre_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
-                                              FP8_GRAD_FORMAT, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
-                                              m->stream, err);
+                                              FP8_GRAD_FORMAT, dout_amax, dpre_amax, m->fp8_workspace,
+                                              m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
                                       m->stream, err);
 }
@@ -980,6 +1022,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     // the modulations of all blocks in one GEMM: (B, depth·6h)
     TRY(linear_forward_cuda(a->ada, a->c_silu, w->ada_w, w->ada_b, B, h, stride, ctx, s, err));
 
+    TRY(zero_fp8_amax(m, 0, err));
     for (int l = 0; l < L; l++) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
@@ -987,13 +1030,14 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
         bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
         bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + l * 4 * blk, *fc2 = a->fc2 + l * blk;
-        BlockFp8Inputs q8 = block_fp8_inputs(m, l);   // FP8: where the linears keep their quantized inputs
+        // FP8: where the linears keep their quantized inputs, and the inputs' amax (from their producers)
+        BlockFp8Inputs q8 = block_fp8_inputs(m, l);
 
         // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
         TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
-                                            B, T, h, stride, s, err));
+                                            B, T, h, stride, q8.inp_amax.qkv, s, err));
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
-                                 BT, h, 3 * h, &q8.qkv, err));
+                                 BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
@@ -1001,19 +1045,21 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
             TRY(split_qkv(m, a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, err));
             TRY(attention_forward_gpu(m, l, B, 0, 0, B * heads_here(m), err));
         }
-        TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, s, err));
+        TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, q8.inp_amax.proj, s,
+                                     err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                 BT, h, h, &q8.proj, err));
+                                 BT, h, h, &q8.proj, q8.inp_amax.proj, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
         // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation)
         TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
-                                            ada + 3 * h, ada + 4 * h, B, T, h, stride, s, err));
+                                            ada + 3 * h, ada + 4 * h, B, T, h, stride, q8.inp_amax.fc1, s, err));
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, err));
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1,
+                                      q8.inp_amax.fc2, err));
         TRY(block_linear_forward(m, fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
-                                 BT, 4 * h, h, &q8.fc2, err));
+                                 BT, 4 * h, h, &q8.fc2, q8.inp_amax.fc2, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -1021,7 +1067,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     const bf16 *x_last = a->residual + (size_t)L * blk;
     TRY(linear_forward_cuda(a->final_ada, a->c_silu, w->final_ada_w, w->final_ada_b, B, h, 2 * h, ctx, s, err));
     TRY(layernorm_modulate_forward_cuda(a->lnf, a->lnf_mean, a->lnf_rstd, x_last, a->final_ada,
-                                        a->final_ada + h, B, T, h, 2 * h, s, err));
+                                        a->final_ada + h, B, T, h, 2 * h, NULL, s, err));
     TRY(linear_forward_cuda(a->out_tokens, a->lnf, w->final_w, w->final_b, BT, h, P, ctx, s, err));
     if (!sequence_parallel)
         return unpatchify_forward_cuda(a->out, a->out_tokens, B, c->channels, c->image_size, c->patch, s, err);
@@ -1084,6 +1130,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     TRY(linear_backward_cuda(g->c_silu, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
                              w->final_ada_w, B, h, 2 * h, ctx, s, err));
 
+    TRY(zero_fp8_amax(m, 1, err));
     // The blocks. g->residual holds dL/dx_next on entry and dL/dx on exit: the residual adds of
     // x_next = x_mid + … and x_mid = x + … pass the gradient through unchanged (dres = NULL),
     // and the LayerNorm backwards add their part into it.
@@ -1091,37 +1138,41 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         float *dada = g->ada + (size_t)l * 6 * h;
         size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
-        BlockFp8Inputs q8 = block_fp8_inputs(m, l);   // FP8: the inputs the forward quantized
+        // FP8: the inputs the forward quantized, and the douts' amax (from the kernels writing them)
+        BlockFp8Inputs q8 = block_fp8_inputs(m, l);
         TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16)
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
-                                         B, T, h, stride, ctx, s, err));
+                                         B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
                                         g->fc2, a->gelu + o4, &q8.fc2, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
-                                        BT, 4 * h, h, err));
+                                        BT, 4 * h, h, q8.dout_amax.fc2, q8.dout_amax.fc1, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
-                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, err));
+                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
+                                  q8.dout_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
                                              ctx, s, err));
 
         // x_mid = x + gate_msa·proj(attention(...))
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
-                                         B, T, h, stride, ctx, s, err));
+                                         B, T, h, stride, q8.dout_amax.proj, ctx, s, err));
         TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
                                   g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
-                                  err));
+                                  q8.dout_amax.proj, err));
         TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
             TRY(ulysses_attention_backward(m, l, g->att, B, err));
-            TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false, B, err));
+            TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false,
+                               q8.dout_amax.qkv, B, err));
         } else {
             TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->att, err));
-            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), B, err));
+            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), q8.dout_amax.qkv, B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
-                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, err));
+                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
+                                  q8.dout_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));

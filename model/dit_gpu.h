@@ -83,6 +83,10 @@ typedef struct {
     // gelu (fc2); their scales (depth, 4 linears), each float alone in a 256-byte slot
     uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
     float *fp8_scales;
+    // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (2, depth, 4 linears: qkv,
+    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2, gelu), [1] their douts; taken by
+    // the kernels that write those tensors (zeroed at the start of each forward / backward)
+    float *fp8_amax;
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
     float *out_float;                  // (B, C, S, S): the output as fp32, for downloads
@@ -157,7 +161,11 @@ typedef struct {
     DitLinear linear;                  // the block linears' GEMMs (fixed at create)
     void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
     size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
-    size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_scales)
+    size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_amax)
+    int fp8_producer_amax;             // DIT_LINEAR_FP8: the amax of what the linears quantize comes from the
+                                       // kernels that write it (acts.fp8_amax; 1 from create); 0: each
+                                       // linear takes it in a pass of its own (as before; bitwise the same
+                                       // results: test_dit_fp8_cuda compares the two)
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);

@@ -199,9 +199,9 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
                  "needs a bias");
     EXPECT_ERROR(linear_dgelu_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, 4, 12, 8, &ctx, 0, err),
                  err, "IC=12");
-    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 8, 4, 0, err), err,
+    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 8, 4, NULL, 0, err), err,
                  "mod_stride >= C", "mod_stride=4");
-    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, NULL, 0, err), err,
+    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, NULL, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "T=0");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 10, 4, 0, err), err, "S a multiple of p", "S=10 p=4");
     EXPECT_ERROR(split_heads_forward_cuda(NULL, NULL, NULL, NULL, 1, 4, 0, 8, 0, err), err, "H=0");
@@ -221,13 +221,13 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
 
 Test(cuda_api, layers_reject_sizes_whose_int_indices_overflow) {
     char err[DIT_ERR_LEN];
-    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 65536, 65536, 8, 8, 0, err),
+    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 65536, 65536, 8, 8, NULL, 0, err),
                  err, "layernorm_modulate_forward_cuda", "B·T = 65536·65536");
     EXPECT_ERROR(layernorm_modulate_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, NULL,
                                                   0, err), err, "layernorm_modulate_backward_cuda", "grid.y B = 70000");
     EXPECT_ERROR(gated_residual_forward_cuda(NULL, NULL, NULL, NULL, 1, 65536, 65536, 65536, 0, err), err,
                  "gated_residual_forward_cuda", "T·C = 65536·65536");
-    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, NULL, 0, err), err,
+    EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, NULL, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "grid.y B = 70000");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 65536, 1, 0, err), err, "patchify_forward_cuda",
                  "S·S = 65536·65536");
@@ -236,7 +236,7 @@ Test(cuda_api, layers_reject_sizes_whose_int_indices_overflow) {
                  "split_heads_forward_cuda", "3·H·D");
     EXPECT_ERROR(timestep_embedding_forward_cuda(NULL, NULL, 1 << 20, 1 << 13, 0, err), err, "B·dim/2");
     EXPECT_ERROR(pos_embed_2d_cuda(NULL, 50000, 4096, 0, err), err, "pos_embed_2d_cuda", "G·G·C/4");
-    EXPECT_ERROR(gelu_forward_cuda(NULL, NULL, (size_t)1 << 40, 0, err), err, "gelu_forward_cuda",
+    EXPECT_ERROR(gelu_forward_cuda(NULL, NULL, (size_t)1 << 40, NULL, 0, err), err, "gelu_forward_cuda",
                  "1099511627776 elements", "2^31 - 1 blocks");
     OptimizerStepConstants k = {0};   // never read: the size check comes first
     EXPECT_ERROR(adamw_update_cuda(NULL, NULL, NULL, NULL, NULL, NULL, (size_t)1 << 40, &k, 0.9f, 0.999f, 1e-8f, 0.0f,

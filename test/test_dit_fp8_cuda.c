@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 #include "layers/common.h"
 #include "layers/layers.h"
+#include "attention/flash_cuda.h"
 #include "model/dit.h"
 #include "model/dit_gpu.h"
 #include "test/compare.h"
@@ -46,13 +47,16 @@ static void require_fp8_gpu(void) {
 }
 
 // One step (forward, loss, backward) of a model created with `linear` from cpu's weights: the
-// output (n floats), the loss and every parameter gradient.
-static float gpu_step(const Dit *cpu, DitLinear linear, const float *x0, const float *noise, const float *t,
-                      const int *labels, float *out, float *grads) {
+// output (n floats), the loss and every parameter gradient. producer_amax: FP8's
+// fp8_producer_amax (1: create's default; 0: the linears' own amax passes).
+static float gpu_step(const Dit *cpu, DitLinear linear, int producer_amax, const float *x0, const float *noise,
+                      const float *t, const int *labels, float *out, float *grads) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     float loss;
     OK(dit_gpu_create_sp(&m, &cpu->cfg, B, DIT_ATTN_EXACT, linear, NULL, err));
+    if (linear == DIT_LINEAR_FP8) cr_assert_eq(m.fp8_producer_amax, 1, "create must turn the producers' amax on");
+    m.fp8_producer_amax = producer_amax;
     OK(dit_gpu_upload(&m, cpu, err));
     OK(dit_gpu_set_flow_batch(&m, x0, noise, t, labels, B, err));
     OK(dit_gpu_forward(&m, &m.weights, B, err));
@@ -91,7 +95,7 @@ static void check_one_step(const DitConfig *c) {
         out[k] = malloc(n * sizeof(float));
         grads[k] = malloc(cpu.num_params * sizeof(float));
         cr_assert(out[k] && grads[k]);
-        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, x0, noise, t, labels, out[k], grads[k]);
+        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, 1, x0, noise, t, labels, out[k], grads[k]);
     }
 
     double e_out = rel_l2(out[1], out[0], n), e_loss = fabs(loss[1] - loss[0]) / loss[0];
@@ -130,6 +134,54 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
     DitConfig c = fp8_config;
     c.image_size = 20;
     check_one_step(&c);
+}
+
+// The producers' amax (fp8_producer_amax, the default) against the linears' own amax passes (the
+// code of before): the same scales, so bitwise the same output, loss and gradients (the attention
+// backward in its deterministic mode, so that two runs of the same step are comparable).
+static void check_producer_amax_is_exact(const DitConfig *c) {
+    require_fp8_gpu();
+    char err[DIT_ERR_LEN];
+    Dit cpu;
+    OK(dit_create(&cpu, c, 1, DIT_ATTN_EXACT, 22, err));
+    randomize_params(&cpu, 22);
+    size_t n = (size_t)B * c->channels * c->image_size * c->image_size;
+    float *x0 = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), t[B] = {0.3f, 0.8f};
+    int labels[B] = {1, c->num_classes};
+    cr_assert(x0 && noise);
+    Rng rng;
+    rng_seed(&rng, 22 * 1000 + 1);
+    rng_fill_normal(&rng, x0, n, 1.0f);
+    rng_fill_normal(&rng, noise, n, 1.0f);
+    int was_deterministic = flash_backward_deterministic();
+    flash_backward_set_deterministic(1);
+    float *out[2], *grads[2], loss[2];
+    for (int k = 0; k < 2; k++) {
+        out[k] = malloc(n * sizeof(float));
+        grads[k] = malloc(cpu.num_params * sizeof(float));
+        cr_assert(out[k] && grads[k]);
+        loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1 - k, x0, noise, t, labels, out[k], grads[k]);
+    }
+    flash_backward_set_deterministic(was_deterministic);
+    fprintf(stderr, "fp8, producers' amax vs the linears' own, %d tokens: loss %.9g vs %.9g\n", dit_tokens(c),
+            loss[0], loss[1]);
+    cr_expect(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "loss %.9g vs %.9g", loss[0], loss[1]);
+    cr_expect(memcmp(out[0], out[1], n * sizeof(float)) == 0, "the outputs differ");
+    size_t first = 0;
+    while (first < cpu.num_params && memcmp(&grads[0][first], &grads[1][first], sizeof(float)) == 0) first++;
+    cr_expect(first == cpu.num_params, "gradient %zu of %zu differs: %.9g vs %.9g", first, cpu.num_params,
+              first < cpu.num_params ? grads[0][first] : 0.0f, first < cpu.num_params ? grads[1][first] : 0.0f);
+    for (int k = 0; k < 2; k++) { free(out[k]); free(grads[k]); }
+    free(x0); free(noise);
+    dit_free(&cpu);
+}
+
+Test(dit_fp8, producer_amax_gives_bitwise_the_same_step) { check_producer_amax_is_exact(&fp8_config); }
+
+Test(dit_fp8, producer_amax_gives_bitwise_the_same_step_100_tokens) {
+    DitConfig c = fp8_config;
+    c.image_size = 20;
+    check_producer_amax_is_exact(&c);
 }
 
 // An unknown kind is refused before any CUDA call (no GPU needed); FP8 with 100 tokens is not

@@ -194,7 +194,7 @@ static void check_layernorm_modulate(int B, int T, int C, uint64_t seed) {
     bf16 *d_x = upload_bf16(x, n), *d_mod = upload_bf16(mod, nmod);
     bf16 *d_y = poisoned(n * sizeof(bf16));
     float *d_mean = poisoned(rows * sizeof(float)), *d_rstd = poisoned(rows * sizeof(float));
-    OK(layernorm_modulate_forward_cuda(d_y, d_mean, d_rstd, d_x, d_mod + C, d_mod + 2 * C, B, T, C, mod_stride, 0, err));
+    OK(layernorm_modulate_forward_cuda(d_y, d_mean, d_rstd, d_x, d_mod + C, d_mod + 2 * C, B, T, C, mod_stride, NULL, 0, err));
     snprintf(name, sizeof name, "layernorm_modulate forward out B=%d T=%d C=%d", B, T, C);
     EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, name);
     snprintf(name, sizeof name, "layernorm_modulate forward mean B=%d T=%d C=%d", B, T, C);
@@ -245,7 +245,7 @@ static void check_gated_residual(int B, int T, int C, uint64_t seed) {
     bf16 *d_dres = upload_bf16(dres0, n), *d_dh = upload_bf16(dh0, n);
     float *d_dmod = upload_f32(dmod0, nmod);
     OK(gated_residual_backward_cuda(d_dres, d_dh, d_dmod + 4 * C, upload_bf16(dy, n), d_h, d_mod + 4 * C,
-                                    B, T, C, mod_stride, &ctx, 0, err));
+                                    B, T, C, mod_stride, NULL, &ctx, 0, err));
     snprintf(name, sizeof name, "gated_residual backward dres B=%d T=%d C=%d", B, T, C);
     EXPECT_CLOSE(download_bf16(d_dres, n), dres, n, TOL_BF16, name);
     snprintf(name, sizeof name, "gated_residual backward dh B=%d T=%d C=%d", B, T, C);
@@ -272,7 +272,7 @@ Test(cuda, pointwise) {
     float *ref = host_floats(n);
 
     gelu_forward(ref, x, n);
-    OK(gelu_forward_cuda(d_out, d_x, n, 0, err));
+    OK(gelu_forward_cuda(d_out, d_x, n, NULL, 0, err));
     EXPECT_CLOSE(download_bf16(d_out, n), ref, n, TOL_BF16, "gelu forward");
     memcpy(ref, dx0, n * sizeof(float));
     gelu_backward(ref, x, dy, n);
@@ -358,7 +358,7 @@ static void check_heads(int B, int T, int H, int D, uint64_t seed) {
     float *out = host_floats(nh);
     merge_heads_forward(out, qkv, B, T, H, D);
     bf16 *d_out = poisoned(nh * sizeof(bf16)), *d_o = upload_bf16(qkv, nh);
-    OK(merge_heads_forward_cuda(d_out, d_o, B, T, H, D, 0, err));
+    OK(merge_heads_forward_cuda(d_out, d_o, B, T, H, D, NULL, 0, err));
     EXPECT_EXACT_BF16(download_bf16(d_out, nh), out, nh, "merge_heads forward");
 
     float *do_ = copy_floats(acc0, nh);
@@ -568,14 +568,14 @@ Test(cuda, token_reductions_are_deterministic) {
     bf16 *d_ln = device_alloc(n * sizeof(bf16)), *d_dx = device_alloc(n * sizeof(bf16));
     float *d_mean = device_alloc(T * sizeof(float)), *d_rstd = device_alloc(T * sizeof(float));
     float *d_dmod = device_alloc(nmod * sizeof(float));
-    OK(layernorm_modulate_forward_cuda(d_ln, d_mean, d_rstd, d_x, d_mod, d_mod + C, B, T, C, mod_stride, 0, err));
+    OK(layernorm_modulate_forward_cuda(d_ln, d_mean, d_rstd, d_x, d_mod, d_mod + C, B, T, C, mod_stride, NULL, 0, err));
     float *first_dmod = NULL, *first_dx = NULL;
     for (int run = 0; run < 2; run++) {
         CK(cudaMemset(d_dmod, 0, nmod * sizeof(float)));
         CK(cudaMemset(d_dx, 0, n * sizeof(bf16)));
         OK(layernorm_modulate_backward_cuda(d_dx, d_dmod, d_dmod + C, d_dy, d_x, d_mean, d_rstd, d_mod + C,
                                             B, T, C, mod_stride, &ctx, 0, err));
-        OK(gated_residual_backward_cuda(NULL, d_dx, d_dmod + 2 * C, d_dy, d_ln, d_mod + 2 * C, B, T, C, mod_stride,
+        OK(gated_residual_backward_cuda(NULL, d_dx, d_dmod + 2 * C, d_dy, d_ln, d_mod + 2 * C, B, T, C, mod_stride, NULL,
                                         &ctx, 0, err));
         float *dmod = download_f32(d_dmod, nmod), *dx = download_bf16(d_dx, n);
         if (run == 0) {

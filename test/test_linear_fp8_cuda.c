@@ -157,12 +157,12 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     float *y_ref = host_floats(ny);
     linear_fp8_forward(y_ref, x, w, b, M, IC, OC);
     bf16 *d_y = poisoned(ny * sizeof(bf16));
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
     expect_quantized(NULL, saved.qt, saved.scale, x, M, IC, FP8_E4M3, "the forward's saved inp");
     linear_fp8_forward(y_ref, x, w, NULL, M, IC, OC);
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward (no bias) M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
 
@@ -176,7 +176,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
@@ -190,7 +190,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, workspace,
+    OK(linear_fp8_backward_cuda(NULL, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
@@ -205,7 +205,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     bf16 *d_act = poisoned(ny * sizeof(bf16));
     CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
     Fp8Saved saved_gelu = poisoned_saved(M, IC);
-    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, workspace, workspace_bytes,
+    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, NULL, NULL, workspace, workspace_bytes,
                                     &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward+GELU pre-activation M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
@@ -219,7 +219,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
     OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
-                                      grad_format, workspace, workspace_bytes, &ctx, 0, err));
+                                      grad_format, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
     dw = download_f32(d_dw, nw);
@@ -283,7 +283,7 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
         OK(linear_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &ctx, 0, err));
         float *y_ref = download_bf16(d_y, ny);
         CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
-        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, workspace, workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, workspace, workspace_bytes, &ctx, 0, err));
         snprintf(name, sizeof name, "%s out (M=%d IC=%d OC=%d)", layers[l].name, M, IC, OC);
         expect_near_bf16(download_bf16(d_y, ny), y_ref, ny, 0.06, name);
 
@@ -296,7 +296,7 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, workspace,
+            OK(linear_fp8_backward_cuda(d_dx, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
                                         workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
@@ -314,26 +314,241 @@ Test(linear_fp8, rejects_bad_arguments) {
     void *ws = (void *)8192;
     Fp8Saved saved = {(uint8_t *)4096, (float *)4352}, misaligned = {(uint8_t *)4104, (float *)4352};
     size_t need = linear_fp8_workspace_bytes(64, 64, 64);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_cuda") && strstr(err, "multiples of 16"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "M >= 1"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, ws, need - 1, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "workspace"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, ws, need, &fake, 0,
+    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
                                           err), -1);
     cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, ws, need, NULL, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, ws,
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
+}
+
+// ---- amax from the producers (exact) -------------------------------------------------------
+// The kernels that write what an FP8 linear quantizes take its amax on the way (out_amax /
+// dh_amax / amax arguments, layers/layers_cuda.h); the layer then skips its own amax pass
+// (inp_amax / dout_amax). Both must be exact: the amax equals the host's max |x| of the bf16 values
+// written, bit for bit, the written values equal the kernel's without amax, and the layer given
+// that amax writes the same bytes as when it computes it. Each input has its largest value at
+// its very end (the last block of every grid, the last row), where a partial block or warp is.
+
+// max |x| (NaN skipped, as the GPU's fmaxf)
+static float host_amax(const float *x, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    return m;
+}
+
+static float *zeroed_amax(void) {
+    float *d = device_alloc(sizeof(float));
+    CK(cudaMemset(d, 0, sizeof(float)));
+    return d;
+}
+
+static void *zeroed(size_t bytes) {
+    void *d = device_alloc(bytes);
+    CK(cudaMemset(d, 0, bytes));
+    return d;
+}
+
+// Every byte of two device buffers equal.
+static void expect_same_bytes(const void *d_a, const void *d_b, size_t bytes, const char *name) {
+    uint8_t *a = host_alloc(bytes), *b = host_alloc(bytes);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(a, d_a, bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b, d_b, bytes, cudaMemcpyDeviceToHost));
+    size_t i = 0;
+    while (i < bytes && a[i] == b[i]) i++;
+    cr_expect(i == bytes, "%s: byte %zu of %zu differs (0x%02x vs 0x%02x)", name, i, bytes, i < bytes ? a[i] : 0,
+              i < bytes ? b[i] : 0);
+}
+
+// *d_amax equals the host's amax of the n bf16 at d_x, bit for bit, and is the planted outlier's.
+static void expect_amax_of(const float *d_amax, const bf16 *d_x, size_t n, float outlier, const char *name) {
+    float got = download_f32(d_amax, 1)[0], want = host_amax(download_bf16(d_x, n), n);
+    cr_expect(memcmp(&got, &want, sizeof got) == 0, "%s: amax %.9g, the output's is %.9g", name, got, want);
+    cr_expect(want == outlier, "%s: the planted largest value %.9g is not the amax %.9g", name, outlier, want);
+}
+
+Test(linear_fp8, gelu_takes_the_amax_of_its_output) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 41);
+    const size_t sizes[] = {8 * 3001, 24007};   // 16-byte vectors; element by element (odd n)
+    for (int s = 0; s < 2; s++) {
+        size_t n = sizes[s];
+        float *x = randn_bf16(&rng, n, 2.0f), *d = randn_bf16(&rng, n, 1.0f);
+        x[n - 1] = 30.0f;   // GELU(30) = 30: the largest output, the last element
+        d[n - 1] = 64.0f;   // GELU'(x[n-1]) = 1: the largest dGELU
+        bf16 *d_x = upload_bf16(x, n), *ref = poisoned(n * sizeof(bf16)), *out = poisoned(n * sizeof(bf16));
+        float *amax = zeroed_amax();
+        OK(gelu_forward_cuda(ref, d_x, n, NULL, 0, err));
+        OK(gelu_forward_cuda(out, d_x, n, amax, 0, err));
+        expect_same_bytes(out, ref, n * sizeof(bf16), "gelu_forward_cuda with amax");
+        expect_amax_of(amax, out, n, 30.0f, "gelu_forward_cuda");
+        bf16 *d_ref = upload_bf16(d, n), *d_out = upload_bf16(d, n);
+        float *damax = zeroed_amax();
+        OK(gelu_backward_inplace_cuda(d_ref, d_x, n, NULL, 0, err));
+        OK(gelu_backward_inplace_cuda(d_out, d_x, n, damax, 0, err));
+        expect_same_bytes(d_out, d_ref, n * sizeof(bf16), "gelu_backward_inplace_cuda with amax");
+        expect_amax_of(damax, d_out, n, 64.0f, "gelu_backward_inplace_cuda");
+    }
+}
+
+Test(linear_fp8, layernorm_modulate_takes_the_amax_of_its_output) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 42);
+    const int Cs[] = {136, 100};   // vectors; element by element (C % 8 != 0)
+    for (int s = 0; s < 2; s++) {
+        int B = 3, T = 37, C = Cs[s], stride = 6 * C;   // 111 rows: the last block has 7 of its 8 warps
+        size_t n = (size_t)B * T * C;
+        float *x = randn_bf16(&rng, n, 1.0f), *mod = randn_bf16(&rng, (size_t)B * stride, 0.3f);
+        x[n - 1] = 1024.0f;   // the last row's x̂ at C-1 is ~sqrt(C): the largest output
+        bf16 *d_x = upload_bf16(x, n), *d_mod = upload_bf16(mod, (size_t)B * stride);
+        bf16 *ref = poisoned(n * sizeof(bf16)), *out = poisoned(n * sizeof(bf16));
+        float *stats = device_alloc(4 * (size_t)B * T * sizeof(float)), *amax = zeroed_amax();
+        OK(layernorm_modulate_forward_cuda(ref, stats, stats + B * T, d_x, d_mod, d_mod + C, B, T, C, stride, NULL,
+                                           0, err));
+        OK(layernorm_modulate_forward_cuda(out, stats + 2 * B * T, stats + 3 * B * T, d_x, d_mod, d_mod + C, B, T, C,
+                                           stride, amax, 0, err));
+        expect_same_bytes(out, ref, n * sizeof(bf16), "layernorm_modulate_forward_cuda with amax");
+        expect_same_bytes(stats + 2 * B * T, stats, 2 * (size_t)B * T * sizeof(float), "mean and rstd with amax");
+        float last = download_bf16(out + n - 1, 1)[0];
+        expect_amax_of(amax, out, n, fabsf(last), "layernorm_modulate_forward_cuda");
+    }
+}
+
+Test(linear_fp8, gated_residual_backward_takes_the_amax_of_dh) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 43);
+    const int Cs[] = {136, 100};
+    for (int s = 0; s < 2; s++) {
+        int B = 3, T = 37, C = Cs[s], stride = 6 * C;
+        size_t n = (size_t)B * T * C;
+        float *dy = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f);
+        float *gate = randn_bf16(&rng, (size_t)B * stride, 0.5f);
+        dy[n - 1] = 100.0f;
+        gate[(size_t)(B - 1) * stride + C - 1] = 2.0f;   // dh's last element 200: the largest
+        bf16 *d_dy = upload_bf16(dy, n), *d_h = upload_bf16(h, n), *d_gate = upload_bf16(gate, (size_t)B * stride);
+        bf16 *ref = zeroed(n * sizeof(bf16)), *out = zeroed(n * sizeof(bf16));
+        float *dgate = zeroed(2 * (size_t)B * stride * sizeof(float)), *amax = zeroed_amax();
+        OK(gated_residual_backward_cuda(NULL, ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, NULL, &ctx, 0, err));
+        OK(gated_residual_backward_cuda(NULL, out, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride, amax, &ctx,
+                                        0, err));
+        expect_same_bytes(out, ref, n * sizeof(bf16), "gated_residual_backward_cuda dh with amax");
+        expect_same_bytes(dgate + B * stride, dgate, (size_t)B * stride * sizeof(float), "dgate with amax");
+        expect_amax_of(amax, out, n, 200.0f, "gated_residual_backward_cuda");
+    }
+}
+
+Test(linear_fp8, merge_heads_takes_the_amax_of_its_output) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 44);
+    const int Ds[] = {64, 12};   // vectors; element by element (D % 8 != 0)
+    for (int s = 0; s < 2; s++) {
+        int B = 2, T = 37, H = 3, D = Ds[s];
+        size_t n = (size_t)B * T * H * D;
+        float *o = randn_bf16(&rng, n, 1.0f);
+        o[n - 1] = 50.0f;   // (B-1, H-1, T-1, D-1): out's last element too
+        bf16 *d_o = upload_bf16(o, n), *ref = poisoned(n * sizeof(bf16)), *out = poisoned(n * sizeof(bf16));
+        float *amax = zeroed_amax();
+        OK(merge_heads_forward_cuda(ref, d_o, B, T, H, D, NULL, 0, err));
+        OK(merge_heads_forward_cuda(out, d_o, B, T, H, D, amax, 0, err));
+        expect_same_bytes(out, ref, n * sizeof(bf16), "merge_heads_forward_cuda with amax");
+        expect_amax_of(amax, out, n, 50.0f, "merge_heads_forward_cuda");
+    }
+}
+
+// The layer given the amax (the exact one) writes the bytes it writes when it takes the amax
+// itself: the saved inpᵀ and scale, out, dinp, dweight, dbias, and the GELU variants' outputs,
+// whose own amax (out_amax, dpre_amax) is exact. A given amax larger than the true one sets the
+// scale (the layer uses it rather than computing its own).
+Test(linear_fp8, given_amax_gives_the_same_bytes) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 45);
+    int M = 97, IC = 128, OC = 80, Mp = fp8_padded_rows(M);
+    size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
+    float *x = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.05f), *b = randn_bf16(&rng, OC, 0.1f);
+    float *dy = randn_bf16(&rng, ny, 0.01f);
+    bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_b = upload_bf16(b, OC), *d_dy = upload_bf16(dy, ny);
+    float x_amax = host_amax(x, nx), dy_amax = host_amax(dy, ny), big = 4 * x_amax;
+    float *d_x_amax = upload_f32(&x_amax, 1), *d_dy_amax = upload_f32(&dy_amax, 1), *d_big = upload_f32(&big, 1);
+    Fp8Saved s[3] = {poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC)};
+    bf16 *y[3];
+    for (int k = 0; k < 3; k++) y[k] = poisoned(ny * sizeof(bf16));
+    OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], d_x_amax, workspace, workspace_bytes, &ctx, 0,
+                               err));
+    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], d_big, workspace, workspace_bytes, &ctx, 0,
+                               err));
+    expect_same_bytes(s[1].qt, s[0].qt, (size_t)IC * Mp, "forward's saved inpᵀ with inp_amax");
+    expect_same_bytes(s[1].scale, s[0].scale, sizeof(float), "forward's saved scale with inp_amax");
+    expect_same_bytes(y[1], y[0], ny * sizeof(bf16), "forward's out with inp_amax");
+    float scale_big = download_f32(s[2].scale, 1)[0];
+    cr_expect(scale_big == ldexpf(1.0f, fp8_scale_exponent(big, FP8_E4M3)),
+              "a given amax %g must set the scale: got %g, want %g", big, scale_big,
+              ldexpf(1.0f, fp8_scale_exponent(big, FP8_E4M3)));
+
+    // backward from the same saved copy, with and without dout_amax
+    bf16 *dx[2];
+    float *dw[2], *db[2];
+    for (int k = 0; k < 2; k++) {
+        dx[k] = zeroed(nx * sizeof(bf16));
+        dw[k] = zeroed(nw * sizeof(float));
+        db[k] = zeroed(OC * sizeof(float));
+        OK(linear_fp8_backward_cuda(dx[k], dw[k], db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
+                                    k ? d_dy_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
+    }
+    expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp with dout_amax");
+    expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dweight with dout_amax");
+    expect_same_bytes(db[1], db[0], OC * sizeof(float), "dbias with dout_amax");
+
+    // the MLP's variants: GELU's out_amax, then the dGELU backward with dout_amax and its dpre_amax
+    bf16 *act[2], *pre[2], *dpre[2];
+    float *act_amax = zeroed_amax(), *dpre_amax = zeroed_amax();
+    for (int k = 0; k < 2; k++) {
+        act[k] = poisoned(ny * sizeof(bf16));
+        pre[k] = poisoned(ny * sizeof(bf16));
+        OK(linear_fp8_gelu_forward_cuda(act[k], pre[k], d_x, d_w, d_b, M, IC, OC, &s[0], k ? d_x_amax : NULL,
+                                        k ? act_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
+    }
+    expect_same_bytes(act[1], act[0], ny * sizeof(bf16), "GELU forward's out with amax");
+    expect_same_bytes(pre[1], pre[0], ny * sizeof(bf16), "GELU forward's pre-activation with amax");
+    expect_amax_of(act_amax, act[1], ny, host_amax(download_bf16(act[0], ny), ny), "GELU forward's out_amax");
+    // (fc2 of the MLP: IC' = OC, OC' = IC; its saved input is GELU's output, quantized by a forward)
+    Fp8Saved s_act = poisoned_saved(M, OC);
+    bf16 *y2 = poisoned(nx * sizeof(bf16));
+    float *dy2 = randn_bf16(&rng, nx, 0.01f), dy2_amax = host_amax(dy2, nx);
+    bf16 *d_dy2 = upload_bf16(dy2, nx), *d_w2 = upload_bf16(w, nw);
+    float *d_dy2_amax = upload_f32(&dy2_amax, 1);
+    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, act_amax, workspace, workspace_bytes, &ctx,
+                               0, err));
+    for (int k = 0; k < 2; k++) {
+        dpre[k] = poisoned(ny * sizeof(bf16));
+        dw[k] = zeroed(nw * sizeof(float));
+        OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], NULL, d_dy2, &s_act, pre[0], d_w2, M, OC, IC, FP8_E4M3,
+                                          k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, workspace, workspace_bytes,
+                                          &ctx, 0, err));
+    }
+    expect_same_bytes(dpre[1], dpre[0], ny * sizeof(bf16), "dGELU backward's dpre with amax");
+    expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dGELU backward's dweight with dout_amax");
+    expect_amax_of(dpre_amax, dpre[1], ny, host_amax(download_bf16(dpre[0], ny), ny), "dGELU backward's dpre_amax");
 }
