@@ -179,6 +179,14 @@ typedef struct {
     cudaEvent_t step_copied[2];
     int step_next;                                // the entry the next dit_gpu_set_step fills
     DitGpuStepGraph step_graph;
+    // ZeRO-1 over several shards (model/zero.h; NULL with one): the gradients' reduction may run
+    // on reduce_stream (highest priority, so its NCCL kernels are not starved by the backward's
+    // grids) behind the backward. dit_gpu_backward records block_grads_done[l] (depth events) on
+    // `stream` once block l's parameter gradients are final (dit_gpu_block_grad_ranges);
+    // grads_ready and grads_reduced order the rest of the reduction against `stream`.
+    cudaStream_t reduce_stream;
+    cudaEvent_t *block_grads_done;
+    cudaEvent_t grads_ready, grads_reduced;
 } DitGpu;
 
 // Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE or
@@ -216,8 +224,15 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err);
 int dit_gpu_loss(DitGpu *m, int B, char *err);
 int dit_gpu_zero_grad(DitGpu *m, char *err);
 // Backward of the last forward (with m->weights) from grad_acts.out; parameter gradients
-// accumulate into m->grads.
+// accumulate into m->grads. Several optimizer shards: records m->block_grads_done[l] after block l.
 int dit_gpu_backward(DitGpu *m, int B, char *err);
+// The parameter gradients that the backward of blocks first .. first + count - 1 makes and no
+// later kernel of the backward touches, as DIT_BLOCK_GRAD_RANGES ranges of grads_memory in buffer
+// order (offset, numel in floats): the blocks' slices of the qkv, proj, fc1 and fc2 weight and bias
+// stacks. The adaLN weights, stacked per block too, are not among them: their gradient is one GEMM
+// over all blocks after the loop (as every tensor outside the blocks).
+#define DIT_BLOCK_GRAD_RANGES 8
+void dit_gpu_block_grad_ranges(const DitGpu *m, int first, int count, size_t *offsets, size_t *numels);
 // The optimizer step, in two parts around the sum over the ranks of the slices' squares (ZeRO-1,
 // model/zero.h; one GPU: nothing between them). dit_gpu_grad_sumsq: acts.grad_sumsq = Σ g² over
 // this rank's slice. dit_gpu_update: dit_gpu_set_step, then acts.grad_norm = sqrt(acts.grad_sumsq);
