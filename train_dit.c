@@ -51,6 +51,7 @@ typedef struct {
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     int cuda_graph;                                           // --cuda-graph: 1 on, 0 off, -1 not given
+    int zero_overlap;                                         // --zero-overlap: 1 on, 0 off, -1 not given
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -117,6 +118,10 @@ static const char *usage_text =
     "                        group's all-to-all beside another's attention (default 4; 1 to 16)\n"
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
+    "  --zero-overlap on|off ZeRO-1's reduction of the gradients behind the backward: each bucket of\n"
+    "                        blocks (>= 32 MB) reduced to its owners as soon as its backward is done, on\n"
+    "                        a stream of its own (bitwise the same step on 2 GPUs) (default on; off: one\n"
+    "                        reduce-scatter after the backward; one GPU: on is an error)\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
     "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
 
@@ -162,7 +167,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
-                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1};
+                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1,
+                     .zero_overlap = -1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -198,6 +204,13 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
             a->cuda_graph = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
             if (a->cuda_graph < 0) {
                 dit_set_error(err, "--cuda-graph: expected on or off, got '%s'", v);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(f, "--zero-overlap")) {
+            a->zero_overlap = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
+            if (a->zero_overlap < 0) {
+                dit_set_error(err, "--zero-overlap: expected on or off, got '%s'", v);
                 rc = -1;
             }
         }
@@ -284,6 +297,11 @@ static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *
     int world = env->world_size > 1 ? env->world_size : a->gpus > 1 ? a->gpus : 1;
     DistMesh mesh;
     if (dist_mesh_make(&mesh, world, 0, a->sp_ulysses, a->sp_ring, err) != 0) return -1;
+    if (world == 1 && a->zero_overlap == 1) {
+        dit_set_error(err, "--zero-overlap on: several GPUs only (one process has no reduction over ranks to overlap; "
+                           "leave the flag out or pass off)");
+        return -1;
+    }
     if (world == 1) return 0;
 #ifndef DIT_NCCL
     dit_set_error(err, "%d ranks: this build has no NCCL (the Makefile found no nccl.h)", world);
@@ -484,7 +502,7 @@ static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
         else if (!rc)
             rc = dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
                  dit_gpu_backward(g, B, err) ||
-                 zero_step_queue(tr->dist, g, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
+                 zero_step_queue(tr->dist, g, a->zero_overlap != 0 ? ZERO_BUCKET_FLOATS : 0, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
                                  a->weight_decay, a->grad_clip, ema_decay, s->step, err);
         if (rc || dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err)) die(err);
         return;
@@ -998,6 +1016,9 @@ int main(int argc, char **argv) {
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);
+        if (world > 1)
+            printf("ZeRO-1 over %d ranks: gradients reduced %s\n", world,
+                   a->zero_overlap != 0 ? "behind the backward (--zero-overlap on)" : "after the backward (--zero-overlap off)");
         if (mesh.sp > 1)
             printf("sequence parallel: Ulysses %d x ring %d, %d of the %d tokens of every image per rank\n",
                    mesh.ulysses, mesh.ring, dit_tokens(&cfg) / mesh.sp, dit_tokens(&cfg));
