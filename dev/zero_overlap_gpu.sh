@@ -52,7 +52,9 @@ prepare() {
     strip $D/*
     {
         echo "new (branch $(git rev-parse --abbrev-ref HEAD)): $(git rev-parse HEAD)$(git diff --quiet HEAD || echo ' + uncommitted changes')"
-        echo "main (/work/main/train_dit, built at main's HEAD by the lead): $(git -C /work/main rev-parse HEAD)"
+        echo "main (/work/main/train_dit, built at main's HEAD by the lead): $(git -C /work/main rev-parse HEAD)," \
+             "last code commit $(git -C /work/main log -1 --format=%h -- train_dit.c model layers attention dataloader Makefile)," \
+             "binary of $(date -r /work/main/train_dit -u +%FT%TZ)"
     } > $D/commit.txt
     cp dev/zero_overlap_gpu.sh $D/
     du -sh "$D"
