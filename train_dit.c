@@ -68,8 +68,7 @@ static const char *usage_text =
     "  --sage-rotate 0|1     sage: multiply q and k by a Hadamard matrix before quantizing (exact\n"
     "                        attention unchanged; outlier channels cost far less INT8 precision) (default 1)\n"
     "  --linear KIND         GPU: the blocks' qkv, proj, fc1, fc2 GEMMs in bf16 | fp8 (e4m3, per-tensor\n"
-    "                        scales from the current amax, fp32 accumulation; sm_89+, hidden and tokens\n"
-    "                        per GPU multiples of 16) (default bf16)\n"
+    "                        scales from the current amax, fp32 accumulation; sm_89+) (default bf16)\n"
     "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
     "data:\n"
     "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
@@ -639,9 +638,10 @@ static void print_memory_plan(Trainer *tr) {
     size_t params_bytes, acts_bytes, ctx_bytes;
     dit_gpu_memory_plan(&tr->gpu, &params_bytes, &acts_bytes, &ctx_bytes);
     if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = 0;
-    char fp8[96] = "";   // the FP8 linears' workspace is part of the activations' allocation
+    char fp8[128] = "";   // the FP8 linears' workspace and saved inputs are part of the activations' allocation
     if (tr->gpu.linear == DIT_LINEAR_FP8)
-        snprintf(fp8, sizeof fp8, ", FP8 linear workspace (%.1f MiB)", tr->gpu.fp8_workspace_bytes / 1048576.0);
+        snprintf(fp8, sizeof fp8, ", FP8 linear workspace (%.1f MiB) and saved fp8 inputs (%.1f MiB)",
+                 tr->gpu.fp8_workspace_bytes / 1048576.0, tr->gpu.fp8_saved_bytes / 1048576.0);
     printf("gpu %s | memory plan: parameters, gradients, AdamW, EMA (fp32) + bf16 copies %.1f MiB | "
            "activations, their gradients, attention workspaces%s (batch %d) %.1f MiB | cuBLASLt and "
            "reductions %.1f MiB | in use now %.1f MiB\n", prop.name, params_bytes / 1048576.0, fp8, tr->gpu.batch,

@@ -3,8 +3,9 @@
 // block (qkv 2048→6144, proj 2048→2048, fc1 2048→8192, fc2 8192→2048). Per call the median of 50
 // CUDA-event timed runs after 5 warm-up runs: forward (with bias) and backward (dinp, dweight,
 // dbias) of each; for the FP8 layer also its quantization steps alone (fp8_quantize_cuda with the
-// copies each call writes), so that GEMM time = call − quantization. TFLOP/s count 2·M·IC·OC per
-// GEMM (forward 1 GEMM, backward 2); the quantization's bytes are its minimum traffic
+// copies each call writes), so that GEMM time = call − quantization. The FP8 forward keeps inp's
+// transposed copy (Fp8Saved) and the backward reads it, as in the model. TFLOP/s count 2·M·IC·OC
+// per GEMM (forward 1 GEMM, backward 2); the quantization's bytes are its minimum traffic
 // (amax: read 2 B/element; quantize: read 2, write 1 per copy). The per-step lines multiply by
 // config c's depth 4 (one forward and one backward of each linear per block). Last, the FP8 GEMM
 // alone at the forward shapes with fast accumulation off (as the layer) and on.
@@ -44,6 +45,7 @@ typedef struct {
     bf16 *x, *w, *b, *y, *dy, *dx;
     float *dw, *db, *scales;
     uint8_t *q0, *q1;   // quantization outputs of the quantize-only timings
+    Fp8Saved saved;     // the FP8 forward's inpᵀ and scale, read by the FP8 backward
     void *ws;
     size_t ws_bytes;
 } Case;
@@ -95,21 +97,22 @@ static void bf16_backward(Case *c) {
     OK(linear_backward_cuda(c->dx, c->dw, c->db, c->dy, c->x, c->w, c->M, c->IC, c->OC, &ctx, 0, err));
 }
 static void fp8_forward(Case *c) {
-    OK(linear_fp8_forward_cuda(c->y, c->x, c->w, c->b, c->M, c->IC, c->OC, c->ws, c->ws_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(c->y, c->x, c->w, c->b, c->M, c->IC, c->OC, &c->saved, c->ws, c->ws_bytes, &ctx, 0,
+                               err));
 }
 static void fp8_backward(Case *c) {
-    OK(linear_fp8_backward_cuda(c->dx, c->dw, c->db, c->dy, c->x, c->w, c->M, c->IC, c->OC, grad_format, c->ws,
-                                c->ws_bytes, &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(c->dx, c->dw, c->db, c->dy, &c->saved, c->w, c->M, c->IC, c->OC, grad_format,
+                                c->ws, c->ws_bytes, &ctx, 0, err));
 }
-// the quantization the FP8 forward does: inp (M, IC) and weight (OC, IC), row-major copies
+// the quantization the FP8 forward does: inp (M, IC) both copies (the transposed one kept), weight
+// (OC, IC) row-major
 static void quant_forward(Case *c) {
-    OK(fp8_quantize_cuda(c->q0, NULL, c->scales, c->x, c->M, c->IC, FP8_E4M3, c->scales + 4, 0, err));
+    OK(fp8_quantize_cuda(c->q0, c->saved.qt, c->scales, c->x, c->M, c->IC, FP8_E4M3, c->scales + 4, 0, err));
     OK(fp8_quantize_cuda(c->q1, NULL, c->scales + 1, c->w, c->OC, c->IC, FP8_E4M3, c->scales + 5, 0, err));
 }
-// the backward's: dout (M, OC) both copies, inp transposed, weight transposed
+// the backward's: dout (M, OC) both copies, weight transposed (inp's copy is the forward's)
 static void quant_backward(Case *c) {
     OK(fp8_quantize_cuda(c->q0, c->q1, c->scales + 2, c->dy, c->M, c->OC, grad_format, c->scales + 6, 0, err));
-    OK(fp8_quantize_cuda(NULL, c->q0, c->scales, c->x, c->M, c->IC, FP8_E4M3, c->scales + 4, 0, err));
     OK(fp8_quantize_cuda(NULL, c->q1, c->scales + 1, c->w, c->OC, c->IC, FP8_E4M3, c->scales + 5, 0, err));
 }
 
@@ -191,6 +194,8 @@ static Times bench_layer(const char *name, int M, int IC, int OC) {
     CK(cudaMalloc((void **)&c.scales, 8 * sizeof(float)));
     CK(cudaMalloc((void **)&c.q0, ny > nx ? ny : nx));
     CK(cudaMalloc((void **)&c.q1, ny > nw ? ny : nw));
+    CK(cudaMalloc((void **)&c.saved.qt, (size_t)IC * fp8_padded_rows(M)));
+    CK(cudaMalloc((void **)&c.saved.scale, sizeof(float)));
     CK(cudaMemset(c.dw, 0, nw * sizeof(float)));
     CK(cudaMemset(c.db, 0, OC * sizeof(float)));
     c.ws_bytes = linear_fp8_workspace_bytes(M, IC, OC);
@@ -204,7 +209,7 @@ static Times bench_layer(const char *name, int M, int IC, int OC) {
     t.qf = time_op(quant_forward, &c);
     t.qb = time_op(quant_backward, &c);
     double gemm = 2.0 * M * IC * OC;   // FLOPs of one of the layer's GEMMs
-    double qf_bytes = 5.0 * (nx + nw), qb_bytes = 6.0 * ny + 5.0 * (nx + nw);
+    double qf_bytes = 6.0 * nx + 5.0 * nw, qb_bytes = 6.0 * ny + 5.0 * nw;
     printf("%-4s M=%d IC=%d OC=%d\n", name, M, IC, OC);
     printf("  forward   bf16 %7.3f ms %6.0f TFLOP/s | fp8 %7.3f ms %6.0f TFLOP/s (quantize %6.3f ms %5.0f GB/s, "
            "GEMM %7.3f ms %6.0f TFLOP/s) | fp8/bf16 %.2fx\n",
@@ -214,7 +219,7 @@ static Times bench_layer(const char *name, int M, int IC, int OC) {
            "GEMMs+dbias %7.3f ms %6.0f TFLOP/s) | fp8/bf16 %.2fx\n",
            t.bf16_b, 2 * gemm / t.bf16_b / 1e9, t.fp8_b, 2 * gemm / t.fp8_b / 1e9, t.qb, qb_bytes / t.qb / 1e6,
            t.fp8_b - t.qb, 2 * gemm / (t.fp8_b - t.qb) / 1e9, t.bf16_b / t.fp8_b);
-    void *bufs[] = {c.x, c.w, c.b, c.dy, c.dx, c.y, c.dw, c.db, c.scales, c.q0, c.q1, c.ws};
+    void *bufs[] = {c.x, c.w, c.b, c.dy, c.dx, c.y, c.dw, c.db, c.scales, c.q0, c.q1, c.saved.qt, c.saved.scale, c.ws};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) CK(cudaFree(bufs[i]));
     return t;
 }

@@ -1,71 +1,98 @@
 #!/usr/bin/env bash
 # The FP8 block linears (train_dit --linear fp8, dev/notes_linear_fp8.md) validated and timed on one
 # H200 in one device call, in priority order: cuBLASLt's log of the first FP8 GEMMs; the layer's
-# tests and two planted bugs that must fail them; the model's FP8-vs-bf16 test and two planted bugs
-# that must fail it (and the bf16 model against the CPU, unchanged); ms/step at config c (hidden
-# 2048, 16 heads, 16K tokens, depth 4) and at DiT-S/2 (256 tokens, batch 32), bf16 and fp8
-# interleaved twice; 300 steps of loss, bf16 vs fp8 at seed 3 and bf16 at seed 4 (the seed spread);
-# the layer benchmark if time is left.
+# tests (M multiples of 16 and not; the backward through the forward's saved inpᵀ) and four
+# planted bugs that must fail them; the model's FP8-vs-bf16 tests (256 and 100 tokens) and four
+# planted bugs that must fail them (and the bf16 model against the CPU, unchanged); ms/step at
+# config c (hidden 2048, 16 heads, 16K tokens, depth 4) and config d (the same at 32761 tokens, not
+# a multiple of 16), bf16 and fp8 interleaved twice, config c also with the previous main's
+# train_dit (BASE), and DiT-S/2 (256 tokens, batch 32); 300 steps of loss, bf16 vs fp8 at seed 3
+# and bf16 at seed 4 (the seed spread); the layer benchmark if time is left.
 #   here (nvcc, no GPU), from the tree root:  bash dev/linear_fp8_model_gpu.sh prepare [DIR]
-#       builds DIR (default /work/main/.devrun_fp8m, git-ignored) with stripped binaries and this script
+#       builds DIR (default /work/main/.devrun_fp8n, git-ignored) with stripped binaries and this
+#       script; BASE (default main) names the commit whose train_dit is timed beside this tree's
 #   GPU machine, from the tree root, carrying DIR and .devlibs (Criterion's runtime libraries):
-#       run(command="bash .devrun_fp8m/linear_fp8_model_gpu.sh run", kind="nvidia-h200",
-#           carry=[".devrun_fp8m", ".devlibs"], timeout_s=230)
-#   Every step runs under `timeout -k 3`, all within BUDGET_S (default 200 s); $OUT/summary.txt grows
+#       run(command="bash .devrun_fp8n/linear_fp8_model_gpu.sh run .devrun_fp8n", kind="nvidia-h200",
+#           carry=[".devrun_fp8n", ".devlibs"], timeout_s=240)
+#   Every step runs under `timeout -k 3`, all within BUDGET_S (default 210 s); $OUT/summary.txt grows
 #   step by step (a cut call still returns it); at most 8 text files come back, no checkpoints.
 set -uo pipefail
 
 prepare() {
     set -e
-    local D=${1:-/work/main/.devrun_fp8m}
+    local D=${1:-/work/main/.devrun_fp8n}
     local NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
     local NVFLAGS="-O3 -std=c++17 -I. --use_fast_math -Xcompiler -Wall -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a"
     local CFLAGS="-O2 -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA -I/usr/local/cuda/include"
     local LIBS="-lm -lpthread -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublasLt -lcublas -lcudart -lstdc++"
     [ -f /usr/local/cuda/include/nccl.h ] && LIBS="$LIBS -lnccl" && NVFLAGS="$NVFLAGS -DDIT_NCCL" && CFLAGS="$CFLAGS -DDIT_NCCL"
-    local B=build/linear_fp8_model_dev
+    local B=build/linear_fp8_model_dev base
+    base=$(git rev-parse --short "${BASE:-main}")
     make -j2 train_dit build/libditc.a
     rm -rf "$D" "$B" && mkdir -p "$D" "$B"
     # the planted bugs, each checked to change its source:
     #   scale: the quantize kernel converts x instead of x·2^-e (layer and model tests must fail)
     #   beta:  the dweight GEMM overwrites instead of accumulating (layer test must fail)
+    #   saved_scale: the dweight GEMM scales the saved inpᵀ by the weight's scale, not by its own
+    #          (layer and model tests must fail)
+    #   saved_copy: the forward keeps the scale but never writes inpᵀ (layer and model tests must fail)
     #   dgelu: the model's fc2 backward takes GELU' at its input (the GELU output), not at the
     #          pre-activation (model test must fail: fc1's and the earlier gradients)
-    sed 's/__nv_cvt_float_to_fp8(v\[j\] \* down,/__nv_cvt_float_to_fp8(v[j],/' layers/linear_fp8_cuda.cu > $B/planted_scale.cu
-    sed 's/ws.scale + T_DOUT, IC, OC, M, 1.0f,/ws.scale + T_DOUT, IC, OC, M, 0.0f,/' layers/linear_fp8_cuda.cu > $B/planted_beta.cu
-    sed 's/linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight,/linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, inp, weight,/' \
+    local F=layers/linear_fp8_cuda.cu
+    sed 's/__nv_cvt_float_to_fp8(v\[j\] \* down,/__nv_cvt_float_to_fp8(v[j],/' $F > $B/planted_scale.cu
+    sed 's/ws.scale + T_DOUT, IC, OC, Mp, 1.0f,/ws.scale + T_DOUT, IC, OC, Mp, 0.0f,/' $F > $B/planted_beta.cu
+    sed 's/inp->qt, CUDA_R_8F_E4M3, inp->scale, dout_qt/inp->qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_qt/' \
+        $F > $B/planted_saved_scale.cu
+    sed 's/quantize(inp_q, save ? save->qt : NULL, inp_scale,/quantize(inp_q, NULL, inp_scale,/' $F > $B/planted_saved_copy.cu
+    sed 's/linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, pre_gelu, weight,/linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, inp, weight,/' \
         model/dit_gpu.cu > $B/planted_dgelu.cu
-    cmp -s layers/linear_fp8_cuda.cu $B/planted_scale.cu && { echo "planted_scale: sed changed nothing" >&2; exit 1; }
-    cmp -s layers/linear_fp8_cuda.cu $B/planted_beta.cu && { echo "planted_beta: sed changed nothing" >&2; exit 1; }
+    for p in scale beta saved_scale saved_copy; do
+        cmp -s $F $B/planted_$p.cu && { echo "planted_$p: sed changed nothing" >&2; exit 1; }
+    done
     cmp -s model/dit_gpu.cu $B/planted_dgelu.cu && { echo "planted_dgelu: sed changed nothing" >&2; exit 1; }
     $NVCC $NVFLAGS -c -o $B/planted_scale.o $B/planted_scale.cu &
     $NVCC $NVFLAGS -c -o $B/planted_beta.o $B/planted_beta.cu &
+    wait
+    $NVCC $NVFLAGS -c -o $B/planted_saved_scale.o $B/planted_saved_scale.cu &
+    $NVCC $NVFLAGS -c -o $B/planted_saved_copy.o $B/planted_saved_copy.cu &
     wait
     $NVCC $NVFLAGS -c -o $B/planted_dgelu.o $B/planted_dgelu.cu
     local LIB=build/libditc.a
     # the planted object comes first: the archive's own member is then never pulled in (a clash
     # would be a duplicate-symbol link error, not a silent pick)
     cc $CFLAGS -o $D/test_linear_fp8_cuda test/test_linear_fp8_cuda.c $LIB $LIBS -lcriterion
-    cc $CFLAGS -o $D/test_linear_fp8_planted_scale test/test_linear_fp8_cuda.c $B/planted_scale.o $LIB $LIBS -lcriterion
-    cc $CFLAGS -o $D/test_linear_fp8_planted_beta test/test_linear_fp8_cuda.c $B/planted_beta.o $LIB $LIBS -lcriterion
+    for p in scale beta saved_scale saved_copy; do
+        cc $CFLAGS -o $D/test_linear_fp8_planted_$p test/test_linear_fp8_cuda.c $B/planted_$p.o $LIB $LIBS -lcriterion
+    done
     cc $CFLAGS -o $D/test_dit_fp8_cuda test/test_dit_fp8_cuda.c $LIB $LIBS -lcriterion
-    cc $CFLAGS -o $D/test_dit_fp8_planted_scale test/test_dit_fp8_cuda.c $B/planted_scale.o $LIB $LIBS -lcriterion
-    cc $CFLAGS -o $D/test_dit_fp8_planted_dgelu test/test_dit_fp8_cuda.c $B/planted_dgelu.o $LIB $LIBS -lcriterion
+    for p in scale saved_scale saved_copy dgelu; do
+        cc $CFLAGS -o $D/test_dit_fp8_planted_$p test/test_dit_fp8_cuda.c $B/planted_$p.o $LIB $LIBS -lcriterion
+    done
     cc $CFLAGS -o $D/test_dit_gpu_cuda test/test_dit_gpu_cuda.c $LIB $LIBS -lcriterion
     cc $CFLAGS -o $D/test_layers_cuda test/test_layers_cuda.c $LIB $LIBS -lcriterion
     cc $CFLAGS -o $D/bench_linear_fp8 dev/bench_linear_fp8.c $LIB $LIBS
     cp train_dit $D/
+    # the previous main's train_dit, from a clean export of BASE (kept in build/base_<commit>)
+    local BD=build/base_$base
+    if [ ! -x $BD/train_dit ]; then
+        rm -rf $BD && mkdir -p $BD
+        git archive $base | tar -x -C $BD
+        make -C $BD -j2 train_dit
+    fi
+    cp $BD/train_dit $D/train_dit_base
     strip $D/*
+    echo "$base $(git -C . log -1 --format=%s $base | cut -c1-100)" > $D/BASE
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (+ uncommitted changes)')" > $D/HEAD
     cp dev/linear_fp8_model_gpu.sh $D/
     du -sh "$D"
 }
 
 run() {
-    local D=${1:-.devrun_fp8m} O=${OUT:-linear_fp8_model_out} L
+    local D=${1:-.devrun_fp8n} O=${OUT:-linear_fp8_model_out} L
     L=$(mktemp -d)
     mkdir -p $O
     export LD_LIBRARY_PATH=$PWD/.devlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    local S=$O/summary.txt deadline=$((SECONDS + ${BUDGET_S:-200}))
+    local S=$O/summary.txt deadline=$((SECONDS + ${BUDGET_S:-210}))
     : > $S
     # step NAME SECONDS LOG COMMAND...: runs under timeout -k 3 (cut at the deadline), appends its
     # output to LOG, its rc and last line to the summary
@@ -78,10 +105,10 @@ run() {
         local rc=$?
         echo "$name: rc=$rc$([ $rc -ge 124 ] && echo ' (cut by timeout)') ($(tail -n 1 $log | cut -c1-200)) at $SECONDS s" >> $S
     }
+    echo "binaries of $(cat $D/HEAD 2>/dev/null); base (previous main) $(cat $D/BASE 2>/dev/null)" >> $S
     timeout -k 3 10 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $S 2>&1
 
-    # 1. cuBLASLt's own account of the first FP8 GEMMs (session 6: "not supported" after the
-    #    heuristic had found an algorithm); the first 2 MB of the log come back
+    # 1. cuBLASLt's own account of the first FP8 GEMMs (the first 2 MB of its log come back)
     step lt_log 20 $L/lt.log env CUBLASLT_LOG_MASK=31 CUBLASLT_LOG_FILE=$L/cublaslt.%i.txt \
         $D/test_linear_fp8_cuda --jobs 1 --filter 'linear_fp8/matches_cpu_definition'
     cat $L/cublaslt.*.txt 2>/dev/null | head -c 2000000 > $O/cublaslt.txt
@@ -91,21 +118,33 @@ run() {
     step layer_tests 45 $O/layer.log $D/test_linear_fp8_cuda --verbose --jobs 4
     step layer_planted_scale 15 $O/layer.log $D/test_linear_fp8_planted_scale --filter 'linear_fp8/*cpu*'
     step layer_planted_beta 15 $O/layer.log $D/test_linear_fp8_planted_beta --filter 'linear_fp8/matches_cpu_definition'
+    step layer_planted_saved_scale 15 $O/layer.log $D/test_linear_fp8_planted_saved_scale \
+        --filter 'linear_fp8/matches_cpu_definition'
+    step layer_planted_saved_copy 15 $O/layer.log $D/test_linear_fp8_planted_saved_copy \
+        --filter 'linear_fp8/matches_cpu_definition'
     step layers_cuda_linear 15 $O/layer.log $D/test_layers_cuda --filter 'cuda/linear*'
     step layers_cuda_pointwise 10 $O/layer.log $D/test_layers_cuda --filter 'cuda/pointwise'
 
-    # 3. the model: FP8 against bf16 (must pass), the planted bugs (must FAIL: rc 1), the bf16
-    #    model's one-step tests against the CPU (unchanged code path)
-    step model_fp8 30 $O/model.log $D/test_dit_fp8_cuda --verbose
-    step model_planted_scale 20 $O/model.log $D/test_dit_fp8_planted_scale --filter 'dit_fp8/one_step*'
-    step model_planted_dgelu 20 $O/model.log $D/test_dit_fp8_planted_dgelu --filter 'dit_fp8/one_step*'
+    # 3. the model: FP8 against bf16 at 256 and 100 tokens (must pass), the planted bugs (must
+    #    FAIL: rc 1), the bf16 model's one-step tests against the CPU (unchanged code path)
+    step model_fp8 40 $O/model.log $D/test_dit_fp8_cuda --verbose
+    for p in scale saved_scale saved_copy dgelu; do
+        step model_planted_$p 25 $O/model.log $D/test_dit_fp8_planted_$p --filter 'dit_fp8/one_step*'
+    done
     step model_bf16_vs_cpu 40 $O/model.log $D/test_dit_gpu_cuda --filter 'dit_gpu/one_step*'
 
-    # 4. ms/step: config c, then DiT-S/2; bf16, fp8, bf16, fp8
-    local C="--device gpu --data synthetic --model S --hidden 2048 --heads 16 --depth 4 --batch 1 --image-size 256 --attn sage --steps 12 --ckpt-every 0 --sample-every 0 --seed 1"
-    local SMALL="--device gpu --data synthetic --model S --batch 32 --image-size 32 --attn sage --steps 12 --ckpt-every 0 --sample-every 0 --seed 1"
+    # 4. ms/step: config c (bf16, fp8, bf16, fp8; then the previous main's bf16 and fp8), config d
+    #    (32761 tokens), DiT-S/2
+    local RUN="--device gpu --data synthetic --model S --attn sage --steps 12 --ckpt-every 0 --sample-every 0 --seed 1"
+    local C="$RUN --hidden 2048 --heads 16 --depth 4 --batch 1 --image-size 256"
+    local DD="$RUN --hidden 2048 --heads 16 --depth 4 --batch 1 --image-size 362"
+    local SMALL="$RUN --batch 32 --image-size 32"
     for k in 1 2; do
         for lin in bf16 fp8; do step c_${lin}_$k 45 $O/train.log $D/train_dit $C --linear $lin --out $L/c_${lin}_$k; done
+    done
+    for lin in bf16 fp8; do step c_${lin}_base 45 $O/train.log $D/train_dit_base $C --linear $lin --out $L/c_${lin}_base; done
+    for k in 1 2; do
+        for lin in bf16 fp8; do step d_${lin}_$k 60 $O/train.log $D/train_dit $DD --linear $lin --out $L/d_${lin}_$k; done
     done
     for k in 1 2; do
         for lin in bf16 fp8; do step s_${lin}_$k 30 $O/train.log $D/train_dit $SMALL --linear $lin --out $L/s_${lin}_$k; done
@@ -122,7 +161,7 @@ run() {
     find $L -name '*.safetensors' -delete
 
     # the report: ms/step (median of steps 4..12 of train_log.csv's ms column), the losses, and the
-    # two numbers of the decision rule (dev/notes_linear_fp8.md)
+    # numbers of the decision rule (dev/notes_linear_fp8.md)
     median_ms() { awk -F, 'NR > 1 && $1 >= 4 && $1 <= 12 {print $5}' $L/$1/train_log.csv 2>/dev/null | sort -g |
         awk '{v[NR] = $1} END {if (NR == 9) print v[5]; else print "n/a"}'; }
     mean_last() { awk -F, 'NR > 1 && $1 > 250 {s += $2; n++} END {if (n == 50) printf "%.5f\n", s / n; else print "n/a"}' \
@@ -131,17 +170,24 @@ run() {
     diff_or_na() { awk -v a="$1" -v b="$2" 'BEGIN {if (a + 0 == 0 || b + 0 == 0) print "n/a"; else printf "%.4f\n", a - b}'; }
     {
         echo "== ms/step (median of steps 4-12): run 1, run 2; saving = bf16 - fp8 per pair"
-        for cfg in c s; do
+        for cfg in c d s; do
             local b1=$(median_ms ${cfg}_bf16_1) f1=$(median_ms ${cfg}_fp8_1) b2=$(median_ms ${cfg}_bf16_2) f2=$(median_ms ${cfg}_fp8_2)
-            echo "$cfg: bf16 $b1 $b2 | fp8 $f1 $f2 | saving $(diff_or_na $b1 $f1) $(diff_or_na $b2 $f2) ms"
+            echo "$cfg: bf16 $b1 $b2 | fp8 $f1 $f2 | saving $(diff_or_na "$b1" "$f1") $(diff_or_na "$b2" "$f2") ms"
         done
+        local bb=$(median_ms c_bf16_base) fb=$(median_ms c_fp8_base)
+        echo "c, previous main ($(cut -d' ' -f1 $D/BASE 2>/dev/null)): bf16 $bb | fp8 $fb | this tree's fp8 faster by" \
+             "$(diff_or_na "$fb" "$(median_ms c_fp8_1)") $(diff_or_na "$fb" "$(median_ms c_fp8_2)") ms; loss at step 12: fp8 base" \
+             "$(loss_at c_fp8_base 12), this tree $(loss_at c_fp8_1 12) $(loss_at c_fp8_2 12); bf16 base $(loss_at c_bf16_base 12)," \
+             "this tree $(loss_at c_bf16_1 12) $(loss_at c_bf16_2 12)"
+        echo "== memory plan of the fp8 runs (c, d)"
+        awk '/^=== (c|d)_fp8_1$/ {f = 1; next} /^===/ {f = 0} f && /memory plan/' $O/train.log | cut -c1-400
         echo "== loss every 50 steps: bf16 seed 3 | fp8 seed 3 | bf16 seed 4"
         for st in 1 50 100 150 200 250 300; do
             echo "$st $(loss_at l_bf16_3 $st) $(loss_at l_fp8_3 $st) $(loss_at l_bf16_4 $st)"
         done
         local m3=$(mean_last l_bf16_3) m8=$(mean_last l_fp8_3) m4=$(mean_last l_bf16_4)
         echo "mean of steps 251-300: bf16 seed 3 $m3 | fp8 seed 3 $m8 | bf16 seed 4 $m4"
-        echo "fp8 - bf16 (seed 3): $(diff_or_na $m8 $m3) | seed spread bf16 seed 4 - seed 3: $(diff_or_na $m4 $m3)"
+        echo "fp8 - bf16 (seed 3): $(diff_or_na "$m8" "$m3") | seed spread bf16 seed 4 - seed 3: $(diff_or_na "$m4" "$m3")"
         echo "nan/inf losses in the fp8 run: $(awk -F, 'NR > 1 && ($2 ~ /nan|inf/) {n++} END {print n + 0}' $L/l_fp8_3/train_log.csv 2>/dev/null)"
         echo "== measured errors (model test)"
         awk '/^=== model_fp8$/ {f = 1; next} /^===/ {f = 0} f && /fp8 vs bf16/' $O/model.log

@@ -10,7 +10,7 @@ launcher's, are ignored). The first run is the reference: its step time / world 
 other run is the ideal, and every line of the account is (this run's time) - (reference / 2).
 
 Steps: a step ends with the 4-byte device-to-host copy of the gradient norm (the first such copy
-after an ema_kernel). The first --skip steps are warm-up; the rest are averaged.
+after an adamw_kernel, which also updates the EMA). The first --skip steps are warm-up; the rest are averaged.
 
 Every nanosecond of a step is given to exactly one line (so the lines sum to the step time): where
 a compute kernel runs, to its category (attention, GEMM, head split/merge, rest); else where a
@@ -176,7 +176,7 @@ class Trace:
         """[(start, end)] of every step: from the end of one gradient-norm read to the next."""
         bounds, armed = [], False
         for i in range(len(self.start)):
-            if self.name[i] == "ema_kernel":
+            if self.name[i] == "adamw_kernel":
                 armed = True
             elif armed and self.name[i] == "memcpy DtoH":
                 bounds.append(int(self.end[i]))
@@ -441,8 +441,8 @@ def _step(t0, two_gpu, n):
     if two_gpu:
         recs += [("N", us(76), us(76.5), 7, "AllReduce", 0, 0, 40 << 20, 2),
                  K(77, 87, "ncclDevKernel_AllReduce_Sum_f32_RING_LL(int)", 9)]
-    recs += [K(87, 88, "norm_partial_kernel(float*)", 10), K(88, 92, "adamw_kernel(float*)", 11),
-             K(92, 93, "ema_kernel(float*)", 12), ("M", us(93), us(94), 7, 100 * n + 13, 4, 2)]
+    recs += [K(87, 88, "norm_partial_kernel(float*)", 10), K(88, 90, "adamw_kernel(float*)", 11),
+             K(90, 93, "adamw_kernel(float*)", 12), ("M", us(93), us(94), 7, 100 * n + 13, 4, 2)]
     return recs, us(100)
 
 

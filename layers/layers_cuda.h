@@ -177,13 +177,11 @@ int optimizer_step_constants(OptimizerStepConstants *k, float lr, float beta1, f
 // AdamW as adamw_update with lr, bias1, bias2 read from k (device) and the clipping scale read on
 // the device: grad_scale = min(1, max_norm / (*grad_norm + 1e-6)) as
 // torch.nn.utils.clip_grad_norm_; grad_norm NULL or max_norm <= 0: no clipping. Updates the fp32
-// params and writes their bf16 copy params_bf16.
-int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
+// params and writes their bf16 copy params_bf16; ema (NULL: none) then gets ema_update's step
+// from the updated params with k->ema_decay, in the same pass.
+int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, float *ema, size_t n,
                       const OptimizerStepConstants *k, float beta1, float beta2, float eps, float weight_decay,
                       const float *grad_norm, float max_norm, cudaStream_t stream, char *err);
-// ema = decay·ema + (1 - decay)·params, decay read from the device float `decay` (e.g. &k->ema_decay).
-int ema_update_cuda(float *ema, const float *params, size_t n, const float *decay,
-                    cudaStream_t stream, char *err);
 
 #ifdef __cplusplus
 }

@@ -8,7 +8,9 @@
 //   dweight  dWᵀ (IC, OC)  = A: inpᵀ (IC, M) · B: doutᵀ (OC, M)        m = IC, n = OC, k = M
 // so the forward uses inp and weight as they are, the backward needs fp8 copies of weightᵀ,
 // inpᵀ and both dout and doutᵀ: the quantize kernel writes the row-major copy, the transposed
-// one, or both, in one pass over the bf16 tensor.
+// one, or both, in one pass over the bf16 tensor. inpᵀ is written by the forward (Fp8Saved) and
+// read by the backward. M, the dweight GEMM's k, may be any size: inpᵀ and doutᵀ have Mp =
+// fp8_padded_rows(M) columns whose pad is zero, and that GEMM reduces over Mp.
 //
 // Scaling is "current": each call takes the amax of the tensor it is about to quantize (one
 // reduction kernel, 2 bytes read per element), so no value ever saturates and the result does not
@@ -45,43 +47,46 @@ __global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
 }
 
 // ---- quantize ------------------------------------------------------------------------------
-// x (R, C) bf16 -> q (R, C) and/or qt (C, R) fp8 = fp8(x·2^-e), e = fp8_scale_exponent(*amax);
-// *scale = 2^e (written by block (0, 0)). One block per QTILE × QTILE tile: each thread converts
-// 8 consecutive elements of a row (one 16-byte load, one 8-byte store into q); for qt the tile
-// goes through shared memory and each thread stores 16 consecutive rows of one column (4 threads
-// cover 64 contiguous bytes of a qt row). R and C multiples of 16.
+// x (R, C) bf16 -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e = fp8_scale_exponent(*amax),
+// Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e (written by block (0, 0)). One
+// block per QTILE × QTILE tile: each thread converts 8 consecutive elements of a row (one 16-byte
+// load, one 8-byte store into q); for qt the tile goes through shared memory (rows R.. as zeros)
+// and each thread stores 16 consecutive rows of one column (4 threads cover 64 contiguous bytes
+// of a qt row). C a multiple of 16.
 __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax,
                                     int R, int C, Fp8Format format) {
     __shared__ uint8_t tile[QTILE][QTILE + 4];
     __nv_fp8_interpretation_t kind = format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
-    int e = fp8_scale_exponent(*amax, format);
+    int e = fp8_scale_exponent(*amax, format), Rp = fp8_padded_rows(R);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale = ldexpf(1.0f, e);
     float down = ldexpf(1.0f, -e);
     int r0 = blockIdx.y * QTILE, c0 = blockIdx.x * QTILE, cc = (threadIdx.x % 8) * VEC;
     for (int rr = threadIdx.x / 8; rr < QTILE; rr += BLOCK_SIZE / 8) {
         int r = r0 + rr, c = c0 + cc;
-        if (r >= R || c >= C) continue;   // C % 16 == 0: a vector is whole or absent
-        float v[VEC];
-        load_bf16x8(v, x + (size_t)r * C + c, VEC, true);
-        union { uint2 raw; uint8_t b[VEC]; } u;
-        for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
-        if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
+        if (c >= C) continue;             // C % 16 == 0: a vector is whole or absent
+        union { uint2 raw; uint8_t b[VEC]; } u = {};   // rows R..: qt's zero pad
+        if (r < R) {
+            float v[VEC];
+            load_bf16x8(v, x + (size_t)r * C + c, VEC, true);
+            for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
+            if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
+        }
         if (qt)
             for (int j = 0; j < VEC; j++) tile[rr][cc + j] = u.b[j];
     }
     if (!qt) return;
     __syncthreads();
     int cl = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16, c = c0 + cl, r = r0 + rs;
-    if (c >= C || r >= R) return;         // R % 16 == 0: 16 rows are whole or absent
+    if (c >= C || r >= Rp) return;        // Rp % 16 == 0: 16 rows are whole or absent
     union { uint4 raw; uint8_t b[16]; } u;
     for (int j = 0; j < 16; j++) u.b[j] = tile[rs + j][cl];
-    *(uint4 *)(qt + (size_t)c * R + r) = u.raw;
+    *(uint4 *)(qt + (size_t)c * Rp + r) = u.raw;
 }
 
 static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *qt, const bf16 *x, int R, int C,
                                char *err) {
-    if (R <= 0 || C <= 0 || R % 16 || C % 16) {
-        dit_set_error(err, "%s: sizes must be positive multiples of 16 (R=%d C=%d)", fn, R, C);
+    if (R <= 0 || C <= 0 || C % 16) {
+        dit_set_error(err, "%s: need R >= 1 and C a positive multiple of 16 (R=%d C=%d)", fn, R, C);
         return -1;
     }
     if (!aligned16(x) || (uintptr_t)q % 8 || !aligned16(qt)) {
@@ -99,7 +104,7 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R,
     unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
     fp8_amax_kernel<<<blocks < AMAX_BLOCKS ? blocks : AMAX_BLOCKS, BLOCK_SIZE, 0, stream>>>(amax, x, n);
     LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d", R, C);
-    dim3 grid(blocks_for(C, QTILE), blocks_for(R, QTILE));
+    dim3 grid(blocks_for(C, QTILE), blocks_for(fp8_padded_rows(R), QTILE));
     fp8_quantize_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, amax, R, C, format);
     LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d", R, C, (int)format);
     return 0;
@@ -116,7 +121,7 @@ int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int 
 // alignment cudaMalloc gives, as in NVIDIA's FP8 samples: cuBLASLt reads the scales through
 // device pointers, and session 6's 4-byte-aligned weight scale came with "not supported"); then
 // the fp8 copies, each 256-byte aligned: forward inp_q (M, IC), w_q (OC, IC); backward (the same
-// bytes) dout_q (M, OC), dout_qt (OC, M), inp_qt (IC, M), w_qt (IC, OC).
+// bytes) dout_q (M, OC), dout_qt (OC, Mp), w_qt (IC, OC). (inpᵀ is the caller's: Fp8Saved.)
 #define SLOT_FLOATS 64                          // 256 bytes
 #define HEADER_BYTES (6 * SLOT_FLOATS * 4)      // amax[3], scale[3]
 enum { T_INP = 0, T_WEIGHT = SLOT_FLOATS, T_DOUT = 2 * SLOT_FLOATS };   // float offsets of the slots
@@ -124,7 +129,8 @@ static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 
 size_t linear_fp8_workspace_bytes(int M, int IC, int OC) {
     size_t mi = round256((size_t)M * IC), mo = round256((size_t)M * OC), io = round256((size_t)IC * OC);
-    size_t forward = mi + io, backward = 2 * mo + mi + io;
+    size_t mpo = round256((size_t)fp8_padded_rows(M) * OC);
+    size_t forward = mi + io, backward = mo + mpo + io;
     return HEADER_BYTES + (forward > backward ? forward : backward);
 }
 
@@ -139,16 +145,17 @@ static uint8_t *take(Workspace *ws, size_t bytes) {
     return p;
 }
 
-static int check_args(const char *fn, const bf16 *inp, const bf16 *weight, const bf16 *dout, int M, int IC, int OC,
+// x: inp (the forward's) or dout (the backward's) bf16 operand.
+static int check_args(const char *fn, const char *x_name, const bf16 *x, const bf16 *weight, int M, int IC, int OC,
                       void *workspace, size_t workspace_bytes, const LayersCuda *ctx, Workspace *ws, char *err) {
     if (check_context(fn, ctx, err)) return -1;
-    if (M <= 0 || IC <= 0 || OC <= 0 || M % 16 || IC % 16 || OC % 16) {
-        dit_set_error(err, "%s: M, IC, OC must be positive multiples of 16 (M=%d IC=%d OC=%d)", fn, M, IC, OC);
+    if (M <= 0 || IC <= 0 || OC <= 0 || IC % 16 || OC % 16) {
+        dit_set_error(err, "%s: need M >= 1 and IC, OC positive multiples of 16 (cuBLASLt FP8 leading dimensions; "
+                      "M=%d IC=%d OC=%d)", fn, M, IC, OC);
         return -1;
     }
-    if (!aligned16(inp) || !aligned16(weight) || (dout && !aligned16(dout))) {
-        dit_set_error(err, "%s: inp, weight%s must be 16-byte aligned (M=%d IC=%d OC=%d)", fn, dout ? ", dout" : "",
-                      M, IC, OC);
+    if (!aligned16(x) || !aligned16(weight)) {
+        dit_set_error(err, "%s: %s and weight must be 16-byte aligned (M=%d IC=%d OC=%d)", fn, x_name, M, IC, OC);
         return -1;
     }
     if (!workspace || (uintptr_t)workspace % 256 || workspace_bytes < linear_fp8_workspace_bytes(M, IC, OC)) {
@@ -159,6 +166,19 @@ static int check_args(const char *fn, const bf16 *inp, const bf16 *weight, const
     ws->amax = (float *)workspace;
     ws->scale = ws->amax + 3 * SLOT_FLOATS;
     ws->next = (uint8_t *)workspace + HEADER_BYTES;
+    return 0;
+}
+
+// The saved input copy: required (the backward's) or optional (the forward's save).
+static int check_saved(const char *fn, const char *name, const Fp8Saved *saved, bool required, int M, int IC,
+                       char *err) {
+    if (!saved && !required) return 0;
+    if (!saved || !saved->qt || !aligned16(saved->qt) || !saved->scale || (uintptr_t)saved->scale % 4) {
+        dit_set_error(err, "%s: %s must be an Fp8Saved with qt (IC=%d, Mp=%d) 16-byte aligned and a 4-byte "
+                      "aligned scale (got %s%p, %p; M=%d)", fn, name, IC, fp8_padded_rows(M), saved ? "" : "NULL ",
+                      saved ? (void *)saved->qt : NULL, saved ? (void *)saved->scale : NULL, M);
+        return -1;
+    }
     return 0;
 }
 
@@ -175,7 +195,9 @@ static uint32_t alignment_of(const void *p) {
 // bias: an m-long bf16 vector added to each column in the epilogue (NULL: none).
 // cuBLAS's FP8 rules (cublasLtMatmul, "To use FP8 kernels ..."), all met here: A transposed and B
 // not ("TN"), CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, every matrix pointer 16-byte aligned and
-// the dimensions multiples of 16 (checked by the callers); the type table's rows used: A e4m3 with
+// the dimensions of "Tensor Core Usage" 16-byte multiples: k = lda = ldb (fp8) and m = ldd (bf16 or
+// fp32) multiples of 16 (IC, OC, or the padded Mp: checked by the callers); n (= M in the forward
+// and dinp GEMMs) is free, as in torch._scaled_mm; the type table's rows used: A e4m3 with
 // B e4m3 or e5m2, C = D bf16 with a bf16 bias, or C = D fp32 without a bias. Tensor-wide scales
 // (the default scale mode) through device pointers, each 256-byte aligned.
 static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaDataType_t a_type, const float *scale_a,
@@ -259,45 +281,54 @@ cleanup:
 
 // ---- the layer -----------------------------------------------------------------------------
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    const char *fn = "linear_fp8_forward_cuda";
     Workspace ws;
-    if (check_args("linear_fp8_forward_cuda", inp, weight, NULL, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err))
+    if (check_args(fn, "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
+        check_saved(fn, "save", save, false, M, IC, err))
         return -1;
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
-    if (quantize(inp_q, NULL, ws.scale + T_INP, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err)) return -1;
+    // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
+    float *inp_scale = save ? save->scale : ws.scale + T_INP;
+    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err))
+        return -1;
     if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, ws.amax + T_WEIGHT, stream, err)) return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
     snprintf(what, sizeof what, "linear fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
     return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, inp_q, CUDA_R_8F_E4M3,
-                      ws.scale + T_INP, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
+                      inp_scale, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                                 int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, workspace, workspace_bytes, ctx, stream, err))
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, workspace, workspace_bytes, ctx, stream,
+                                err))
         return -1;
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, stream, err);
 }
 
-// dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight += doutᵀ·inp; dbias += Σ_m dout.
+// dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight += doutᵀ·inp (inp: the
+// forward's saved inpᵀ and scale); dbias += Σ_m dout.
 static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float *dbias, const bf16 *dout,
-                    const bf16 *inp, const bf16 *weight, int M, int IC, int OC, Fp8Format grad_format,
+                    const Fp8Saved *inp, const bf16 *weight, int M, int IC, int OC, Fp8Format grad_format,
                     void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
         dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
         return -1;
     }
-    if (check_args(fn, inp, weight, dout, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err)) return -1;
-    uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)M * OC);
-    uint8_t *inp_qt = take(&ws, (size_t)M * IC), *w_qt = take(&ws, (size_t)IC * OC);
+    if (check_args(fn, "dout", dout, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
+        check_saved(fn, "inp", inp, true, M, IC, err))
+        return -1;
+    int Mp = fp8_padded_rows(M);
+    uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
+    uint8_t *w_qt = take(&ws, (size_t)IC * OC);
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
     if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, M, OC, grad_format, ws.amax + T_DOUT, stream, err))
         return -1;
-    if (quantize(NULL, inp_qt, ws.scale + T_INP, inp, M, IC, FP8_E4M3, ws.amax + T_INP, stream, err)) return -1;
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
@@ -307,15 +338,15 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
                        ws.scale + T_DOUT, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
     }
-    // dWᵀ (IC, OC) += scale_inp·scale_dout·inp_qt·dout_qtᵀ in fp32 (beta = 1)
-    snprintf(what, sizeof what, "%s: dweight M=%d IC=%d OC=%d", fn, M, IC, OC);
-    if (fp8_matmul(dweight, CUDA_R_32F, inp_qt, CUDA_R_8F_E4M3, ws.scale + T_INP, dout_qt, grad_type,
-                   ws.scale + T_DOUT, IC, OC, M, 1.0f, NULL, what, ctx, stream, err)) return -1;
+    // dWᵀ (IC, OC) += scale_inp·scale_dout·inp_qt·dout_qtᵀ in fp32 (beta = 1), k = Mp (the pad is zero)
+    snprintf(what, sizeof what, "%s: dweight M=%d (Mp=%d) IC=%d OC=%d", fn, M, Mp, IC, OC);
+    if (fp8_matmul(dweight, CUDA_R_32F, inp->qt, CUDA_R_8F_E4M3, inp->scale, dout_qt, grad_type,
+                   ws.scale + T_DOUT, IC, OC, Mp, 1.0f, NULL, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
 int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
-                             const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                             const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return backward("linear_fp8_backward_cuda", dinp, 1.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
@@ -323,7 +354,7 @@ int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
-                                   const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight,
+                                   const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, void *workspace,
                                    size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place

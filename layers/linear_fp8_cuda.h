@@ -6,11 +6,15 @@
 //
 // Each call quantizes what it needs (an amax reduction, then one pass per tensor writing the
 // row-major and/or transposed fp8 copies that Hopper's K-major "TN" FP8 GEMMs need) into the
-// caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync).
+// caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync). The
+// forward can also keep its quantized input for the backward (Fp8Saved), which then reads that
+// copy instead of quantizing inp again.
 // ±inf saturates to ±FP8_MAX (as round_to_e4m3 / round_to_e5m2); NaN stays NaN.
-// Requirements: M, IC, OC multiples of 16 (cuBLASLt FP8 leading dimensions), inp, weight and
-// dout 16-byte aligned, the workspace 256-byte aligned and at least linear_fp8_workspace_bytes.
-// FP8 GEMMs need sm_89 or newer; elsewhere cuBLASLt finds no algorithm and the call fails.
+// Requirements: M >= 1 (any M: the dweight GEMM reduces over M, and its transposed operands have
+// Mp = fp8_padded_rows(M) columns, the pad columns zero), IC and OC multiples of 16 (cuBLASLt FP8
+// leading dimensions), inp, weight and dout 16-byte aligned, the workspace 256-byte aligned and at
+// least linear_fp8_workspace_bytes. FP8 GEMMs need sm_89 or newer; elsewhere cuBLASLt finds no
+// algorithm and the call fails.
 #pragma once
 #include "layers/fp8.h"
 #include "layers/layers_cuda.h"
@@ -19,40 +23,57 @@
 extern "C" {
 #endif
 
+// M rounded up to a multiple of 16: the leading dimension of the transposed copies (C, M) that
+// the dweight GEMM reduces over (cuBLASLt FP8 needs k and the leading dimensions multiples of 16).
+static inline FP8_HOST_DEVICE int fp8_padded_rows(int M) { return (M + 15) / 16 * 16; }
+
+// The forward's quantized input, kept for the backward's dweight GEMM: qt = inpᵀ (IC, Mp) e4m3
+// (Mp = fp8_padded_rows(M), columns M..Mp-1 zero: they add nothing to dweight; IC·Mp bytes,
+// 16-byte aligned) and scale = 2^e of inp (one device float, 4-byte aligned; the model gives each
+// its own 256-byte slot, as the workspace's scales).
+typedef struct {
+    uint8_t *qt;
+    float *scale;
+} Fp8Saved;
+
 // Bytes of workspace one forward or backward call of these sizes needs (the larger of the two).
 size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 
 // out (M, OC) = inp (M, IC)·weightᵀ (OC, IC) + bias (OC); bias (bf16, may be NULL) in the epilogue.
+// save: NULL, or where to keep inp's quantized transposed copy and scale for the backward (the
+// same quantization pass writes both copies: 1 byte more per element than without).
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
 // FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet
 // checked on a GPU: dev/notes_linear_fp8.md).
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, void *workspace, size_t workspace_bytes,
+                                 int M, int IC, int OC, const Fp8Saved *save, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout (from the bf16
-// dout, as linear_backward_cuda). dout is quantized to grad_format (FP8_E5M2 as Transformer
-// Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and dbias may be NULL; dbias
-// needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
+// dout, as linear_backward_cuda). inp: what the forward of the same inp and M saved (its e4m3
+// copy is the dweight GEMM's operand, as if quantized here). dout is quantized to grad_format
+// (FP8_E5M2 as Transformer Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and
+// dbias may be NULL; dbias needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
 int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
-                             const bf16 *dout, const bf16 *inp, const bf16 *weight,
+                             const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The MLP's second layer as linear_dgelu_backward_cuda: dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
 // is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight, dbias
-// accumulate as in linear_fp8_backward_cuda.
+// accumulate as in linear_fp8_backward_cuda (inp: the forward's saved copy of GELU(pre_gelu)).
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
-                                   const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight,
+                                   const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, void *workspace,
                                    size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
-// -> q (R, C) and/or qt (C, R) = fp8(x·2^-e) (either may be NULL), *scale = 2^e (a device float),
-// e from the amax of x (layers/fp8.h). R and C multiples of 16, x and qt 16-byte aligned, q 8.
+// -> q (R, C) and/or qt (C, Rp) = fp8(x·2^-e) (either may be NULL; Rp = fp8_padded_rows(R), qt's
+// columns R..Rp-1 zero), *scale = 2^e (a device float), e from the amax of x (layers/fp8.h).
+// R >= 1, C a multiple of 16, x and qt 16-byte aligned, q 8.
 // amax_scratch: one device float of scratch.
 int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err);

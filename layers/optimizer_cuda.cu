@@ -1,6 +1,6 @@
-// AdamW fused with the gradient-clipping scale (fp32 master weights and moments, bf16 copy of
-// the weights for compute), the deterministic sum of squares of the gradients (the global norm's
-// square: ranks that each hold a slice sum theirs before the square root), and the EMA.
+// AdamW fused with the gradient-clipping scale and the EMA (fp32 master weights, moments and EMA,
+// bf16 copy of the weights for compute), and the deterministic sum of squares of the gradients
+// (the global norm's square: ranks that each hold a slice sum theirs before the square root).
 #include <math.h>
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
@@ -45,17 +45,24 @@ __device__ inline void adamw_one(float *p, float *m, float *v, float g, float lr
     *p -= lr * (*m / bias1) / (sqrtf(*v / bias2) + eps);
 }
 
+// ema = decay·ema + (1 - decay)·p, the roundings spelled out (one product, then one fma) so that
+// every lane and every kernel that inlines it gives the same bits.
+__device__ inline float ema_one(float ema, float p, float decay) {
+    return __fmaf_rn(decay, ema, __fmul_rn(1.0f - decay, p));
+}
+
 // g = grad·scale, scale = min(1, max_norm/(‖grad‖ + 1e-6)) (1 without clipping);
 // p -= lr·wd·p; m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; p -= lr·(m/bias1)/(sqrt(v/bias2) + eps);
-// p_bf16 = bf16(p). lr, bias1 = 1 - β1^step and bias2 = 1 - β2^step are read from k (device).
-// Four parameters per thread: float4 loads and stores when vec (every pointer 16-byte aligned,
-// params_bf16 8-byte aligned).
-__global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
-                             const OptimizerStepConstants *k, float beta1, float beta2, float eps, float weight_decay,
-                             const float *grad_norm, float max_norm, bool vec) {
+// p_bf16 = bf16(p); with ema: ema = decay·ema + (1 - decay)·p (the updated p, still in registers:
+// 8 bytes per parameter less than a separate EMA pass). lr, bias1 = 1 - β1^step,
+// bias2 = 1 - β2^step and the EMA's decay are read from k (device). Four parameters per thread:
+// float4 loads and stores when vec (every fp32 pointer 16-byte aligned, params_bf16 8-byte aligned).
+__global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, float *ema,
+                             size_t n, const OptimizerStepConstants *k, float beta1, float beta2, float eps,
+                             float weight_decay, const float *grad_norm, float max_norm, bool vec) {
     size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i0 >= n) return;
-    const float lr = k->lr, bias1 = k->bias1, bias2 = k->bias2;
+    const float lr = k->lr, bias1 = k->bias1, bias2 = k->bias2, decay = k->ema_decay;
     float scale = 1.0f;
     if (grad_norm && max_norm > 0.0f) scale = fminf(1.0f, max_norm / (*grad_norm + CLIP_EPS));
     if (vec && i0 + 4 <= n) {
@@ -72,6 +79,14 @@ __global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grad
         out.pair[0] = __floats2bfloat162_rn(p.x, p.y);
         out.pair[1] = __floats2bfloat162_rn(p.z, p.w);
         *(uint2 *)(params_bf16 + i0) = out.raw;
+        if (ema) {
+            float4 e = *(float4 *)(ema + i0);
+            e.x = ema_one(e.x, p.x, decay);
+            e.y = ema_one(e.y, p.y, decay);
+            e.z = ema_one(e.z, p.z, decay);
+            e.w = ema_one(e.w, p.w, decay);
+            *(float4 *)(ema + i0) = e;
+        }
         return;
     }
     // the same arithmetic as a float4 lane (on registers: through the pointers, which may alias,
@@ -84,24 +99,8 @@ __global__ void adamw_kernel(float *params, bf16 *params_bf16, const float *grad
         m[i] = mi;
         v[i] = vi;
         params_bf16[i] = __float2bfloat16(p);
+        if (ema) ema[i] = ema_one(ema[i], p, decay);
     }
-}
-
-// ema = decay·ema + (1 - decay)·params (decay from the device), four per thread (float4 when vec).
-__global__ void ema_kernel(float *ema, const float *params, size_t n, const float *decay_ptr, bool vec) {
-    size_t i0 = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
-    if (i0 >= n) return;
-    const float decay = *decay_ptr;
-    if (vec && i0 + 4 <= n) {
-        float4 e = *(float4 *)(ema + i0), p = *(const float4 *)(params + i0);
-        e.x = decay * e.x + (1.0f - decay) * p.x;
-        e.y = decay * e.y + (1.0f - decay) * p.y;
-        e.z = decay * e.z + (1.0f - decay) * p.z;
-        e.w = decay * e.w + (1.0f - decay) * p.w;
-        *(float4 *)(ema + i0) = e;
-        return;
-    }
-    for (size_t i = i0; i < n && i < i0 + 4; i++) ema[i] = decay * ema[i] + (1.0f - decay) * params[i];
 }
 
 int sum_squares_cuda(float *sumsq, const float *g, size_t n, const LayersCuda *ctx,
@@ -134,7 +133,7 @@ int optimizer_step_constants(OptimizerStepConstants *k, float lr, float beta1, f
     return 0;
 }
 
-int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, size_t n,
+int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, float *m, float *v, float *ema, size_t n,
                       const OptimizerStepConstants *k, float beta1, float beta2, float eps, float weight_decay,
                       const float *grad_norm, float max_norm, cudaStream_t stream, char *err) {
     if (n == 0 || !k) {
@@ -142,23 +141,11 @@ int adamw_update_cuda(float *params, bf16 *params_bf16, const float *grads, floa
         return -1;
     }
     if (check_grid_x("adamw_update_cuda", n, BLOCK_SIZE, err)) return -1;
-    bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && (uintptr_t)params_bf16 % 8 == 0;
-    adamw_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, n, k, beta1,
-                                                                          beta2, eps, weight_decay, grad_norm, max_norm,
-                                                                          vec);
+    bool vec = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && (!ema || aligned16(ema)) &&
+               (uintptr_t)params_bf16 % 8 == 0;
+    adamw_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(params, params_bf16, grads, m, v, ema, n, k,
+                                                                          beta1, beta2, eps, weight_decay, grad_norm,
+                                                                          max_norm, vec);
     LAUNCH_CHECK(err, "adamw_kernel", "n=%zu", n);
-    return 0;
-}
-
-int ema_update_cuda(float *ema, const float *params, size_t n, const float *decay, cudaStream_t stream, char *err) {
-    if (n == 0) return 0;
-    if (!decay) {
-        dit_set_error(err, "ema_update_cuda: the decay (a device float) is NULL");
-        return -1;
-    }
-    if (check_grid_x("ema_update_cuda", n, BLOCK_SIZE, err)) return -1;
-    ema_kernel<<<blocks_for(n, BLOCK_SIZE * 4), BLOCK_SIZE, 0, stream>>>(ema, params, n, decay,
-                                                                     aligned16(ema) && aligned16(params));
-    LAUNCH_CHECK(err, "ema_kernel", "n=%zu", n);
     return 0;
 }

@@ -17,6 +17,7 @@
 
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
 #define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
+#define FP8_SCALE_SLOT (ALIGN_BYTES / sizeof(float))   // floats: each saved FP8 scale alone in 256 bytes
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -119,7 +120,15 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
     g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
-    m->fp8_workspace = m->linear == DIT_LINEAR_FP8 ? arena_take(ar, m->fp8_workspace_bytes) : NULL;
+    if (m->linear == DIT_LINEAR_FP8) {   // (bf16: none of it, the layout of before)
+        size_t Mp = fp8_padded_rows((int)BT), first;
+        m->fp8_workspace = arena_take(ar, m->fp8_workspace_bytes);
+        first = arena.used;
+        TAKE(ar, a->ln1_fp8t, L * h * Mp); TAKE(ar, a->att_merged_fp8t, L * h * Mp);
+        TAKE(ar, a->ln2_fp8t, L * h * Mp); TAKE(ar, a->gelu_fp8t, L * 4 * h * Mp);
+        TAKE(ar, a->fp8_scales, L * 4 * FP8_SCALE_SLOT);
+        m->fp8_saved_bytes = arena.used - first;
+    }
     // sequence parallelism
     DitGpuSeqBuffers *sb = &m->sp_bufs;
     if (sp_size(m) > 1) {
@@ -250,15 +259,11 @@ static int create_reduce_stream(DitGpu *m, char *err) {
     return 0;
 }
 
-// FP8 block linears: the FP8 layer's sizes (multiples of 16 for any batch: M = B·tokens) and an
-// sm_89+ GPU; *workspace_bytes: what the largest of qkv, proj, fc1, fc2 needs at the full batch.
+// FP8 block linears: an sm_89+ GPU; *workspace_bytes: what the largest of qkv, proj, fc1, fc2
+// needs at the full batch. Any M = B·tokens works (the layer pads its transposed copies); IC and
+// OC (h, 3h, 4h) are multiples of 16, as the layer needs, since h = heads·64 or heads·128.
 static int check_fp8_linear(const DitConfig *cfg, int tokens, int batch, size_t *workspace_bytes, char *err) {
     int h = cfg->hidden, M = batch * tokens, device, major = 0, minor = 0;
-    if (h % 16 || tokens % 16) {
-        dit_set_error(err, "dit_gpu_create: FP8 linears need hidden and the tokens per GPU to be multiples of 16 "
-                      "(hidden %d, %d tokens)", h, tokens);
-        return -1;
-    }
     CUDA_CHECK(err, cudaGetDevice(&device), "dit_gpu_create: the current device");
     CUDA_CHECK(err, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
                "device %d's compute capability", device);
@@ -909,39 +914,58 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 // nothing needs e5m2's range, and e4m3 is 1.6x more accurate here (dev/notes_linear_fp8.md).
 #define FP8_GRAD_FORMAT FP8_E4M3
 
-// out (M, OC) = inp (M, IC)·weightᵀ + bias
+// Block l's FP8 inputs saved by the forward for the backward (m->acts: ln1_fp8t .. fp8_scales):
+// (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear. bf16: all NULL, unused.
+typedef struct { Fp8Saved qkv, proj, fc1, fc2; } BlockFp8Inputs;
+
+static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
+    BlockFp8Inputs in = {};
+    if (m->linear != DIT_LINEAR_FP8) return in;
+    const DitGpuActivations *a = &m->acts;
+    size_t h = m->cfg.hidden, stride = (size_t)l * h * fp8_padded_rows(m->batch * m->tokens);
+    float *scales = a->fp8_scales + (size_t)l * 4 * FP8_SCALE_SLOT;
+    in.qkv = (Fp8Saved){a->ln1_fp8t + stride, scales};
+    in.proj = (Fp8Saved){a->att_merged_fp8t + stride, scales + FP8_SCALE_SLOT};
+    in.fc1 = (Fp8Saved){a->ln2_fp8t + stride, scales + 2 * FP8_SCALE_SLOT};
+    in.fc2 = (Fp8Saved){a->gelu_fp8t + 4 * stride, scales + 3 * FP8_SCALE_SLOT};
+    return in;
+}
+
+// out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
+// (also by the sampling forwards: harmless, every training step runs its own forward first)
 static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                int M, int IC, int OC, char *err) {
+                                int M, int IC, int OC, const Fp8Saved *save, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, m->fp8_workspace, m->fp8_workspace_bytes,
-                                       &m->ctx, m->stream, err);
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, m->fp8_workspace,
+                                       m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
 // pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu)
 static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
-                                     const bf16 *bias, int M, int IC, int OC, char *err) {
+                                     const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, m->fp8_workspace,
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, m->fp8_workspace,
                                             m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// dinp += dout·weight; dweight += doutᵀ·inp; dbias += Σ dout
+// dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout
 static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float *dbias, const bf16 *dout,
-                                 const bf16 *inp, const bf16 *weight, int M, int IC, int OC, char *err) {
+                                 const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M, int IC, int OC,
+                                 char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_backward_cuda(dinp, dweight, dbias, dout, inp, weight, M, IC, OC, FP8_GRAD_FORMAT,
+        return linear_fp8_backward_cuda(dinp, dweight, dbias, dout, saved, weight, M, IC, OC, FP8_GRAD_FORMAT,
                                         m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_backward_cuda(dinp, dweight, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
 }
 
 // dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate
 static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float *dbias, const bf16 *dout,
-                                       const bf16 *inp, const bf16 *pre_gelu, const bf16 *weight, int M, int IC,
-                                       int OC, char *err) {
+                                       const bf16 *inp, const Fp8Saved *saved, const bf16 *pre_gelu,
+                                       const bf16 *weight, int M, int IC, int OC, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC,
+        return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
                                               FP8_GRAD_FORMAT, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
                                               m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
@@ -993,12 +1017,13 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
         bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
         bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + l * 4 * blk, *fc2 = a->fc2 + l * blk;
+        BlockFp8Inputs q8 = block_fp8_inputs(m, l);   // FP8: where the linears keep their quantized inputs
 
         // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
         TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
                                             B, T, h, stride, s, err));
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
-                                 BT, h, 3 * h, err));
+                                 BT, h, 3 * h, &q8.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
@@ -1008,7 +1033,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         }
         TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, s, err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                 BT, h, h, err));
+                                 BT, h, h, &q8.proj, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
@@ -1016,9 +1041,9 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
                                             ada + 3 * h, ada + 4 * h, B, T, h, stride, s, err));
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, err));
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, err));
         TRY(block_linear_forward(m, fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
-                                 BT, 4 * h, h, err));
+                                 BT, 4 * h, h, &q8.fc2, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -1096,16 +1121,17 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         float *dada = g->ada + (size_t)l * 6 * h;
         size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
+        BlockFp8Inputs q8 = block_fp8_inputs(m, l);   // FP8: the inputs the forward quantized
         TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16)
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
                                          B, T, h, stride, ctx, s, err));
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
-                                        g->fc2, a->gelu + o4, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
+                                        g->fc2, a->gelu + o4, &q8.fc2, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
                                         BT, 4 * h, h, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
-                                  g->fc1, a->ln2 + o1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, err));
+                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
                                              ctx, s, err));
@@ -1114,7 +1140,8 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
                                          B, T, h, stride, ctx, s, err));
         TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
-                                  g->proj, a->att_merged + o1, w->proj_w + (size_t)l * h * h, BT, h, h, err));
+                                  g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
+                                  err));
         TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
             TRY(ulysses_attention_backward(m, l, g->att, B, err));
@@ -1124,7 +1151,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
-                                  g->qkv, a->ln1 + o1, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, err));
+                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));
@@ -1192,17 +1219,17 @@ int dit_gpu_set_step(DitGpu *m, float lr, float beta1, float beta2, float ema_de
     return 0;
 }
 
-// dit_gpu_update's kernels, after dit_gpu_set_step: the norm, AdamW and EMA, reading the step's
-// values from m->step_constants (what the step's graph captures).
+// dit_gpu_update's kernels, after dit_gpu_set_step: the norm, then AdamW with the EMA in the same
+// pass, reading the step's values from m->step_constants (what the step's graph captures).
 static int queue_optimizer(DitGpu *m, float beta1, float beta2, float eps, float weight_decay, float grad_clip,
                            char *err) {
     cudaStream_t s = m->stream;
     TRY(sqrt_cuda(m->acts.grad_norm, m->acts.grad_sumsq, s, err));
     size_t lo, hi;
     shard_range(m, &lo, &hi);
-    // AdamW over runs of consecutive tensors with the same weight decay (matrices or vectors),
-    // cut to the slice: the per-block copies of a tensor are adjacent, so this is one launch per
-    // tensor kind (and slice edge).
+    // AdamW + EMA over runs of consecutive tensors with the same weight decay (matrices or
+    // vectors), cut to the slice: the per-block copies of a tensor are adjacent, so this is one
+    // launch per tensor kind (and slice edge). The tensors tile the buffer without gaps.
     int n = dit_num_tensors(&m->cfg);
     DitTensorInfo *info = (DitTensorInfo *)malloc(n * sizeof(DitTensorInfo));
     if (!info) {
@@ -1220,13 +1247,12 @@ static int queue_optimizer(DitGpu *m, float beta1, float beta2, float eps, float
         float wd = info[i].ndim >= 2 ? weight_decay : 0.0f;
         if (o < end)
             status = adamw_update_cuda(m->params_memory + o, m->params_bf16_memory + o, m->grads_memory + o,
-                                       m->adam_m_memory + o, m->adam_v_memory + o, end - o, m->step_constants, beta1,
-                                       beta2, eps, wd, m->acts.grad_norm, grad_clip, s, err);
+                                       m->adam_m_memory + o, m->adam_v_memory + o, m->ema_memory + o, end - o,
+                                       m->step_constants, beta1, beta2, eps, wd, m->acts.grad_norm, grad_clip, s, err);
         i = j;
     }
     free(info);
-    TRY(status);
-    return ema_update_cuda(m->ema_memory + lo, m->params_memory + lo, hi - lo, &m->step_constants->ema_decay, s, err);
+    return status;
 }
 
 int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, float weight_decay,

@@ -77,6 +77,12 @@ typedef struct {
                                        // backward reads (sage: the quantized Q, K, V; Ulysses:
                                        // one region per head group)
     bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h)
+    // DIT_LINEAR_FP8 only (else NULL): the block linears' inputs as their forwards quantized them,
+    // for the backwards' dweight GEMMs (layers/linear_fp8_cuda.h, Fp8Saved): e4m3 transposed copies
+    // (depth, IC, Mp), Mp = fp8_padded_rows(B·T), of ln1 (qkv), att_merged (proj), ln2 (fc1) and
+    // gelu (fc2); their scales (depth, 4 linears), each float alone in a 256-byte slot
+    uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
+    float *fp8_scales;
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
     float *out_float;                  // (B, C, S, S): the output as fp32, for downloads
@@ -151,6 +157,7 @@ typedef struct {
     DitLinear linear;                  // the block linears' GEMMs (fixed at create)
     void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
     size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
+    size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_scales)
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);
@@ -197,7 +204,7 @@ int dit_gpu_create(DitGpu *m, const DitConfig *cfg, int batch, DitAttention atte
 // NULL: one GPU), with the block linears' kind (dit_gpu_create: DIT_LINEAR_BF16). Errors: no NCCL
 // in the build, heads % U, tokens % (U·R), sage under ring with T/R not a multiple of 64, a
 // communicator missing for a group larger than one, optimizer_rank outside [0, optimizer_shards);
-// DIT_LINEAR_FP8 with hidden or this rank's tokens not multiples of 16, or a GPU below sm_89.
+// DIT_LINEAR_FP8 on a GPU below sm_89 (any token count: the FP8 layer pads what needs padding).
 int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention attention, DitLinear linear,
                       const DitGpuSeqParallel *sp, char *err);
 void dit_gpu_free(DitGpu *m);

@@ -3,7 +3,8 @@
 // which test_dit_gpu_cuda.c checks against the CPU). GPU tests skip without an sm_89+ GPU.
 //
 // One training step from the same random weights (every tensor, test/model_test.h) and batch,
-// exact attention on both sides (the bf16 flash kernel) so that only the linears differ. The
+// exact attention on both sides (the bf16 flash kernel) so that only the linears differ, at 256
+// tokens and at 100 (B·T = 200 rows, not a multiple of 16: the layer pads inpᵀ, doutᵀ). The
 // tolerances come from the CPU model of the same step (dev/dit_fp8_accuracy.c: the fp32 CPU
 // model with its block linears replaced by the CPU FP8 definition; same config, weights and batch;
 // 2026-11-30): output rel L2 0.0205, loss rel 2.1e-4, gradients worst rel L2 0.0487 and cosine
@@ -32,9 +33,10 @@
 
 #define OK(call) cr_assert_eq((call), 0, "%s failed: %s", #call, err)
 
-// 32×32 images, patch 2: 256 tokens, head dim 64; B·T = 512 rows (multiples of 16, as FP8 needs).
+// 32×32 images, patch 2: 256 tokens, head dim 64; B·T = 512 rows.
 static const DitConfig fp8_config = {.image_size = 32, .channels = 3, .patch = 2, .hidden = 128,
                                      .depth = 2, .heads = 2, .num_classes = 5};
+enum { B = 2 };   // images per step
 
 static void require_fp8_gpu(void) {
     int count = 0, major = 0, minor = 0;
@@ -47,7 +49,7 @@ static void require_fp8_gpu(void) {
 // One step (forward, loss, backward) of a model created with `linear` from cpu's weights: the
 // output (n floats), the loss and every parameter gradient.
 static float gpu_step(const Dit *cpu, DitLinear linear, const float *x0, const float *noise, const float *t,
-                      const int *labels, int B, float *out, float *grads) {
+                      const int *labels, float *out, float *grads) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     float loss;
@@ -65,18 +67,17 @@ static float gpu_step(const Dit *cpu, DitLinear linear, const float *x0, const f
     return loss;
 }
 
-Test(dit_fp8, one_step_near_the_bf16_model) {
+// One step of both models from the same weights and batch against the bounds above.
+static void check_one_step(const DitConfig *c) {
     require_fp8_gpu();
     char err[DIT_ERR_LEN];
-    const DitConfig *c = &fp8_config;
-    int B = 2;
     Dit cpu;
     OK(dit_create(&cpu, c, 1, DIT_ATTN_EXACT, 21, err));
     randomize_params(&cpu, 21);
     // the batch (as dev/dit_fp8_accuracy.c)
     size_t n = (size_t)B * c->channels * c->image_size * c->image_size;
-    float *x0 = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), t[2];
-    int labels[2];
+    float *x0 = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), t[B];
+    int labels[B];
     cr_assert(x0 && noise);
     Rng rng;
     rng_seed(&rng, 21 * 1000 + 1);
@@ -91,12 +92,12 @@ Test(dit_fp8, one_step_near_the_bf16_model) {
         out[k] = malloc(n * sizeof(float));
         grads[k] = malloc(cpu.num_params * sizeof(float));
         cr_assert(out[k] && grads[k]);
-        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, x0, noise, t, labels, B, out[k], grads[k]);
+        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, x0, noise, t, labels, out[k], grads[k]);
     }
 
     double e_out = rel_l2(out[1], out[0], n), e_loss = fabs(loss[1] - loss[0]) / loss[0];
-    fprintf(stderr, "fp8 vs bf16 linears: output rel L2 %.4f, loss %.6f vs %.6f (rel %.2e)\n", e_out, loss[1], loss[0],
-            e_loss);
+    fprintf(stderr, "fp8 vs bf16 linears, %d tokens: output rel L2 %.4f, loss %.6f vs %.6f (rel %.2e)\n",
+            dit_tokens(c), e_out, loss[1], loss[0], e_loss);
     cr_expect(e_out < TOL_OUT, "output: rel L2 %.4f >= %g", e_out, TOL_OUT);
     cr_expect(e_out > MIN_OUT, "output: rel L2 %.2e <= %g: did the FP8 GEMMs run?", e_out, MIN_OUT);
     cr_expect(e_loss < TOL_LOSS, "loss: %g vs %g, rel %.3e >= %g", loss[1], loss[0], e_loss, TOL_LOSS);
@@ -116,23 +117,33 @@ Test(dit_fp8, one_step_near_the_bf16_model) {
         worst = e > worst ? e : worst;
         worst_cos = cs < worst_cos ? cs : worst_cos;
     }
-    fprintf(stderr, "fp8 vs bf16 linears: worst gradient rel L2 %.4f, cosine %.6f over %d tensors\n", worst, worst_cos,
-            count);
+    fprintf(stderr, "fp8 vs bf16 linears, %d tokens: worst gradient rel L2 %.4f, cosine %.6f over %d tensors\n",
+            dit_tokens(c), worst, worst_cos, count);
     for (int k = 0; k < 2; k++) { free(out[k]); free(grads[k]); }
     free(info); free(x0); free(noise);
     dit_free(&cpu);
 }
 
-// Checked before any CUDA call (no GPU needed): an unknown kind, and FP8 with tokens per GPU
-// not a multiple of 16 (20×20 images, patch 2: 100 tokens).
-Test(dit_fp8, create_rejects_unsupported_models) {
+Test(dit_fp8, one_step_near_the_bf16_model) { check_one_step(&fp8_config); }
+
+// 20×20 images, patch 2: 100 tokens (as test_dit_gpu_cuda's small model), B·T = 200 rows
+Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
+    DitConfig c = fp8_config;
+    c.image_size = 20;
+    check_one_step(&c);
+}
+
+// An unknown kind is refused before any CUDA call (no GPU needed); FP8 with 100 tokens is not
+// refused for its size (without an sm_89+ GPU it fails later, at the device query or its check).
+Test(dit_fp8, create_checks_the_linear_kind) {
     char err[DIT_ERR_LEN];
     DitGpu m;
-    DitConfig odd = fp8_config;
-    odd.image_size = 20;
-    cr_expect_eq(dit_gpu_create_sp(&m, &odd, 2, DIT_ATTN_EXACT, DIT_LINEAR_FP8, NULL, err), -1);
-    cr_expect(strstr(err, "FP8 linears") && strstr(err, "multiples of 16") && strstr(err, "100 tokens"),
-              "message: %s", err);
     cr_expect_eq(dit_gpu_create_sp(&m, &fp8_config, 2, DIT_ATTN_EXACT, (DitLinear)7, NULL, err), -1);
     cr_expect(strstr(err, "unknown linear kind 7"), "message: %s", err);
+    DitConfig c = fp8_config;
+    c.image_size = 20;
+    if (dit_gpu_create_sp(&m, &c, 2, DIT_ATTN_EXACT, DIT_LINEAR_FP8, NULL, err) == 0)
+        dit_gpu_free(&m);
+    else
+        cr_expect(!strstr(err, "multiple"), "FP8 with 100 tokens refused for its size: %s", err);
 }

@@ -559,7 +559,9 @@ Test(cuda, optimizer) {
     OptimizerStepConstants k;
     OK(optimizer_step_constants(&k, lr, 0.9f, 0.95f, 3, 0.999f, err));
     const OptimizerStepConstants *d_k = (const OptimizerStepConstants *)upload_f32((const float *)&k, 4);
-    OK(adamw_update_cuda(d_p, d_pbf, d_g, d_m, d_v, n, d_k, 0.9f, 0.95f, 1e-8f, 0.1f, d_norm, max_norm, 0, err));
+    float *ema = copy_floats(p0, n), *d_ema = upload_f32(p0, n);
+    ema_update(ema, p, n, 0.999f);
+    OK(adamw_update_cuda(d_p, d_pbf, d_g, d_m, d_v, d_ema, n, d_k, 0.9f, 0.95f, 1e-8f, 0.1f, d_norm, max_norm, 0, err));
     float *gp = download_f32(d_p, n);
     EXPECT_CLOSE(gp, p, n, TOL_F32, "adamw params");
     EXPECT_CLOSE(download_f32(d_m, n), m, n, TOL_F32, "adamw m");
@@ -572,11 +574,15 @@ Test(cuda, optimizer) {
         dp_cpu[i] = p[i] - p0[i];
     }
     EXPECT_CLOSE(dp_gpu, dp_cpu, n, 1e-3, "adamw update p - p0 (fp32 cancellation)");
-
-    float *ema = copy_floats(p0, n), *d_ema = upload_f32(p0, n);
-    ema_update(ema, p, n, 0.999f);
-    OK(ema_update_cuda(d_ema, d_p, n, &d_k->ema_decay, 0, err));
-    EXPECT_CLOSE(download_f32(d_ema, n), ema, n, TOL_F32, "ema");
+    EXPECT_CLOSE(download_f32(d_ema, n), ema, n, TOL_F32, "ema (from the updated params)");
+    // the EMA's own step, ema - p0 = (1 - decay)·(p - p0) ~ 1e-6: compared as such, not only
+    // ema ≈ p0; one ulp of ema (~4e-9 at |p| ~ 0.05, fma or not) is ~0.4% of it, hence 1e-2
+    float *de_gpu = download_f32(d_ema, n);
+    for (size_t i = 0; i < n; i++) {
+        de_gpu[i] -= p0[i];
+        dp_cpu[i] = ema[i] - p0[i];
+    }
+    EXPECT_CLOSE(de_gpu, dp_cpu, n, 1e-2, "ema step ema - p0 (fp32 cancellation)");
 
     // a parameter group that starts one element in (not 16-byte aligned): the element-wise path
     size_t n1 = n - 1;
@@ -585,16 +591,22 @@ Test(cuda, optimizer) {
     d_p = upload_f32(p0, n), d_m = upload_f32(m0, n), d_v = upload_f32(v0, n);
     OK(optimizer_step_constants(&k, lr, 0.9f, 0.95f, 2, 0.99f, err));
     d_k = (const OptimizerStepConstants *)upload_f32((const float *)&k, 4);
-    OK(adamw_update_cuda(d_p + 1, d_pbf + 1, d_g + 1, d_m + 1, d_v + 1, n1, d_k, 0.9f, 0.95f, 1e-8f, 0.1f, NULL, 0.0f, 0,
-                         err));
+    ema = copy_floats(p0, n), d_ema = upload_f32(p0, n);
+    ema_update(ema + 1, p + 1, n1, 0.99f);
+    OK(adamw_update_cuda(d_p + 1, d_pbf + 1, d_g + 1, d_m + 1, d_v + 1, d_ema + 1, n1, d_k, 0.9f, 0.95f, 1e-8f, 0.1f,
+                         NULL, 0.0f, 0, err));
     gp = download_f32(d_p, n);
     EXPECT_CLOSE(gp + 1, p + 1, n1, TOL_F32, "adamw params (unaligned group)");
     EXPECT_CLOSE(download_f32(d_v, n) + 1, v + 1, n1, TOL_F32, "adamw v (unaligned group)");
     EXPECT_EXACT_BF16(download_bf16(d_pbf, n) + 1, gp + 1, n1, "adamw bf16 copy (unaligned group)");
-    ema = copy_floats(p0, n), d_ema = upload_f32(p0, n);
-    ema_update(ema + 1, p + 1, n1, 0.99f);
-    OK(ema_update_cuda(d_ema + 1, d_p + 1, n1, &d_k->ema_decay, 0, err));
     EXPECT_CLOSE(download_f32(d_ema, n) + 1, ema + 1, n1, TOL_F32, "ema (unaligned)");
+    // without an EMA buffer (ema NULL) the params are the same bits
+    float *gp_ema = gp;
+    d_p = upload_f32(p0, n), d_m = upload_f32(m0, n), d_v = upload_f32(v0, n);
+    OK(adamw_update_cuda(d_p + 1, d_pbf + 1, d_g + 1, d_m + 1, d_v + 1, NULL, n1, d_k, 0.9f, 0.95f, 1e-8f, 0.1f, NULL,
+                         0.0f, 0, err));
+    cr_expect_eq(memcmp(download_f32(d_p, n) + 1, gp_ema + 1, n1 * sizeof(float)), 0,
+                 "adamw without an EMA buffer changed the params");
     norm = global_norm(g + 1, n1);
     OK(sum_squares_cuda(d_norm, d_g + 1, n1, &ctx, 0, err));
     OK(sqrt_cuda(d_norm, d_norm, 0, err));

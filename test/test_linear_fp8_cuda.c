@@ -1,9 +1,13 @@
 // Tests of the FP8 linear layer (layers/linear_fp8_cuda.h):
 // - the quantization kernel bit-exact against the CPU definition (layers/fp8.h, round_to_e4m3 /
-//   round_to_e5m2): the same scale, the same fp8 value for every element, row-major and transposed;
+//   round_to_e5m2): the same scale, the same fp8 value for every element, row-major and transposed,
+//   and the transposed copy's pad columns (rows not a multiple of 16) zero;
 // - forward and backward, and the MLP's forward+GELU / backward+dGELU, against the CPU FP8
-//   definition (linear_fp8_forward / _backward, gelu_forward / _backward): the products are the
-//   same exact fp8 products, only the fp32 summation order and the bf16 output rounding differ (TOL_OUT 5e-3 for bf16 outputs, TOL_GEMM_F32 1e-3 for the fp32 weight
+//   definition (linear_fp8_forward / _backward, gelu_forward / _backward), the backward through the
+//   copy of inp the forward saved (checked bit-exact as above), at M multiples of 16 and not (97, 1,
+//   4091: the workspace poisoned first, so that a pad left unwritten turns dweight into NaN): the
+//   products are the same exact fp8 products, only the fp32 summation order and the bf16 output
+//   rounding differ (TOL_OUT 5e-3 for bf16 outputs, TOL_GEMM_F32 1e-3 for the fp32 weight
 //   gradient's increment, TOL_F32 1e-5 for dbias);
 // - against the bf16 linear layer at config c's IC × OC (M = 4096 tokens) on realistic operands
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
@@ -151,8 +155,43 @@ TestSuite(linear_fp8, .init = setup, .fini = teardown);
 
 // ---- quantization: bit-exact ---------------------------------------------------------------
 
+// The device copies of x (R, C) against the CPU's quantization: d_scale equal to its scale, every
+// byte of d_q (R, C) (may be NULL) and d_qt (C, Rp) worth the CPU's value, qt's pad columns 0.
+static void expect_quantized(const uint8_t *d_q, const uint8_t *d_qt, const float *d_scale, const float *x, int R,
+                             int C, Fp8Format format, const char *name) {
+    size_t n = (size_t)R * C, Rp = fp8_padded_rows(R), nt = (size_t)C * Rp;
+    float *ref = host_floats(n), scale;
+    float ref_scale = fp8_fake_quantize(ref, x, n, format);
+    uint8_t *q = host_alloc(n), *qt = host_alloc(nt);
+    CK(cudaDeviceSynchronize());
+    if (d_q) CK(cudaMemcpy(q, d_q, n, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(qt, d_qt, nt, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&scale, d_scale, sizeof scale, cudaMemcpyDeviceToHost));
+    cr_expect_eq(scale, ref_scale, "%s R=%d C=%d format %d: scale %g, CPU %g", name, R, C, (int)format, scale,
+                 ref_scale);
+    size_t bad = 0, bad_t = 0, bad_pad = 0, first = n;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            size_t i = (size_t)r * C + c;
+            int wrong = d_q && fp8_value(q[i], format) * ref_scale != ref[i];
+            bad += wrong;
+            bad_t += fp8_value(qt[(size_t)c * Rp + r], format) * ref_scale != ref[i];
+            if (wrong && first == n) first = i;
+        }
+    for (int c = 0; c < C; c++)
+        for (size_t r = R; r < Rp; r++) bad_pad += qt[(size_t)c * Rp + r] != 0;
+    cr_log_info("%s R=%d C=%d format %d: scale %g, %zu + %zu elements differ, %zu pad bytes not 0", name, R, C,
+                (int)format, scale, bad, bad_t, bad_pad);
+    cr_expect_eq(bad, 0, "%s R=%d C=%d format %d: %zu of %zu q differ (first at %zu: x %g, gpu %g, cpu %g)", name,
+                 R, C, (int)format, bad, n, first, first < n ? x[first] : 0.0f,
+                 first < n ? fp8_value(q[first], format) * ref_scale : 0.0f, first < n ? ref[first] : 0.0f);
+    cr_expect_eq(bad_t, 0, "%s R=%d C=%d format %d: %zu of %zu qt differ", name, R, C, (int)format, bad_t, n);
+    cr_expect_eq(bad_pad, 0, "%s R=%d C=%d: %zu of qt's %zu pad bytes are not 0", name, R, C, bad_pad,
+                 (size_t)C * (Rp - R));
+}
+
 // x (R, C) with magnitudes spread over ~e^±8 below amax (normal, subnormal and zero fp8 values),
-// one element set to -amax so that the scale's exponent is known.
+// one element set to -amax so that the scale's exponent is known; outputs poisoned.
 static void check_quantize(int R, int C, Fp8Format format, float amax, uint64_t seed) {
     Rng rng;
     rng_seed(&rng, seed);
@@ -164,33 +203,10 @@ static void check_quantize(int R, int C, Fp8Format format, float amax, uint64_t 
     }
     for (size_t i = 0; i < n; i++) x[i] = fp8_data_bf16(x[i] * (amax / largest));
     x[n / 3] = fp8_data_bf16(-amax);
-    float *ref = host_floats(n);
-    float ref_scale = fp8_fake_quantize(ref, x, n, format);
-    uint8_t *d_q = poisoned(n), *d_qt = poisoned(n);
+    uint8_t *d_q = poisoned(n), *d_qt = poisoned((size_t)C * fp8_padded_rows(R));
     float *d_scale = poisoned(sizeof(float)), *d_amax = poisoned(sizeof(float));
     OK(fp8_quantize_cuda(d_q, d_qt, d_scale, upload_bf16(x, n), R, C, format, d_amax, 0, err));
-    uint8_t *q = host_alloc(n), *qt = host_alloc(n);
-    float scale;
-    CK(cudaDeviceSynchronize());
-    CK(cudaMemcpy(q, d_q, n, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(qt, d_qt, n, cudaMemcpyDeviceToHost));
-    CK(cudaMemcpy(&scale, d_scale, sizeof scale, cudaMemcpyDeviceToHost));
-    cr_expect_eq(scale, ref_scale, "R=%d C=%d format %d: scale %g, CPU %g", R, C, (int)format, scale, ref_scale);
-    size_t bad = 0, bad_t = 0, first = n;
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            size_t i = (size_t)r * C + c;
-            int wrong = fp8_value(q[i], format) * ref_scale != ref[i];
-            bad += wrong;
-            bad_t += fp8_value(qt[(size_t)c * R + r], format) * ref_scale != ref[i];
-            if (wrong && first == n) first = i;
-        }
-    cr_log_info("fp8_quantize_cuda R=%d C=%d format %d: scale %g, %zu + %zu elements differ", R, C, (int)format,
-                scale, bad, bad_t);
-    cr_expect_eq(bad, 0, "R=%d C=%d format %d: %zu of %zu q differ (first at %zu: x %g, gpu %g, cpu %g)", R, C,
-                 (int)format, bad, n, first, first < n ? x[first] : 0.0f,
-                 first < n ? fp8_value(q[first], format) * ref_scale : 0.0f, first < n ? ref[first] : 0.0f);
-    cr_expect_eq(bad_t, 0, "R=%d C=%d format %d: %zu of %zu qt differ", R, C, (int)format, bad_t, n);
+    expect_quantized(d_q, d_qt, d_scale, x, R, C, format, "fp8_quantize_cuda");
 }
 
 Test(linear_fp8, quantize_matches_cpu) {
@@ -200,9 +216,18 @@ Test(linear_fp8, quantize_matches_cpu) {
     check_quantize(192, 128, FP8_E4M3, 450.0f, 3);   // amax just above 448: scale 2
     check_quantize(192, 128, FP8_E4M3, 448.0f, 4);   // amax = 448: scale 1
     check_quantize(192, 128, FP8_E5M2, 1e-3f, 5);    // 2^-25
+    check_quantize(45, 80, FP8_E4M3, 3.0f, 6);       // rows not a multiple of 16: qt (80, 48), 3 pad columns
+    check_quantize(131, 32, FP8_E5M2, 3.0f, 7);      // 13 pad columns, in a third row tile
+    check_quantize(1, 16, FP8_E4M3, 3.0f, 8);        // one row: 15 pad columns
 }
 
 // ---- against the CPU FP8 definition --------------------------------------------------------
+
+// A poisoned place for the forward's copy of inp (M, IC): qt (IC, Mp) and the scale.
+static Fp8Saved poisoned_saved(int M, int IC) {
+    Fp8Saved saved = {poisoned((size_t)IC * fp8_padded_rows(M)), poisoned(sizeof(float))};
+    return saved;
+}
 
 static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint64_t seed) {
     Rng rng;
@@ -212,15 +237,20 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     float *dy = randn_bf16(&rng, ny, 1e-3f);
     bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_b = upload_bf16(b, OC), *d_dy = upload_bf16(dy, ny);
     char name[128];
+    // NaN patterns (0xFF in e4m3 and e5m2) wherever a copy's pad could be read unwritten
+    CK(cudaMemset(workspace, 0xFF, workspace_bytes));
+    Fp8Saved saved = poisoned_saved(M, IC);
 
+    // with bias, keeping inp's copy (its bytes and scale: the CPU's quantization of x), and without
     float *y_ref = host_floats(ny);
     linear_fp8_forward(y_ref, x, w, b, M, IC, OC);
     bf16 *d_y = poisoned(ny * sizeof(bf16));
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
+    expect_quantized(NULL, saved.qt, saved.scale, x, M, IC, FP8_E4M3, "the forward's saved inp");
     linear_fp8_forward(y_ref, x, w, NULL, M, IC, OC);
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward (no bias) M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
 
@@ -234,8 +264,8 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, grad_format, workspace, workspace_bytes,
-                                &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(d_dx, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, workspace,
+                                workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_OUT, name);
@@ -248,21 +278,23 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, grad_format, workspace, workspace_bytes,
-                                &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(NULL, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, workspace,
+                                workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
     snprintf(name, sizeof name, "fp8 backward (%s, dweight only) M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(dw, dw_inc, nw, TOL_GEMM_F32, name);
 
-    // the MLP's layers: forward with GELU (pre_gelu kept), backward with dGELU (dpre written over
-    // poison) against the CPU definition followed by gelu_forward / gelu_backward
+    // the MLP's layers: forward with GELU (pre_gelu and inp's copy kept), backward with dGELU (dpre
+    // written over poison) against the CPU definition followed by gelu_forward / gelu_backward
     float *act_ref = host_floats(ny);
     linear_fp8_forward(y_ref, x, w, b, M, IC, OC);
     gelu_forward(act_ref, y_ref, ny);
     bf16 *d_act = poisoned(ny * sizeof(bf16));
     CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
-    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, workspace, workspace_bytes, &ctx, 0, err));
+    Fp8Saved saved_gelu = poisoned_saved(M, IC);
+    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, workspace, workspace_bytes,
+                                    &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward+GELU pre-activation M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
     snprintf(name, sizeof name, "fp8 forward+GELU output M=%d IC=%d OC=%d", M, IC, OC);
@@ -274,8 +306,8 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     bf16 *d_dpre = poisoned(nx * sizeof(bf16));
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, d_x, upload_bf16(pre, nx), d_w, M, IC, OC, grad_format,
-                                      workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
+                                      grad_format, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
     dw = download_f32(d_dw, nw);
@@ -292,6 +324,16 @@ Test(linear_fp8, matches_cpu_definition) {
     check_against_cpu(96, 128, 80, FP8_E4M3, 12);
     check_against_cpu(512, 64, 192, FP8_E5M2, 13);
     check_against_cpu(272, 336, 48, FP8_E4M3, 14);
+}
+
+// M not a multiple of 16: inpᵀ and doutᵀ padded to Mp (112, 16, 4096) with zeros (a test of its
+// own: each test's buffers are freed at its end, and one test with all seven shapes ran out of
+// host-buffer slots on the GPU)
+Test(linear_fp8, matches_cpu_definition_any_token_count) {
+    REQUIRE_GPU();
+    check_against_cpu(97, 128, 80, FP8_E4M3, 15);
+    check_against_cpu(1, 64, 48, FP8_E5M2, 16);
+    check_against_cpu(4091, 64, 32, FP8_E4M3, 17);
 }
 
 // ---- against the bf16 linear at DiT shapes -------------------------------------------------
@@ -323,12 +365,13 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
         bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_b = upload_bf16(b, OC), *d_dy = upload_bf16(dy, ny);
         bf16 *d_y = poisoned(ny * sizeof(bf16)), *d_dx = device_alloc(nx * sizeof(bf16));
         float *d_dw = device_alloc(nw * sizeof(float));
+        Fp8Saved saved = poisoned_saved(M, IC);
         char name[96];
 
         OK(linear_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &ctx, 0, err));
         float *y_ref = download_bf16(d_y, ny);
         CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
-        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, workspace, workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, workspace, workspace_bytes, &ctx, 0, err));
         snprintf(name, sizeof name, "%s out (M=%d IC=%d OC=%d)", layers[l].name, M, IC, OC);
         expect_near_bf16(download_bf16(d_y, ny), y_ref, ny, 0.06, name);
 
@@ -341,8 +384,8 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, grad, workspace, workspace_bytes,
-                                        &ctx, 0, err));
+            OK(linear_fp8_backward_cuda(d_dx, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, workspace,
+                                        workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
             snprintf(name, sizeof name, "%s dweight (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
@@ -357,18 +400,28 @@ Test(linear_fp8, rejects_bad_arguments) {
     LayersCuda fake = {.scratch = (float *)256, .scratch_floats = 1};
     bf16 *p = (bf16 *)4096;
     void *ws = (void *)8192;
+    Fp8Saved saved = {(uint8_t *)4096, (float *)4352}, misaligned = {(uint8_t *)4104, (float *)4352};
     size_t need = linear_fp8_workspace_bytes(64, 64, 64);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 100, 64, 64, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_cuda") && strstr(err, "multiples of 16"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, ws, need - 1, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect(strstr(err, "M >= 1"), "message: %s", err);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, ws, need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "workspace"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p + 1, p, p, 64, 64, 64, FP8_E5M2, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, ws, need, &fake, 0, err), -1);
+    cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
+    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, ws, need,
+                                          &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, p, p, 64, 64, 64, (Fp8Format)7, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, ws, need, &fake, 0,
+                                          err), -1);
+    cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
+    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, ws, need,
+                                          &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, ws, need, NULL, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, p, p, p, 64, 64, 64, FP8_E4M3, ws, need - 1,
-                                                &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, ws,
+                                                need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
 }
