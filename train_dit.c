@@ -51,7 +51,7 @@ typedef struct {
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     int cuda_graph;                                           // --cuda-graph: 1 on, 0 off, -1 not given
-    int zero_overlap;                                         // --zero-overlap: 1 on, 0 off, -1 not given
+    int zero_overlap;                                         // --zero-overlap: 1 on, 0 off, -1 auto
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -117,10 +117,11 @@ static const char *usage_text =
     "                        group's all-to-all beside another's attention (default 4; 1 to 16)\n"
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
-    "  --zero-overlap on|off ZeRO-1's reduction of the gradients behind the backward: each bucket of\n"
-    "                        blocks (>= 32 MB) reduced to its owners as soon as its backward is done, on\n"
-    "                        a stream of its own (bitwise the same step on 2 GPUs) (default on; off: one\n"
-    "                        reduce-scatter after the backward; one GPU: on is an error)\n"
+    "  --zero-overlap auto|on|off  ZeRO-1's reduction of the gradients behind the backward: each\n"
+    "                        bucket of blocks (>= 32 MB, adaLN included) reduced to its owners as soon as\n"
+    "                        its backward is done, on a stream of its own; off: one reduce-scatter after\n"
+    "                        the backward; auto (default): on when the gradients reach 256 MB (small,\n"
+    "                        host-bound steps lose to the extra NCCL groups); one GPU: on is an error\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
     "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
 
@@ -208,8 +209,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         }
         else if (!strcmp(f, "--zero-overlap")) {
             a->zero_overlap = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
-            if (a->zero_overlap < 0) {
-                dit_set_error(err, "--zero-overlap: expected on or off, got '%s'", v);
+            if (a->zero_overlap < 0 && strcmp(v, "auto")) {
+                dit_set_error(err, "--zero-overlap: expected auto, on or off, got '%s'", v);
                 rc = -1;
             }
         }
@@ -368,8 +369,9 @@ static double now_seconds(void) {
 // weights, EMA and AdamW moments: initialization and checkpoints happen there and are uploaded.
 // Data parallel (world > 1, GPU only): `dist` is the communicator of the ranks, `rank` this one.
 // cuda_graph: one GPU, the step's GPU work replayed as one CUDA graph (dit_gpu_train_step_graph).
+// zero_overlap: several GPUs, ZeRO-1's reduction behind the backward (--zero-overlap, resolved).
 typedef struct {
-    int on_gpu, cuda_graph;
+    int on_gpu, cuda_graph, zero_overlap;
     int rank, world;
     DistMesh mesh;                  // data parallel × sequence parallel (all 1 for one process)
     Dit cpu;
@@ -399,9 +401,13 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
 #ifdef DIT_CUDA
     tr->dist = dist;
     if (tr->on_gpu) {
+        // --zero-overlap auto: on from ZERO_OVERLAP_MIN_FLOATS gradients (model/zero.h)
+        tr->zero_overlap = mesh->world > 1 && (a->zero_overlap == 1 ||
+                                               (a->zero_overlap < 0 && dit_num_params(cfg) >= ZERO_OVERLAP_MIN_FLOATS));
         DitGpuSeqParallel sp = {.ulysses = mesh->ulysses, .ring = mesh->ring, .ulysses_rank = mesh->ulysses_rank,
                                 .ring_rank = mesh->ring_rank, .head_groups = a->sp_head_groups,
-                                .optimizer_shards = mesh->world, .optimizer_rank = mesh->rank};
+                                .optimizer_shards = mesh->world, .optimizer_rank = mesh->rank,
+                                .zero_overlap = tr->zero_overlap};
         if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
             die(err);
         DitLinear linear = !strcmp(a->linear, "fp8") ? DIT_LINEAR_FP8 : DIT_LINEAR_BF16;
@@ -501,8 +507,9 @@ static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
         else if (!rc)
             rc = dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
                  dit_gpu_backward(g, B, err) ||
-                 zero_step_queue(tr->dist, g, a->zero_overlap != 0 ? ZERO_BUCKET_FLOATS : 0, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
-                                 a->weight_decay, a->grad_clip, ema_decay, s->step, err);
+                 zero_step_queue(tr->dist, g, tr->zero_overlap ? ZERO_BUCKET_FLOATS : 0, 1.0f / tr->mesh.dp,
+                                 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip,
+                                 ema_decay, s->step, err);
         if (rc || dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err)) die(err);
         return;
     }
@@ -1017,8 +1024,9 @@ int main(int argc, char **argv) {
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);
         if (world > 1)
-            printf("ZeRO-1 over %d ranks: gradients reduced %s\n", world,
-                   a->zero_overlap != 0 ? "behind the backward (--zero-overlap on)" : "after the backward (--zero-overlap off)");
+            printf("ZeRO-1 over %d ranks: %.0f MB of gradients reduced %s (--zero-overlap %s)\n", world,
+                   model->num_params * sizeof(float) / 1e6, tr.zero_overlap ? "behind the backward" : "after the backward",
+                   a->zero_overlap < 0 ? "auto" : a->zero_overlap ? "on" : "off");
         if (mesh.sp > 1)
             printf("sequence parallel: Ulysses %d x ring %d, %d of the %d tokens of every image per rank\n",
                    mesh.ulysses, mesh.ring, dit_tokens(&cfg) / mesh.sp, dit_tokens(&cfg));
