@@ -51,6 +51,7 @@ typedef struct {
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     int cuda_graph;                                           // --cuda-graph: 1 on, 0 off, -1 not given
+    int zero_overlap;                                         // --zero-overlap: 1 on, 0 off, -1 auto
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -116,6 +117,11 @@ static const char *usage_text =
     "                        group's all-to-all beside another's attention (default 4; 1 to 16)\n"
     "  --sp-ring R           ... and R groups of them ring attention (tokens % (U·R) == 0; sage: T/R a\n"
     "                        multiple of 64); data parallel over the N / (U·R) groups; default 1\n"
+    "  --zero-overlap auto|on|off  ZeRO-1's reduction of the gradients behind the backward: each\n"
+    "                        bucket of blocks (>= 32 MB, adaLN included) reduced to its owners as soon as\n"
+    "                        its backward is done, on a stream of its own; off: one reduce-scatter after\n"
+    "                        the backward; auto (default): on when the gradients reach 256 MB (small,\n"
+    "                        host-bound steps lose to the extra NCCL groups); one GPU: on is an error\n"
     "  --dist-timeout S      a rank that waits longer for the others (start, all-reduce) aborts with\n"
     "                        an error naming it (default 600; covers rank 0's sampling and checkpoints)\n";
 
@@ -161,7 +167,8 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .warmup = 100, .ckpt_every = 500, .sample_every = 500, .sample_steps = 25,
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
-                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1};
+                     .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1,
+                     .zero_overlap = -1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -197,6 +204,13 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
             a->cuda_graph = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
             if (a->cuda_graph < 0) {
                 dit_set_error(err, "--cuda-graph: expected on or off, got '%s'", v);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(f, "--zero-overlap")) {
+            a->zero_overlap = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
+            if (a->zero_overlap < 0 && strcmp(v, "auto")) {
+                dit_set_error(err, "--zero-overlap: expected auto, on or off, got '%s'", v);
                 rc = -1;
             }
         }
@@ -283,6 +297,11 @@ static int check_distributed_args(const TrainArgs *a, const DistEnv *env, char *
     int world = env->world_size > 1 ? env->world_size : a->gpus > 1 ? a->gpus : 1;
     DistMesh mesh;
     if (dist_mesh_make(&mesh, world, 0, a->sp_ulysses, a->sp_ring, err) != 0) return -1;
+    if (world == 1 && a->zero_overlap == 1) {
+        dit_set_error(err, "--zero-overlap on: several GPUs only (one process has no reduction over ranks to overlap; "
+                           "leave the flag out or pass off)");
+        return -1;
+    }
     if (world == 1) return 0;
 #ifndef DIT_NCCL
     dit_set_error(err, "%d ranks: this build has no NCCL (the Makefile found no nccl.h)", world);
@@ -350,8 +369,9 @@ static double now_seconds(void) {
 // weights, EMA and AdamW moments: initialization and checkpoints happen there and are uploaded.
 // Data parallel (world > 1, GPU only): `dist` is the communicator of the ranks, `rank` this one.
 // cuda_graph: one GPU, the step's GPU work replayed as one CUDA graph (dit_gpu_train_step_graph).
+// zero_overlap: several GPUs, ZeRO-1's reduction behind the backward (--zero-overlap, resolved).
 typedef struct {
-    int on_gpu, cuda_graph;
+    int on_gpu, cuda_graph, zero_overlap;
     int rank, world;
     DistMesh mesh;                  // data parallel × sequence parallel (all 1 for one process)
     Dit cpu;
@@ -381,9 +401,13 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
 #ifdef DIT_CUDA
     tr->dist = dist;
     if (tr->on_gpu) {
+        // --zero-overlap auto: on from ZERO_OVERLAP_MIN_FLOATS gradients (model/zero.h)
+        tr->zero_overlap = mesh->world > 1 && (a->zero_overlap == 1 ||
+                                               (a->zero_overlap < 0 && dit_num_params(cfg) >= ZERO_OVERLAP_MIN_FLOATS));
         DitGpuSeqParallel sp = {.ulysses = mesh->ulysses, .ring = mesh->ring, .ulysses_rank = mesh->ulysses_rank,
                                 .ring_rank = mesh->ring_rank, .head_groups = a->sp_head_groups,
-                                .optimizer_shards = mesh->world, .optimizer_rank = mesh->rank};
+                                .optimizer_shards = mesh->world, .optimizer_rank = mesh->rank,
+                                .zero_overlap = tr->zero_overlap};
         if (mesh->sp > 1 && dist_comm_split_mesh(tr->dist, mesh, &sp.sp_comm, &sp.ulysses_comm, &sp.ring_comm, err))
             die(err);
         DitLinear linear = !strcmp(a->linear, "fp8") ? DIT_LINEAR_FP8 : DIT_LINEAR_BF16;
@@ -483,8 +507,9 @@ static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
         else if (!rc)
             rc = dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
                  dit_gpu_backward(g, B, err) ||
-                 zero_step_queue(tr->dist, g, 1.0f / tr->mesh.dp, 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f,
-                                 a->weight_decay, a->grad_clip, ema_decay, s->step, err);
+                 zero_step_queue(tr->dist, g, tr->zero_overlap ? ZERO_BUCKET_FLOATS : 0, 1.0f / tr->mesh.dp,
+                                 1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip,
+                                 ema_decay, s->step, err);
         if (rc || dit_gpu_queue_scalars(g, &s->scalars[0], &s->scalars[1], s->done, err)) die(err);
         return;
     }
@@ -998,6 +1023,10 @@ int main(int argc, char **argv) {
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);
+        if (world > 1)
+            printf("ZeRO-1 over %d ranks: %.0f MB of gradients reduced %s (--zero-overlap %s)\n", world,
+                   model->num_params * sizeof(float) / 1e6, tr.zero_overlap ? "behind the backward" : "after the backward",
+                   a->zero_overlap < 0 ? "auto" : a->zero_overlap ? "on" : "off");
         if (mesh.sp > 1)
             printf("sequence parallel: Ulysses %d x ring %d, %d of the %d tokens of every image per rank\n",
                    mesh.ulysses, mesh.ring, dit_tokens(&cfg) / mesh.sp, dit_tokens(&cfg));

@@ -60,6 +60,10 @@ size_t modulation_backward_scratch_floats(int B, int T, int C);
 
 // ---- casts -------------------------------------------------------------------------------
 int cast_float_to_bf16_cuda(bf16 *out, const float *inp, size_t n, cudaStream_t stream, char *err);
+// out (rows, cols) contiguous = bf16 of rows·cols floats whose rows lie inp_stride apart (a column
+// slice of a wider matrix, e.g. one block's part of the adaLN gradient).
+int cast_float_to_bf16_rows_cuda(bf16 *out, const float *inp, int rows, int cols, size_t inp_stride,
+                                 cudaStream_t stream, char *err);
 int cast_bf16_to_float_cuda(float *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 
 // ---- reshapes (pure data movement: bit-exact) ---------------------------------------------
@@ -91,7 +95,7 @@ int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const b
                              const bf16 *bias, int M, int IC, int OC,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout.
-// dinp and dbias may be NULL. dbias needs linear_backward_scratch_floats(M, OC) of scratch.
+// dinp, dweight and dbias may each be NULL. dbias needs linear_backward_scratch_floats(M, OC) of scratch.
 int linear_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
                          const bf16 *dout, const bf16 *inp, const bf16 *weight,
                          int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err);

@@ -213,13 +213,13 @@ int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const b
                   CUBLASLT_EPILOGUE_GELU_AUX_BIAS, bias, pre_gelu, what, ctx, stream, err);
 }
 
-// dweight (OC, IC) += doutᵀ·inp in fp32 (beta = 1); then dbias.
+// dweight (OC, IC) += doutᵀ·inp in fp32 (beta = 1); then dbias (each skipped when NULL).
 static int weight_bias_backward(float *dweight, float *dbias, const bf16 *dout, const bf16 *inp,
                                 int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     char what[128];
     snprintf(what, sizeof what, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
-    if (matmul(dweight, CUDA_R_32F, inp, dout, IC, OC, M, false, true, 1.0f,
-               CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
+    if (dweight && matmul(dweight, CUDA_R_32F, inp, dout, IC, OC, M, false, true, 1.0f,
+                          CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 

@@ -178,6 +178,13 @@ __global__ void cast_float_to_bf16_kernel(bf16 *out, const float *inp, size_t n)
     if (i < n) out[i] = __float2bfloat16(inp[i]);
 }
 
+// out (rows, cols) = bf16(inp), inp's rows inp_stride floats apart (a column slice of a wider
+// matrix); n = rows·cols.
+__global__ void cast_float_to_bf16_rows_kernel(bf16 *out, const float *inp, int cols, size_t inp_stride, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16(inp[(i / cols) * inp_stride + i % cols]);
+}
+
 // out = float(inp), exact.
 __global__ void cast_bf16_to_float_kernel(float *out, const bf16 *inp, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -285,6 +292,16 @@ int add_forward_cuda(bf16 *out, const bf16 *a, const bf16 *b, size_t n, cudaStre
 
 int cast_float_to_bf16_cuda(bf16 *out, const float *inp, size_t n, cudaStream_t stream, char *err) {
     LAUNCH_ELEMENTWISE(cast_float_to_bf16_kernel, n, out, inp);
+}
+
+int cast_float_to_bf16_rows_cuda(bf16 *out, const float *inp, int rows, int cols, size_t inp_stride,
+                                 cudaStream_t stream, char *err) {
+    if (rows < 0 || cols <= 0 || inp_stride < (size_t)cols) {
+        dit_set_error(err, "cast_float_to_bf16_rows_cuda: need rows >= 0, cols > 0 and inp_stride >= cols "
+                      "(rows=%d cols=%d inp_stride=%zu)", rows, cols, inp_stride);
+        return -1;
+    }
+    LAUNCH_ELEMENTWISE(cast_float_to_bf16_rows_kernel, (size_t)rows * cols, out, inp, cols, inp_stride);
 }
 
 int cast_bf16_to_float_cuda(float *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {

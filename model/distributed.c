@@ -611,6 +611,39 @@ int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, f
     return 0;
 }
 
+int dist_reduce_ranges_scaled_queue(DistComm *c, float *buffer, size_t count, const size_t *offsets,
+                                    const size_t *numels, int n_ranges, float scale, cudaStream_t stream, char *err) {
+    char what[160];
+    size_t total = 0;
+    for (int i = 0; i < n_ranges; i++) total += numels[i];
+    snprintf(what, sizeof(what), "ncclReduce (scaled sum) of %d ranges, %zu floats (%zu per rank's part)", n_ranges,
+             total, count);
+    if (!c->comm) return fail(c, err, "%s: %s", what, "the communicator was aborted earlier");
+    for (int i = 0; i < n_ranges; i++)
+        if (offsets[i] + numels[i] > count * c->world_size) {
+            dit_set_error(err, "%s: range %d [%zu, %zu) outside the buffer of %d·%zu floats", what, i, offsets[i],
+                          offsets[i] + numels[i], c->world_size, count);
+            return -1;
+        }
+    ncclRedOp_t op;
+    if (settle(c, ncclRedOpCreatePreMulSum(&op, &scale, ncclFloat32, ncclScalarHostImmediate, c->comm), what, err) != 0)
+        return -1;
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < n_ranges && r == ncclSuccess; i++) {
+        // [a, end): the piece of range i that belongs to rank `root`
+        for (size_t a = offsets[i], hi = offsets[i] + numels[i]; a < hi && r == ncclSuccess;) {
+            int root = (int)(a / count);
+            size_t end = (root + 1) * count < hi ? (root + 1) * count : hi;
+            r = ncclReduce(buffer + a, buffer + a, end - a, ncclFloat32, op, root, c->comm, stream);
+            a = end;
+        }
+    }
+    ncclResult_t end = ncclGroupEnd();
+    if (settle(c, r != ncclSuccess ? r : end, what, err) != 0) return -1;
+    ncclRedOpDestroy(op, c->comm);
+    return 0;
+}
+
 static void gather_what(char *what, size_t cap, size_t bytes, int n_buffers) {
     snprintf(what, cap, "ncclAllGather of %d buffers, %zu bytes per rank", n_buffers, bytes);
 }
@@ -765,6 +798,13 @@ int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, f
                                      char *err) {
     (void)c; (void)buffer; (void)count; (void)scale; (void)stream;
     dit_set_error(err, "dist_reduce_scatter_scaled_queue: this build has no NCCL");
+    return -1;
+}
+
+int dist_reduce_ranges_scaled_queue(DistComm *c, float *buffer, size_t count, const size_t *offsets,
+                                    const size_t *numels, int n_ranges, float scale, cudaStream_t stream, char *err) {
+    (void)c; (void)buffer; (void)count; (void)offsets; (void)numels; (void)n_ranges; (void)scale; (void)stream;
+    dit_set_error(err, "dist_reduce_ranges_scaled_queue: this build has no NCCL");
     return -1;
 }
 

@@ -108,6 +108,16 @@ int dist_all_reduce_scaled_queue(DistComm *c, float *const *buffers, const size_
 // Only queued: wait with dist_wait_event.
 int dist_reduce_scatter_scaled_queue(DistComm *c, float *buffer, size_t count, float scale, cudaStream_t stream,
                                      char *err);
+// ZeRO-1's gradient reduction for parts of the buffer (layout as above: element i belongs to rank
+// i / count): in place on stream, for each range [offsets[i], offsets[i] + numels[i]), cut at
+// the part boundaries, each piece = scale · Σ over the ranks on the rank it belongs to
+// (ncclReduce to that root, PreMulSum with the scale: one ncclGroup, one operator); elsewhere
+// the pieces are left as they were. Every rank must pass the same ranges. Only queued: wait
+// with dist_wait_event. On 2 ranks each element is s·a + s·b as in the reduce-scatter (one
+// addition, commutative), so the two give bitwise the same sums; with more ranks NCCL's order
+// of the additions may differ between the two collectives.
+int dist_reduce_ranges_scaled_queue(DistComm *c, float *buffer, size_t count, const size_t *offsets,
+                                    const size_t *numels, int n_ranges, float scale, cudaStream_t stream, char *err);
 // In place on stream: each of the n_buffers buffers holds world·bytes bytes; afterwards every
 // rank has rank r's part [r·bytes, (r+1)·bytes) of every rank r (one NCCL group). The _queue
 // form only queues it (wait with dist_wait_event); dist_all_gather waits as dist_all_reduce_mean.

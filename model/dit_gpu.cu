@@ -237,6 +237,29 @@ static int create_group_stream(DitGpu *m, char *err) {
     return 0;
 }
 
+// ZeRO-1 over several shards: the reduction stream at the highest priority (as Ulysses'
+// group_stream: the backward's grids would otherwise hold the SMs its NCCL kernels need) and the
+// events that order it against the model stream.
+static int create_reduce_stream(DitGpu *m, char *err) {
+    int least, greatest, L = m->cfg.depth;
+    CUDA_CHECK(err, cudaDeviceGetStreamPriorityRange(&least, &greatest), "dit_gpu_create_sp: stream priorities");
+    CUDA_CHECK(err, cudaStreamCreateWithPriority(&m->reduce_stream, cudaStreamNonBlocking, greatest),
+               "dit_gpu_create_sp: the gradients' reduction stream (priority %d)", greatest);
+    m->block_grads_done = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+    if (!m->block_grads_done) {
+        dit_set_error(err, "dit_gpu_create_sp: out of host memory for %d events", L);
+        return -1;
+    }
+    for (int l = 0; l < L; l++)
+        CUDA_CHECK(err, cudaEventCreateWithFlags(&m->block_grads_done[l], cudaEventDisableTiming),
+                   "dit_gpu_create_sp: the event of block %d's gradients", l);
+    CUDA_CHECK(err, cudaEventCreateWithFlags(&m->grads_ready, cudaEventDisableTiming),
+               "dit_gpu_create_sp: the event of the backward's end");
+    CUDA_CHECK(err, cudaEventCreateWithFlags(&m->grads_reduced, cudaEventDisableTiming),
+               "dit_gpu_create_sp: the event of the reduction's end");
+    return 0;
+}
+
 // FP8 block linears: an sm_89+ GPU; *workspace_bytes: what the largest of qkv, proj, fc1, fc2
 // needs at the full batch. Any M = B·tokens works (the layer pads its transposed copies); IC and
 // OC (h, 3h, 4h) are multiples of 16, as the layer needs, since h = heads·64 or heads·128.
@@ -335,6 +358,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
         return -1;
     }
     if (sp->ulysses > 1 && create_group_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
+    if (shards > 1 && sp->zero_overlap && create_reduce_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
     if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch, m->tokens), err) != 0) { dit_gpu_free(m); return -1; }
     if (cudaMalloc(&m->params_alloc, m->params_bytes) != cudaSuccess ||
         cudaMalloc(&m->acts_alloc, m->acts_bytes) != cudaSuccess) {
@@ -404,6 +428,12 @@ void dit_gpu_free(DitGpu *m) {
     if (m->odd_stream) cudaStreamDestroy(m->odd_stream);
     for (int i = 0; i < 2 * DIT_MAX_HEAD_GROUPS + 1; i++)
         if (m->group_events[i]) cudaEventDestroy(m->group_events[i]);
+    if (m->reduce_stream) cudaStreamDestroy(m->reduce_stream);
+    for (int l = 0; m->block_grads_done && l < m->cfg.depth; l++)
+        if (m->block_grads_done[l]) cudaEventDestroy(m->block_grads_done[l]);
+    free(m->block_grads_done);
+    if (m->grads_ready) cudaEventDestroy(m->grads_ready);
+    if (m->grads_reduced) cudaEventDestroy(m->grads_reduced);
     memset(m, 0, sizeof(*m));
 }
 
@@ -1176,11 +1206,26 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));
+        // zero_overlap: block l's adaLN weight (6h, h) and bias (6h) gradients, now final:
+        // dW_l += dada_lᵀ·c_silu, db_l += Σ_b dada_l, with dada_l (B, 6h) cast to bf16 in the first
+        // B·6h of ada_bf16 (free until the cast after the loop); the same sums over b as the
+        // stacked GEMM's rows l·6h .. (l + 1)·6h (dev/notes_sequence_parallel.md)
+        if (m->sp.zero_overlap) {
+            TRY(cast_float_to_bf16_rows_cuda(g->ada_bf16, dada, B, 6 * h, stride, s, err));
+            TRY(linear_backward_cuda(NULL, dw->ada_w + (size_t)l * 6 * h * h, dw->ada_b + (size_t)l * 6 * h,
+                                     g->ada_bf16, a->c_silu, NULL, B, h, 6 * h, ctx, s, err));
+        }
+        // block l's weight gradients are final: ZeRO-1 may reduce them now (model/zero.h)
+        if (m->block_grads_done)
+            CUDA_CHECK(err, cudaEventRecord(m->block_grads_done[l], s), "record block %d's gradients done", l);
     }
 
-    // conditioning: c_silu feeds every adaLN; c = t_emb + y_emb passes its gradient to both
+    // conditioning: c_silu feeds every adaLN (their weight gradients here unless made per block);
+    // c = t_emb + y_emb passes its gradient to both
+    int stacked = !m->sp.zero_overlap;
     TRY(cast_float_to_bf16_cuda(g->ada_bf16, g->ada, (size_t)B * stride, s, err));
-    TRY(linear_backward_cuda(g->c_silu, dw->ada_w, dw->ada_b, g->ada_bf16, a->c_silu, w->ada_w, B, h, stride, ctx, s, err));
+    TRY(linear_backward_cuda(g->c_silu, stacked ? dw->ada_w : NULL, stacked ? dw->ada_b : NULL, g->ada_bf16,
+                             a->c_silu, w->ada_w, B, h, stride, ctx, s, err));
     TRY(silu_backward_cuda(g->c, a->c, g->c_silu, (size_t)B * h, s, err));
     TRY(embedding_backward_cuda(dw->y_table, g->c, a->labels, B, h, s, err));
     TRY(linear_backward_cuda(g->t_h_silu, dw->t_w2, dw->t_b2, g->c, a->t_h_silu, w->t_w2, B, h, h, ctx, s, err));
@@ -1189,6 +1234,21 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
 
     // patch embedding (the positions are fixed)
     return linear_backward_cuda(NULL, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h, ctx, s, err);
+}
+
+void dit_gpu_block_grad_ranges(const DitGpu *m, int first, int count, size_t *offsets, size_t *numels) {
+    size_t h = m->cfg.hidden;
+    const DitParams *g = &m->grads;
+    // (the stack, one block's floats) in buffer order
+    const struct { const float *stack; size_t per_block; } kinds[DIT_BLOCK_GRAD_RANGES] = {
+        {g->ada_w, 6 * h * h}, {g->ada_b, 6 * h}, {g->qkv_w, 3 * h * h}, {g->qkv_b, 3 * h},
+        {g->proj_w, h * h}, {g->proj_b, h}, {g->fc1_w, 4 * h * h}, {g->fc1_b, 4 * h},
+        {g->fc2_w, 4 * h * h}, {g->fc2_b, h},
+    };
+    for (int k = 0; k < DIT_BLOCK_GRAD_RANGES; k++) {
+        offsets[k] = (size_t)(kinds[k].stack - m->grads_memory) + first * kinds[k].per_block;
+        numels[k] = count * kinds[k].per_block;
+    }
 }
 
 // ---- optimizer ---------------------------------------------------------------------------

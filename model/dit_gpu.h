@@ -36,7 +36,12 @@ extern "C" {
 //
 // ZeRO-1 (model/zero.h): the optimizer state is sharded over optimizer_shards ranks (0 or 1:
 // none, the whole buffer is this rank's); this rank updates slice optimizer_rank of the padded
-// parameter buffer (DitGpu.shard_size elements each).
+// parameter buffer (DitGpu.shard_size elements each). zero_overlap = 1 readies the model for
+// ZeRO-1's reduction behind the backward: the backward computes each block's adaLN weight and
+// bias gradients in that block's iteration (one GEMM per block instead of one over all blocks
+// after the loop), so every gradient of a block is final when its iteration ends; with several
+// shards it also creates reduce_stream and records block_grads_done (below). 0: the one-GPU
+// backward as it always was.
 // The block linears (qkv, proj, fc1, fc2): bf16 cuBLASLt GEMMs (layers/layers_cuda.h), or FP8 GEMMs
 // (layers/linear_fp8_cuda.h: e4m3 activations, weights and gradients, per-tensor scales from the
 // current amax, fp32 accumulation; fc1's GELU and fc2's dGELU as separate passes). The patch
@@ -52,6 +57,7 @@ typedef struct {
     struct ncclComm *sp_comm, *ulysses_comm, *ring_comm;  // NULL where the group has one rank
     int head_groups;                   // G of the Ulysses pipeline (0: the default)
     int optimizer_shards, optimizer_rank;
+    int zero_overlap;                  // 1: per-block adaLN gradients (and, sharded, the events)
 } DitGpuSeqParallel;
 
 // bf16 views of one parameter buffer (the weights, or the EMA for sampling), as DitParams.
@@ -194,6 +200,14 @@ typedef struct {
     cudaEvent_t step_copied[2];
     int step_next;                                // the entry the next dit_gpu_set_step fills
     DitGpuStepGraph step_graph;
+    // ZeRO-1 over several shards with sp.zero_overlap (model/zero.h; else NULL): the gradients'
+    // reduction may run on reduce_stream (highest priority, so its NCCL kernels are not starved by
+    // the backward's grids) behind the backward. dit_gpu_backward records block_grads_done[l] (depth events) on
+    // `stream` once block l's parameter gradients are final (dit_gpu_block_grad_ranges);
+    // grads_ready and grads_reduced order the rest of the reduction against `stream`.
+    cudaStream_t reduce_stream;
+    cudaEvent_t *block_grads_done;
+    cudaEvent_t grads_ready, grads_reduced;
 } DitGpu;
 
 // Allocates everything for batches of up to `batch` images. attention: DIT_ATTN_SAGE or
@@ -231,8 +245,16 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err);
 int dit_gpu_loss(DitGpu *m, int B, char *err);
 int dit_gpu_zero_grad(DitGpu *m, char *err);
 // Backward of the last forward (with m->weights) from grad_acts.out; parameter gradients
-// accumulate into m->grads.
+// accumulate into m->grads. sp.zero_overlap: block l's adaLN gradients in its iteration, and with
+// several optimizer shards m->block_grads_done[l] recorded after it.
 int dit_gpu_backward(DitGpu *m, int B, char *err);
+// The parameter gradients that the backward of blocks first .. first + count - 1 makes and no
+// later kernel of the backward touches, with sp.zero_overlap, as DIT_BLOCK_GRAD_RANGES ranges of
+// grads_memory in buffer order (offset, numel in floats): the blocks' slices of the adaLN, qkv,
+// proj, fc1 and fc2 weight and bias stacks. (Without zero_overlap the adaLN slices are written
+// after the loop, by one GEMM over all blocks.)
+#define DIT_BLOCK_GRAD_RANGES 10
+void dit_gpu_block_grad_ranges(const DitGpu *m, int first, int count, size_t *offsets, size_t *numels);
 // The optimizer step, in two parts around the sum over the ranks of the slices' squares (ZeRO-1,
 // model/zero.h; one GPU: nothing between them). dit_gpu_grad_sumsq: acts.grad_sumsq = Σ g² over
 // this rank's slice. dit_gpu_update: dit_gpu_set_step, then acts.grad_norm = sqrt(acts.grad_sumsq);

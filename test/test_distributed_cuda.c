@@ -20,7 +20,13 @@
 //    an error naming the rank; a rank that never starts makes the other's communicator creation fail.
 // 3. ZeRO-1 (model/zero.h) equals the replicated update: ZERO_STEPS data-parallel steps, each rank
 //    once with the gradients all-reduced and the whole buffer updated (what train_dit did before),
-//    once with zero_step_queue, clipping not acting (grad_clip 1e9), sage's backward
+//    for the plain model and for one created with zero_overlap (adaLN gradients per block), then
+//    with zero_step_queue called right after the backward as train_dit does, three times: the
+//    reduce-scatter after the backward (plain model), the reduction behind the backward with one
+//    block per bucket (each block's ncclReduces, its adaLN slice included, wait for its own event)
+//    and with train_dit's bucket (the test model's 2 blocks in one), each against the replicated
+//    run of its model; the shard boundary falls inside block 1's qkv weight, so a range
+//    is cut there and both roots get pieces (checked). Clipping not acting (grad_clip 1e9), sage's backward
 //    deterministic (both paths must see the same gradients bit for bit). AdamW and EMA are elementwise
 //    and with 2 ranks a·s + b·s is the same sum whichever collective makes it, so after
 //    zero_gather_state the fp32 weights, EMA, both moments, the bf16 weights and the losses must be
@@ -329,8 +335,22 @@ static int write_result(const char *dir, int rank, const char *path_kind, int wh
     return write_floats(path, x, n);
 }
 
+// The runs of each rank: the replicated update, of the plain model and of one created with
+// zero_overlap (its adaLN gradients per block), then ZeRO-1 with each of its reductions
+// (zero_step_queue's bucket_floats: 0 after the backward, else behind it), each compared with the
+// replicated run `ref` of the same model.
+typedef struct { const char *name; int sharded, overlap; size_t bucket_floats; const char *ref; } ZeroRun;
+static const ZeroRun zero_runs[] = {
+    {"replicated", 0, 0, 0, NULL},
+    {"replicated_overlap", 0, 1, 0, NULL},
+    {"zero_after", 1, 0, 0, "replicated"},
+    {"zero_per_block", 1, 1, 1, "replicated_overlap"},
+    {"zero_bucket", 1, 1, ZERO_BUCKET_FLOATS, "replicated_overlap"},
+};
+enum { N_ZERO_RUNS = sizeof(zero_runs) / sizeof(zero_runs[0]) };
+
 // ZERO_STEPS steps of this rank's half-batch; sharded: ZeRO-1, else all-reduce + whole update.
-static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char *dir, char *err) {
+static int zero_or_replicated(DistComm *comm, int rank, const ZeroRun *run, const char *dir, char *err) {
     static FullBatch b;
     full_batch(&b);
     Dit cpu;
@@ -340,9 +360,10 @@ static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char 
     randomize_params(&cpu, 7);
     size_t n = cpu.num_params;
     int B = FULL_BATCH / WORLD, first = rank * B;
-    const char *kind = sharded ? "zero" : "replicated";
+    const char *kind = run->name;
+    int sharded = run->sharded;
     DitGpuSeqParallel par = {.ulysses = 1, .ring = 1, .optimizer_shards = sharded ? WORLD : 1,
-                             .optimizer_rank = sharded ? rank : 0};
+                             .optimizer_rank = sharded ? rank : 0, .zero_overlap = run->overlap};
     float loss[ZERO_STEPS], norm[ZERO_STEPS], *x = malloc(n * sizeof(float));
     bf16 *w = malloc(n * sizeof(bf16));
     if (!x || !w) dit_set_error(err, "out of host memory for %zu parameters", n);
@@ -354,7 +375,7 @@ static int zero_or_replicated(DistComm *comm, int rank, int sharded, const char 
              dit_gpu_forward(&gpu, &gpu.weights, B, err) || dit_gpu_loss(&gpu, B, err) ||
              dit_gpu_zero_grad(&gpu, err) || dit_gpu_backward(&gpu, B, err);
         if (rc == 0 && sharded) {
-            rc = zero_step_queue(comm, &gpu, 1.0f / WORLD, 1.0f / WORLD, 1e-3f, 0.9f, 0.999f, 1e-8f, WEIGHT_DECAY,
+            rc = zero_step_queue(comm, &gpu, run->bucket_floats, 1.0f / WORLD, 1.0f / WORLD, 1e-3f, 0.9f, 0.999f, 1e-8f, WEIGHT_DECAY,
                                  NO_CLIP, 0.99f, k + 1, err);
         } else if (rc == 0) {
             float *buffers[2] = {gpu.grads_memory, gpu.acts.loss};
@@ -394,13 +415,39 @@ static void zero_rank(int rank, const char *dir) {
     DistEnv env = rank_env(rank, run_id);
     DistComm *comm;
     sage_backward_set_deterministic(1);
-    if (dist_comm_create(&comm, &env, dir, 60.0, err) != 0 || zero_or_replicated(comm, rank, 0, dir, err) != 0 ||
-        zero_or_replicated(comm, rank, 1, dir, err) != 0) {
+    int rc = dist_comm_create(&comm, &env, dir, 60.0, err);
+    for (int i = 0; rc == 0 && i < N_ZERO_RUNS; i++) rc = zero_or_replicated(comm, rank, &zero_runs[i], dir, err);
+    if (rc != 0) {
         fprintf(stderr, "rank %d: %s\n", rank, err);
         _exit(1);
     }
     dist_comm_destroy(comm);
     _exit(0);
+}
+
+// The overlapped reduction cuts a range at the shard boundary and sends each piece to its owner:
+// with the test model, block 1's qkv weight straddles the boundary (so a planted off-by-one there
+// changes a sum), and the blocks' ranges lie on both sides of it (both ranks are roots).
+static void cut_ranges_are_exercised(void) {
+    char err[DIT_ERR_LEN];
+    DitGpu gpu;
+    DitGpuSeqParallel par = {.ulysses = 1, .ring = 1, .optimizer_shards = WORLD, .optimizer_rank = 0,
+                             .zero_overlap = 1};
+    cr_assert_eq(dit_gpu_create_sp(&gpu, &config, 1, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &par, err), 0, "%s", err);
+    size_t S = gpu.shard_size, offsets[DIT_BLOCK_GRAD_RANGES], numels[DIT_BLOCK_GRAD_RANGES];
+    int straddles = 0, below = 0, above = 0;
+    for (int l = 0; l < config.depth; l++) {
+        dit_gpu_block_grad_ranges(&gpu, l, 1, offsets, numels);
+        for (int k = 0; k < DIT_BLOCK_GRAD_RANGES; k++) {
+            straddles += offsets[k] < S && S < offsets[k] + numels[k];
+            below += offsets[k] < S;
+            above += offsets[k] + numels[k] > S;
+        }
+    }
+    fprintf(stderr, "shard size %zu: %d block ranges straddle the boundary, %d start below it, %d end above it\n", S,
+            straddles, below, above);
+    cr_expect(straddles > 0 && below > 0 && above > 0, "the test model does not exercise the cut at the shard boundary");
+    dit_gpu_free(&gpu);
 }
 
 static size_t count_differing(const float *a, const float *b, size_t n) {
@@ -425,47 +472,62 @@ Test(zero1, sharded_update_equals_the_replicated_one_bitwise, .timeout = 300) {
     cr_assert_eq(dit_create(&cpu, &config, 1, DIT_ATTN_SAGE, 7, err), 0, "%s", err);
     size_t n = cpu.num_params;
     dit_free(&cpu);
-    float *zero0_params = read_result(dir, 0, "zero", Z_PARAMS, n);
+    cut_ranges_are_exercised();
+    // the two replicated runs: the adaLN gradients per block against one GEMM over the blocks
+    // (information here; test_dit_gpu_cuda checks the gradients themselves)
     for (int r = 0; r < WORLD; r++) {
-        for (int i = Z_PARAMS; i <= Z_WEIGHTS; i++) {
-            float *z = read_result(dir, r, "zero", i, n), *ref = read_result(dir, r, "replicated", i, n);
-            size_t d = count_differing(z, ref, n);
-            fprintf(stderr, "ZeRO-1 vs replicated, rank %d, %s: %zu of %zu elements differ\n", r, zero_names[i], d, n);
-            cr_expect_eq(d, 0, "rank %d, %s: %zu of %zu elements differ from the replicated update", r, zero_names[i],
-                         d, n);
-            if (i == Z_PARAMS)
-                cr_expect_eq(count_differing(z, zero0_params, n), 0, "rank %d's gathered weights differ from rank 0's", r);
-            free(z);
+        float *a = read_result(dir, r, "replicated_overlap", Z_PARAMS, n), *b = read_result(dir, r, "replicated", Z_PARAMS, n);
+        fprintf(stderr, "replicated_overlap vs replicated, rank %d, params: %zu of %zu elements differ\n", r,
+                count_differing(a, b, n), n);
+        free(a);
+        free(b);
+    }
+    for (int z = 0; z < N_ZERO_RUNS; z++) {
+        const char *zk = zero_runs[z].name, *rk = zero_runs[z].ref;
+        if (!rk) continue;
+        float *z0_params = read_result(dir, 0, zk, Z_PARAMS, n);
+        for (int r = 0; r < WORLD; r++) {
+            for (int i = Z_PARAMS; i <= Z_WEIGHTS; i++) {
+                float *zv = read_result(dir, r, zk, i, n), *ref = read_result(dir, r, rk, i, n);
+                size_t d = count_differing(zv, ref, n);
+                fprintf(stderr, "%s vs %s, rank %d, %s: %zu of %zu elements differ\n", zk, rk, r, zero_names[i], d,
+                        n);
+                cr_expect_eq(d, 0, "%s, rank %d, %s: %zu of %zu elements differ from %s", zk, r, zero_names[i], d,
+                             n, rk);
+                if (i == Z_PARAMS)
+                    cr_expect_eq(count_differing(zv, z0_params, n), 0, "%s: rank %d's gathered weights differ from "
+                                 "rank 0's", zk, r);
+                free(zv);
+                free(ref);
+            }
+            float *zl = read_result(dir, r, zk, Z_LOSS, ZERO_STEPS), *rl = read_result(dir, r, rk, Z_LOSS, ZERO_STEPS);
+            float *zn = read_result(dir, r, zk, Z_NORM, ZERO_STEPS), *rn = read_result(dir, r, rk, Z_NORM, ZERO_STEPS);
+            for (int k = 0; k < ZERO_STEPS; k++) {
+                double e = fabs((double)zn[k] - rn[k]) / rn[k];
+                fprintf(stderr, "%s, rank %d step %d: loss %.9g vs %.9g, norm %.9g vs %.9g (%.3g relative)\n", zk, r,
+                        k + 1, zl[k], rl[k], zn[k], rn[k], e);
+                cr_expect_eq(memcmp(&zl[k], &rl[k], sizeof(float)), 0, "%s, rank %d step %d: loss %.9g vs %.9g", zk, r,
+                             k + 1, zl[k], rl[k]);
+                cr_expect(e <= TOL_ZERO_NORM, "%s, rank %d step %d: norm %.9g vs %.9g (%.3g > %g)", zk, r, k + 1, zn[k],
+                          rn[k], e, TOL_ZERO_NORM);
+                cr_expect(rn[k] < NO_CLIP, "step %d: norm %g: clipping would act", k + 1, rn[k]);
+            }
+            free(zl); free(rl); free(zn); free(rn);
+            float *ema_only = read_result(dir, r, zk, Z_EMA_ONLY, n), *ref = read_result(dir, r, rk, Z_EMA, n);
+            size_t d = count_differing(ema_only, ref, n);
+            cr_expect_eq(d, 0, "%s, rank %d: the EMA after the EMA-only gather differs in %zu elements", zk, r, d);
+            free(ema_only);
             free(ref);
         }
-        float *zl = read_result(dir, r, "zero", Z_LOSS, ZERO_STEPS), *rl = read_result(dir, r, "replicated", Z_LOSS, ZERO_STEPS);
-        float *zn = read_result(dir, r, "zero", Z_NORM, ZERO_STEPS), *rn = read_result(dir, r, "replicated", Z_NORM, ZERO_STEPS);
-        for (int k = 0; k < ZERO_STEPS; k++) {
-            double e = fabs((double)zn[k] - rn[k]) / rn[k];
-            fprintf(stderr, "rank %d step %d: loss %.9g vs %.9g, norm %.9g vs %.9g (%.3g relative)\n", r, k + 1, zl[k],
-                    rl[k], zn[k], rn[k], e);
-            cr_expect_eq(memcmp(&zl[k], &rl[k], sizeof(float)), 0, "rank %d step %d: loss %.9g vs %.9g", r, k + 1,
-                         zl[k], rl[k]);
-            cr_expect(e <= TOL_ZERO_NORM, "rank %d step %d: norm %.9g vs %.9g (%.3g > %g)", r, k + 1, zn[k], rn[k], e,
-                      TOL_ZERO_NORM);
-            cr_expect(rn[k] < NO_CLIP, "step %d: norm %g: clipping would act", k + 1, rn[k]);
-        }
-        free(zl); free(rl); free(zn); free(rn);
+        float *stale = read_result(dir, 0, zk, Z_STALE, n);
+        size_t d = count_differing(stale, z0_params, n);
+        fprintf(stderr, "negative control, %s: rank 0's fp32 weights before the gather: %zu of %zu elements stale\n",
+                zk, d, n);
+        cr_expect(d > n / 4, "%s: only %zu of %zu elements of rank 0's weights were stale before the gather: the "
+                  "test cannot tell whether the gather works", zk, d, n);
+        free(stale);
+        free(z0_params);
     }
-    for (int r = 0; r < WORLD; r++) {
-        float *ema_only = read_result(dir, r, "zero", Z_EMA_ONLY, n), *ref = read_result(dir, r, "replicated", Z_EMA, n);
-        cr_expect_eq(count_differing(ema_only, ref, n), 0, "rank %d: the EMA after the EMA-only gather differs in %zu "
-                     "elements", r, count_differing(ema_only, ref, n));
-        free(ema_only);
-        free(ref);
-    }
-    float *stale = read_result(dir, 0, "zero", Z_STALE, n);
-    size_t d = count_differing(stale, zero0_params, n);
-    fprintf(stderr, "negative control: rank 0's fp32 weights before the gather: %zu of %zu elements stale\n", d, n);
-    cr_expect(d > n / 4, "only %zu of %zu elements of rank 0's weights were stale before the gather: the test "
-              "cannot tell whether the gather works", d, n);
-    free(stale);
-    free(zero0_params);
     char cmd[600];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     system(cmd);

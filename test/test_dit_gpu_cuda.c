@@ -15,7 +15,8 @@
 //   the parameters after 10 steps [1.6e-3];
 // - TOL_LOSS_10 1e-2 for each of the losses of 10 AdamW steps [worst 3.4e-3];
 // - TOL_SAMPLE 2e-2 for images after 4 Euler steps with guidance 2 [4.3e-3].
-// Resume: bitwise equality (memcmp) of losses and parameters.
+// Resume: bitwise equality (memcmp) of losses and parameters. ZeRO-1's per-block adaLN gradients
+// against the stacked GEMM: every other gradient bitwise, the adaLN ones within TOL_ADA_BLOCK.
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -193,6 +194,74 @@ Test(dit_gpu, one_step_with_fp16_sage_matches_the_cpu) {
 Test(dit_gpu, one_step_with_flash_attention_matches_the_cpu_exact_attention) {
     REQUIRE_GPU();
     check_one_step(DIT_ATTN_EXACT, 0);
+}
+
+// ZeRO-1's overlap (DitGpuSeqParallel.zero_overlap) computes each block's adaLN weight and bias
+// gradients in that block's iteration: per block, dW_l (6h, h) = dada_lᵀ·c_silu and db_l = Σ_b dada_l,
+// GEMMs of K = B, instead of rows l·6h .. (l + 1)·6h of one GEMM over all blocks after the loop.
+// Same model, weights and batch (sage's backward deterministic): every other gradient must be
+// bitwise the plain model's; the adaLN ones are the same sums over b, within TOL_ADA_BLOCK (rel L2
+// per tensor); how many of their elements differ in any bit is printed (0 when cuBLASLt adds the B
+// products in the same order for both shapes). A block's slice written to another block's place
+// fails by far (rel L2 ~1).
+#define TOL_ADA_BLOCK 1e-6
+Test(dit_gpu, per_block_adaln_gradients_equal_the_stacked_gemm) {
+    REQUIRE_GPU();
+    char err[DIT_ERR_LEN];
+    const DitConfig *c = &small_config;
+    int B = 8;
+    Dit cpu;
+    DitGpu plain, per_block;
+    make_models(&cpu, &plain, c, B, 13, DIT_ATTN_SAGE, err);
+    DitGpuSeqParallel sp = {.ulysses = 1, .ring = 1, .zero_overlap = 1};
+    OK(dit_gpu_create_sp(&per_block, c, B, DIT_ATTN_SAGE, DIT_LINEAR_BF16, &sp, err));
+    OK(dit_gpu_upload(&per_block, &cpu, err));
+    sage_backward_set_deterministic(1);
+    Batch b = batch_new(c, B);
+    batch_fill(&b, c, 13, 1);
+    size_t n = cpu.num_params;
+    DitGpu *models[2] = {&plain, &per_block};
+    float *grads[2] = {malloc(n * sizeof(float)), malloc(n * sizeof(float))};
+    cr_assert(grads[0] && grads[1]);
+    for (int i = 0; i < 2; i++) {
+        DitGpu *m = models[i];
+        OK(dit_gpu_set_flow_batch(m, b.x0, b.noise, b.t, b.labels, B, err));
+        OK(dit_gpu_forward(m, &m->weights, B, err));
+        OK(dit_gpu_loss(m, B, err));
+        OK(dit_gpu_zero_grad(m, err));
+        OK(dit_gpu_backward(m, B, err));
+        OK(dit_gpu_download_grads(m, grads[i], err));
+    }
+    int nt = dit_num_tensors(c);
+    DitTensorInfo *info = malloc(nt * sizeof(DitTensorInfo));
+    cr_assert(info);
+    dit_tensor_infos(c, info);
+    size_t ada_differing = 0, ada_total = 0;
+    for (int i = 0; i < nt; i++) {
+        const float *p = grads[1] + info[i].offset, *ref = grads[0] + info[i].offset;
+        size_t d = 0;
+        for (size_t k = 0; k < info[i].numel; k++) d += memcmp(&p[k], &ref[k], sizeof(float)) != 0;
+        if (strncmp(info[i].name, "blocks.", 7) == 0 && strstr(info[i].name, "adaLN")) {
+            double e = rel_l2(p, ref, info[i].numel);
+            fprintf(stderr, "  per-block %-40s %zu of %zu elements differ, rel L2 %.3e\n", info[i].name, d,
+                    info[i].numel, e);
+            cr_expect(global_norm(ref, info[i].numel) > 0, "%s: the gradient is zero", info[i].name);
+            cr_expect(e <= TOL_ADA_BLOCK, "%s: rel L2 %.3e > %g against the stacked GEMM", info[i].name, e,
+                      TOL_ADA_BLOCK);
+            ada_differing += d;
+            ada_total += info[i].numel;
+        } else {
+            cr_expect_eq(d, 0, "%s: %zu elements differ, but zero_overlap changes only the adaLN gradients",
+                         info[i].name, d);
+        }
+    }
+    fprintf(stderr, "per-block adaLN gradients: %zu of %zu elements differ from the stacked GEMM's (B = %d)\n",
+            ada_differing, ada_total, B);
+    free(info); free(grads[0]); free(grads[1]);
+    batch_free(&b);
+    dit_gpu_free(&plain);
+    dit_gpu_free(&per_block);
+    dit_free(&cpu);
 }
 
 Test(dit_gpu, ten_adamw_steps_follow_the_cpu_losses) {

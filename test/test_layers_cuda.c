@@ -301,6 +301,15 @@ Test(cuda, pointwise) {
     CK(cudaMemset(d_out, 0xFF, n * sizeof(bf16)));
     OK(cast_float_to_bf16_cuda(d_out, upload_f32(xf, n), n, 0, err));
     EXPECT_EXACT_BF16(download_bf16(d_out, n), xf, n, "cast fp32 -> bf16");
+    // a column slice: rows of 24 floats at stride 100 (one block's adaLN gradient in dada)
+    int rows = 7, cols = 24, ld = 100;
+    float *slice = host_floats((size_t)rows * cols);
+    for (int r = 0; r < rows; r++) memcpy(slice + r * cols, xf + r * ld + 30, cols * sizeof(float));
+    CK(cudaMemset(d_out, 0xFF, n * sizeof(bf16)));
+    float *d_xf = upload_f32(xf, n);
+    OK(cast_float_to_bf16_rows_cuda(d_out, d_xf + 30, rows, cols, ld, 0, err));
+    EXPECT_EXACT_BF16(download_bf16(d_out, (size_t)rows * cols), slice, (size_t)rows * cols, "cast fp32 rows -> bf16");
+    cr_expect_eq(cast_float_to_bf16_rows_cuda(d_out, d_xf, 1, 8, 4, 0, err), -1, "inp_stride < cols accepted");
     float *d_f = poisoned(n * sizeof(float));
     OK(cast_bf16_to_float_cuda(d_f, d_x, n, 0, err));
     float *back = download_f32(d_f, n);

@@ -1,6 +1,6 @@
 // The whole DiT on the CPU: DiT's zero-output initialization, finite-difference checks of every
 // parameter tensor's gradient, checkpoint round trip and bad checkpoints, bit-identical resume, and
-// train_dit's --cuda-graph flag.
+// train_dit's --cuda-graph and --zero-overlap flags.
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -348,6 +348,29 @@ Test(trainer, cuda_graph_flag, .timeout = 120) {
     cr_expect(!strstr(out, "CUDA graph"), "%s", out);
     snprintf(args, sizeof(args), "rm -rf %s", dir);
     cr_assert_eq(system(args), 0);
+}
+
+// --zero-overlap takes auto, on or off; on is refused in one process (no reduction over ranks to
+// overlap); auto (the default) and off train on the CPU.
+Test(trainer, zero_overlap_flag, .timeout = 120) {
+    if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
+    char out[8192], dir[200], args[512];
+    cr_assert_eq(run_train_dit("--zero-overlap yes --data synthetic", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "--zero-overlap: expected auto, on or off, got 'yes'"), "%s", out);
+    cr_assert_eq(run_train_dit("--device cpu --zero-overlap on --data synthetic", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "--zero-overlap on: several GPUs only"), "%s", out);
+    cr_assert_eq(run_train_dit("--zero-overlap", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "missing value"), "%s", out);
+    const char *trains[] = {"auto", "off"};
+    for (int i = 0; i < 2; i++) {
+        temp_path(dir, sizeof(dir), "zero_overlap");
+        snprintf(args, sizeof(args), "--device cpu --zero-overlap %s --data synthetic --model tiny --image-size 16 "
+                 "--patch 4 --batch 2 --steps 1 --sample-every 0 --ckpt-every 0 --out %s", trains[i], dir);
+        cr_assert_eq(run_train_dit(args, out, sizeof(out)), 0, "--zero-overlap %s: %s", trains[i], out);
+        cr_expect(strstr(out, "step     1/1"), "--zero-overlap %s: %s", trains[i], out);
+        snprintf(args, sizeof(args), "rm -rf %s", dir);
+        cr_assert_eq(system(args), 0);
+    }
 }
 
 // --linear bf16 | fp8: any other value, and fp8 on the CPU, stop before training with a message
