@@ -85,13 +85,16 @@ for size in (256, 352):
 
 # Bytes sent per rank in one step, from NCCL's log: Send (not to itself), AllGather (n-1)·count
 # (count per rank), ReduceScatter (n-1)·count (count per rank), AllReduce 2(n-1)/n·count (ring
-# algorithm), by operation. ZeRO-1 (model/zero.h): the gradients' reduce-scatter and the bf16
-# weights' all-gather are the large ones (> 1e6 elements).
+# algorithm), Reduce count by every rank but the root, by operation. ZeRO-1 (model/zero.h): the
+# gradients' reduce-scatter (or, with --zero-overlap on, one Reduce per piece of a block's gradients,
+# to its owner: the pieces cover the buffer once per step) and the bf16 weights' all-gather are the
+# large ones (> 1e6 elements).
 size_of = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
 line_re = re.compile(r"\[(\d+)\] NCCL INFO (\w+): opCount \S+ sendbuff \S+ recvbuff \S+ count (\d+) "
                      r"datatype (\d+) op \d+ root (-?\d+) comm \S+ \[nranks=(\d+)\]")
 B, H, D, depth, h, P = 1, 16, 128, 4, 2048, 4
 params = None
+reduced = {}   # (size, kind): elements reduced to an owner, summed over the logged steps (rank 0's lines)
 for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
     T = (size // 2) ** 2
     n = T // 2                       # tokens per rank
@@ -112,6 +115,10 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
             if count > 1e6: params = count * nranks
             op = "ReduceScatter (gradients)"
             b *= nranks - 1
+        elif op == "Reduce":
+            if dev == 0: reduced[(size, kind)] = reduced.get((size, kind), 0) + count
+            op = "Reduce (gradients)"
+            b = 0 if root == dev else b
         elif op == "AllReduce":
             op = "AllReduce (large)" if count > 1e6 else "AllReduce (small)"
             b = b * 2 * (nranks - 1) / nranks
@@ -132,7 +139,8 @@ for size, kind in ((s, k) for s in (256, 352) for k in ("ulysses", "ring")):
     print(f"attention per layer, measured: {att / depth / 1e6:.2f} MB "
           f"(Send{' + stats all-reduces' if kind == 'ring' else ''}, rank 0, / depth {depth}); computed: forward "
           f"{fwd / 1e6:.2f} + backward {bwd / 1e6:.2f} = {(fwd + bwd) / 1e6:.2f} MB")
-    zero = (f"reduce-scatter of the fp32 gradients {params * 4 / 2 / 1e6:.1f} MB + all-gather of the bf16 weights "
+    if reduced.get((size, kind)): params = round(reduced[(size, kind)] / bytes_steps)
+    zero = (f"the fp32 gradients to their owners (reduce-scatter, or Reduces with --zero-overlap on) {params * 4 / 2 / 1e6:.1f} MB + all-gather of the bf16 weights "
             f"{params * 2 / 2 / 1e6:.1f} MB computed for {params:,} parameters (padded to 2 slices)" if params else "(not seen)")
     print(f"per step besides attention: output tokens all-gather computed {B * n * P * 2 / 1e6:.3f} MB; ZeRO-1 {zero}")
 EOF

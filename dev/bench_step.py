@@ -4,8 +4,10 @@ for the same model config and batch, in one run: a markdown table (ms/step and i
     python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--train-dit PATH]
 
 PyTorch: fp32 master weights, autocast bf16, SDPA (cuDNN backend where available), fused AdamW,
-clip_grad_norm_ (the usual mixed-precision recipe), eager and (--compile) torch.compile of the
-model (default mode; the loss, clipping and AdamW stay eager); median step time over the steps
+clip_grad_norm_, and the EMA of the weights updated every step (DiT's recipe: train_dit's step
+does it too, inside its AdamW pass; PyTorch's as one torch._foreach_lerp_, the fastest form it has;
+--no-ema leaves it out, the way this benchmark ran before 2026-11-30), eager and (--compile)
+torch.compile of the model (default mode; the loss, clipping, AdamW and EMA stay eager); median step time over the steps
 after the warm-up, timed with CUDA events. train_dit: its own per-step ms (log line: wall clock of
 the whole step, batch and host RNG included), median over the same steps. Synthetic data on both
 sides (the step does not depend on pixel values). --fp8 adds train_dit --attn sage --linear fp8
@@ -37,9 +39,10 @@ CONFIGS = {
 }
 
 
-def pytorch_training_step(cfg, batch, compile_model):
+def pytorch_training_step(cfg, batch, compile_model, ema=True):
     """One PyTorch training step as a function (fp32 master weights, autocast bf16, SDPA, fused
-    AdamW, clipping) on a fixed synthetic batch; returns (step, release)."""
+    AdamW, clipping, and with `ema` the EMA update ema += (1 - 0.9999)·(w - ema)) on a fixed
+    synthetic batch; returns (step, release)."""
     torch.manual_seed(0)
     model = make_model(cfg, device="cuda", dtype=torch.float32, use_sdpa=True)
     forward = torch.compile(model) if compile_model else model
@@ -47,6 +50,8 @@ def pytorch_training_step(cfg, batch, compile_model):
     x0 = torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, device="cuda")
     noise, t = torch.randn_like(x0), torch.rand(batch, device="cuda")
     y = torch.randint(0, cfg.num_classes, (batch,), device="cuda")
+    params = list(model.parameters())
+    ema_params = [p.detach().clone() for p in params] if ema else None
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -55,10 +60,13 @@ def pytorch_training_step(cfg, batch, compile_model):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if ema:
+            with torch.no_grad():
+                torch._foreach_lerp_(ema_params, params, 1.0 - 0.9999)
 
     def release():
-        nonlocal model, forward, opt
-        del model, forward, opt
+        nonlocal model, forward, opt, params, ema_params
+        del model, forward, opt, params, ema_params
         if compile_model:
             torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -66,9 +74,9 @@ def pytorch_training_step(cfg, batch, compile_model):
     return step, release
 
 
-def pytorch_step_ms(cfg, batch, steps, warmup, compile_model):
+def pytorch_step_ms(cfg, batch, steps, warmup, compile_model, ema):
     """Median ms of one PyTorch training step (CUDA events) after `warmup` steps."""
-    step, release = pytorch_training_step(cfg, batch, compile_model)
+    step, release = pytorch_training_step(cfg, batch, compile_model, ema)
     times = []
     try:
         for i in range(warmup + steps):
@@ -122,10 +130,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (compile happens here)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
     ap.add_argument("--fp8", action="store_true", help="also time train_dit --attn sage --linear fp8")
+    ap.add_argument("--no-ema", action="store_true", help="PyTorch without the EMA update (train_dit keeps its own)")
     ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.steps} steps "
-          f"after {args.warmup}; cells: ms/step (images/s)", flush=True)
+          f"after {args.warmup}; PyTorch {'without' if args.no_ema else 'with'} the EMA update; cells: ms/step (images/s)",
+          flush=True)
     ours = {"train_dit sage": ["--attn", "sage"], "train_dit bf16": ["--attn", "bf16"]}
     if args.fp8:
         ours["train_dit sage fp8"] = ["--attn", "sage", "--linear", "fp8"]
@@ -152,10 +162,10 @@ def main():
             ms[run] = measure(f"config {name}, train_dit {' '.join(flags)}", train_dit_step_ms, args.train_dit,
                               size, patch, hidden, depth, heads, batch, flags, args.steps, args.warmup)
         ms["PyTorch eager"] = measure(f"config {name}, PyTorch eager", pytorch_step_ms, cfg, batch,
-                                      args.steps, args.warmup, False)
+                                      args.steps, args.warmup, False, not args.no_ema)
         if args.compile:
             ms["PyTorch compile"] = measure(f"config {name}, PyTorch compile", pytorch_step_ms, cfg, batch,
-                                            args.steps, args.warmup, True)
+                                            args.steps, args.warmup, True, not args.no_ema)
         cell = lambda v: f"{v:.1f} ({batch / (v / 1e3):.0f})" if v else "—"  # noqa: E731
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "—"  # noqa: E731
         cells = [cell(ms[r]) for r in runs] + [ratio(ms[theirs], ms[mine]) for _, theirs, mine in ratio_of]
