@@ -24,6 +24,7 @@ cc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA -I/usr/local
 rm -rf .devrun && mkdir -p .devrun .devlibs
 cp train_dit build/test_*_cuda build/sanitize_attention build/libsage_bench.so build/libflash_bench.so build/libkernel_times.so .devrun/
 cp build/libditc.so .devrun/libditc.so
+strip --strip-unneeded .devrun/*   # the device tool carries at most 64 MiB with the tree
 for b in build/test_*_cuda; do
     cp -n $(ldd "$b" | awk '/criterion|git2|nanomsg|ffi|http_parser|mbed|ssh|pcre|gomp|krb5|k5crypto|com_err|keyutils|gssapi|crypto|libz/{print $3}') .devlibs/ 2>/dev/null || true
 done
