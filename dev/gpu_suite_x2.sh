@@ -34,7 +34,7 @@ elif [ "$part" = single ]; then
     python3 dev/bench_step.py --configs a,b,c,d --compile --fp8 > $L/bench_step.log 2>&1; t bench_step_done
     python3 dev/bench_attention.py .devrun/libsage_bench.so > $L/bench_sage.log 2>&1; t bench_sage_done
     python3 dev/bench_flash.py .devrun/libflash_bench.so > $L/bench_flash.log 2>&1; t bench_flash_done
-    python3 dev/profile_step.py --configs c,a --steps 8 --lib .devrun/libkernel_times.so > $L/profile_step.log 2>&1; t profile_done
+    python3 dev/profile_step.py --configs c,a --steps 8 --fp8 --lib .devrun/libkernel_times.so > $L/profile_step.log 2>&1; t profile_done
     wait $TESTS
     kill $TAR; pack; cat $L/times.txt; grep -E "Synthesis|FAIL" $L/tests_out.txt
     for f in bench_step bench_sage bench_flash profile_step; do echo "=== $f"; tail -c 2500 $L/$f.log; done

@@ -2,13 +2,14 @@
 same GPU: GPU kernel time per step split into attention, GEMMs (cuBLAS/cuBLASLt/nvjet/cutlass)
 and the rest (elementwise, norms, reductions, optimizer, copies).
 
-    python3 dev/profile_step.py [--configs c,a] [--steps 10] [--compile] [--train-dit PATH]
+    python3 dev/profile_step.py [--configs c,a] [--steps 10] [--compile] [--fp8] [--train-dit PATH]
 
 train_dit runs with dev/kernel_times.c preloaded (CUPTI activity records: every kernel's GPU
 time by name; build/libkernel_times.so, built by dev/devrun_prepare.sh); PyTorch (eager, and with
 --compile also torch.compile of the model) runs under torch.profiler for `steps` steps after
 warm-up. Both: sum of kernel durations / steps (kernels only: gaps between kernels are the step
 time minus this sum). Prints each run's split and top kernels, then one markdown table of all.
+--fp8 adds train_dit --attn sage --linear fp8 (its quantize kernels count as "the rest").
 """
 import argparse
 import os
@@ -48,17 +49,18 @@ def summarize(kernels, steps, label):
     return tuple(v / steps / 1e6 for v in (total, by_cat["attention"], by_cat["gemm"], by_cat["rest"]))
 
 
-def profile_train_dit(train_dit, name, attn, steps, lib):
+def profile_train_dit(train_dit, name, flags, steps, lib):
     size, patch, hidden, depth, heads, batch = CONFIGS[name]
-    cmd = [train_dit, "--device", "gpu", "--data", "synthetic", "--attn", attn,
+    cmd = [train_dit, "--device", "gpu", "--data", "synthetic", *flags,
            "--image-size", str(size), "--patch", str(patch), "--hidden", str(hidden), "--depth", str(depth),
            "--heads", str(heads), "--batch", str(batch), "--steps", str(steps + 1), "--ckpt-every", "0",
            "--sample-every", "0", "--out", "/tmp/profile_step_out"]
-    report = f"/tmp/profile_step_{name}_{attn}.txt"
+    what = " ".join(flags)
+    report = f"/tmp/profile_step_{name}_{'_'.join(f.strip('-') for f in flags)}.txt"
     env = dict(os.environ, LD_PRELOAD=lib, KERNEL_TIMES_OUT=report)
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
-        print(f"train_dit --attn {attn}, config {name}: failed with status {run.returncode}\n"
+        print(f"train_dit {what}, config {name}: failed with status {run.returncode}\n"
               f"{run.stdout[-2000:]}{run.stderr[-2000:]}")
         return None
     kernels = {}
@@ -67,7 +69,7 @@ def profile_train_dit(train_dit, name, attn, steps, lib):
         kernels[kernel] = float(total_ns)
     # steps + 1 steps ran; the first does the same kernels (plus one-time host work), so the mean
     # over steps + 1 is the per-step kernel time. Sampling is off, so nothing else runs.
-    return summarize(kernels, steps + 1, f"train_dit --attn {attn}, config {name}")
+    return summarize(kernels, steps + 1, f"train_dit {what}, config {name}")
 
 
 def profile_pytorch(name, steps, compile_model, warmup=5):
@@ -96,6 +98,7 @@ def main():
     ap.add_argument("--configs", default="c")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true", help="also torch.compile (compiles during the warm-up)")
+    ap.add_argument("--fp8", action="store_true", help="also train_dit --attn sage --linear fp8")
     ap.add_argument("--lib", default=os.path.join(REPO, "build", "libkernel_times.so"))
     ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
     args = ap.parse_args()
@@ -104,9 +107,12 @@ def main():
     for name in args.configs.split(","):
         size, patch, hidden, depth, heads, batch = CONFIGS[name]
         label = f"{name} (h{hidden} d{depth}, {(size // patch) ** 2} tokens x {batch})"
-        for attn in ("sage", "bf16"):
-            rows.append((label, f"train_dit {attn}",
-                         profile_train_dit(os.path.abspath(args.train_dit), name, attn, args.steps,
+        runs = {"sage": ["--attn", "sage"], "bf16": ["--attn", "bf16"]}
+        if args.fp8:
+            runs["sage fp8"] = ["--attn", "sage", "--linear", "fp8"]
+        for run, flags in runs.items():
+            rows.append((label, f"train_dit {run}",
+                         profile_train_dit(os.path.abspath(args.train_dit), name, flags, args.steps,
                                            os.path.abspath(args.lib))))
         for compile_model in (False, True) if args.compile else (False,):
             try:
