@@ -251,15 +251,20 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
         return 0;                                                                              \
     } while (0)
 
-// GELU and the in-place dGELU: VEC elements per thread, amax NULL or raised to max |result|.
+// GELU and the in-place dGELU: VEC elements per thread (vectors when n and both pointers allow),
+// amax NULL or raised to max |result| (kernel<true>).
+#define LAUNCH_VEC_AMAX(kernel, out, inp, amax, n) do {                                        \
+        if ((n) == 0) return 0;                                                                \
+        if (check_grid_x(__func__, n, BLOCK_SIZE, err)) return -1;   /* as the scalar kernels */ \
+        bool vec = (n) % VEC == 0 && aligned16(out) && aligned16(inp);                         \
+        auto launch = (amax) ? kernel<true> : kernel<false>;                                   \
+        launch<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(out, inp, amax, n, vec); \
+        LAUNCH_CHECK(err, #kernel, "n=%zu amax=%s", (size_t)(n), (amax) ? "on" : "off");      \
+        return 0;                                                                              \
+    } while (0)
+
 int gelu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err) {
-    if (n == 0) return 0;
-    if (check_grid_x(__func__, n, BLOCK_SIZE, err)) return -1;   // (as the scalar kernels: conservative)
-    bool vec = n % VEC == 0 && aligned16(out) && aligned16(inp);
-    auto kernel = amax ? gelu_forward_kernel<true> : gelu_forward_kernel<false>;
-    kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(out, inp, amax, n, vec);
-    LAUNCH_CHECK(err, "gelu_forward_kernel", "n=%zu amax=%s", n, amax ? "on" : "off");
-    return 0;
+    LAUNCH_VEC_AMAX(gelu_forward_kernel, out, inp, amax, n);
 }
 
 int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
@@ -268,13 +273,7 @@ int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
 }
 
 int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err) {
-    if (n == 0) return 0;
-    if (check_grid_x(__func__, n, BLOCK_SIZE, err)) return -1;   // (as the scalar kernels: conservative)
-    bool vec = n % VEC == 0 && aligned16(d) && aligned16(inp);
-    auto kernel = amax ? gelu_backward_inplace_kernel<true> : gelu_backward_inplace_kernel<false>;
-    kernel<<<blocks_for(n, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, stream>>>(d, inp, amax, n, vec);
-    LAUNCH_CHECK(err, "gelu_backward_inplace_kernel", "n=%zu amax=%s", n, amax ? "on" : "off");
-    return 0;
+    LAUNCH_VEC_AMAX(gelu_backward_inplace_kernel, d, inp, amax, n);
 }
 
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {

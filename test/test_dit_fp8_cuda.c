@@ -70,22 +70,31 @@ static float gpu_step(const Dit *cpu, DitLinear linear, int producer_amax, const
     return loss;
 }
 
+// cpu: the model of config c with random weights (seed); *x0 and *noise: a batch of B images of
+// N(0, 1) pixels each (returned, n floats each), drawn from rng (seeded from seed, left after them
+// for the caller's t and labels). Returns n.
+static size_t make_model_and_batch(Dit *cpu, const DitConfig *c, uint64_t seed, float **x0, float **noise, Rng *rng) {
+    char err[DIT_ERR_LEN];
+    OK(dit_create(cpu, c, 1, DIT_ATTN_EXACT, seed, err));
+    randomize_params(cpu, seed);
+    size_t n = (size_t)B * c->channels * c->image_size * c->image_size;
+    *x0 = malloc(n * sizeof(float));
+    *noise = malloc(n * sizeof(float));
+    cr_assert(*x0 && *noise);
+    rng_seed(rng, seed * 1000 + 1);
+    rng_fill_normal(rng, *x0, n, 1.0f);
+    rng_fill_normal(rng, *noise, n, 1.0f);
+    return n;
+}
+
 // One step of both models from the same weights and batch against the bounds above.
 static void check_one_step(const DitConfig *c) {
     require_fp8_gpu();
-    char err[DIT_ERR_LEN];
     Dit cpu;
-    OK(dit_create(&cpu, c, 1, DIT_ATTN_EXACT, 21, err));
-    randomize_params(&cpu, 21);
-    // the batch (as dev/dit_fp8_accuracy.c)
-    size_t n = (size_t)B * c->channels * c->image_size * c->image_size;
-    float *x0 = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), t[B];
-    int labels[B];
-    cr_assert(x0 && noise);
     Rng rng;
-    rng_seed(&rng, 21 * 1000 + 1);
-    rng_fill_normal(&rng, x0, n, 1.0f);
-    rng_fill_normal(&rng, noise, n, 1.0f);
+    float *x0, *noise, t[B];
+    int labels[B];
+    size_t n = make_model_and_batch(&cpu, c, 21, &x0, &noise, &rng);   // the batch as dev/dit_fp8_accuracy.c
     for (int b = 0; b < B; b++) {
         t[b] = 0.05f + 0.9f * rng_uniform(&rng);
         labels[b] = (int)(rng_u32(&rng) % (uint32_t)(c->num_classes + 1));
@@ -141,18 +150,11 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
 // backward in its deterministic mode, so that two runs of the same step are comparable).
 static void check_producer_amax_is_exact(const DitConfig *c) {
     require_fp8_gpu();
-    char err[DIT_ERR_LEN];
     Dit cpu;
-    OK(dit_create(&cpu, c, 1, DIT_ATTN_EXACT, 22, err));
-    randomize_params(&cpu, 22);
-    size_t n = (size_t)B * c->channels * c->image_size * c->image_size;
-    float *x0 = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), t[B] = {0.3f, 0.8f};
-    int labels[B] = {1, c->num_classes};
-    cr_assert(x0 && noise);
     Rng rng;
-    rng_seed(&rng, 22 * 1000 + 1);
-    rng_fill_normal(&rng, x0, n, 1.0f);
-    rng_fill_normal(&rng, noise, n, 1.0f);
+    float *x0, *noise, t[B] = {0.3f, 0.8f};
+    int labels[B] = {1, c->num_classes};
+    size_t n = make_model_and_batch(&cpu, c, 22, &x0, &noise, &rng);
     int was_deterministic = flash_backward_deterministic();
     flash_backward_set_deterministic(1);
     float *out[2], *grads[2], loss[2];
