@@ -121,8 +121,11 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->final_ada, B * 2 * h); TAKE(ar, g->ada, B * L * 6 * h);
     TAKE(ar, g->final_ada_bf16, B * 2 * h); TAKE(ar, g->ada_bf16, B * L * 6 * h);
     TAKE(ar, g->fc2, BT * h); TAKE(ar, g->ln2, BT * h); TAKE(ar, g->proj, BT * h);
-    TAKE(ar, g->att_merged, BT * h); TAKE(ar, g->ln1, BT * h);
-    if (!attention_merged(m)) TAKE(ar, g->att, BT * h);   // head-major dout: sequence parallel only
+    TAKE(ar, g->att_merged, BT * h);
+    // head-major dout, sequence parallel only; inside the range zeroed before each block's backward
+    // (fc2 .. ln1: merge_heads_backward accumulates into it)
+    if (!attention_merged(m)) TAKE(ar, g->att, BT * h);
+    TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
     g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
