@@ -33,6 +33,7 @@
 #include <string.h>
 #include <type_traits>
 #include "attention/sage_cuda.h"
+#include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
 
@@ -40,14 +41,15 @@
 
 enum { SCORES_BF16 = 0, SCORES_SAGE = 1 };
 
-// Inputs and outputs of one backward, (B,H,N,D) / (B,H,N) as in flash_cuda.h and sage_cuda.h.
+// Inputs and outputs of one backward, (B,H,N,D) / (B,H,N) as in flash_cuda.h and sage_cuda.h, but
+// dout (and the out of the delta) in the layout merged_heads says (attention_rows.cuh).
 // qv: the sage forward's quantized tensors (q8, k8, q_scale, k_scale, k_mean); unused for SCORES_BF16.
 typedef struct {
     float *dq, *dk, *dv;
     const __nv_bfloat16 *dout, *q, *k, *v;
     const float *lse, *delta;
     SageCudaQuant qv;
-    int N;
+    int N, merged_heads;
     int *dq_turn;   // (B·H, ceil(N/64)) counters, zeroed: ordered dQ adds; NULL: unordered atomics
 } AttnBwdArgs;
 
@@ -74,16 +76,19 @@ static inline size_t attention_backward_workspace_bytes(int B, int H, int N) {
 }
 
 // delta[row] = Σ_d dout[row, d]·out[row, d] in fp32, dq[row, :] = 0, and the dQ turn of the query
-// block that starts at row (rows = B·H·N, N per head) = 0 (turn may be NULL). One warp per row.
+// block that starts at row (rows = B·H·N, N per head) = 0 (turn may be NULL). One warp per row;
+// dout and out rows where merged_heads places them.
 static __global__ void attention_delta_kernel(float *delta, float *dq, int *turn, const __nv_bfloat16 *dout,
-                                              const __nv_bfloat16 *out, size_t rows, int N, int D) {
+                                              const __nv_bfloat16 *out, size_t rows, int N, int D,
+                                              int merged_heads) {
     size_t row = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) return;
     int lane = threadIdx.x % 32, q = (int)(row % N);
+    size_t at = attn_row_offset((int)(row / N), q, N, D, merged_heads);
     float s = 0.0f;
     for (int d = lane * 2; d < D; d += 64) {
-        float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)(dout + row * D + d));
-        float2 b = __bfloat1622float2(*(const __nv_bfloat162 *)(out + row * D + d));
+        float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)(dout + at + d));
+        float2 b = __bfloat1622float2(*(const __nv_bfloat162 *)(out + at + d));
         s += a.x * b.x + a.y * b.y;
     }
     for (int d = lane * 4; d < D; d += 128) *(float4 *)(dq + row * D + d) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -111,7 +116,8 @@ static inline int attention_backward_prepare(AttnBwdArgs *a, void *workspace, co
     }
     float *d = (float *)workspace;
     attention_delta_kernel<<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(d, a->dq, a->dq_turn, a->dout,
-                                                                         (const __nv_bfloat16 *)out, rows, N, D);
+                                                                         (const __nv_bfloat16 *)out, rows, N, D,
+                                                                         a->merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch attention_delta_kernel");
     a->delta = d;
     return 0;
@@ -135,17 +141,19 @@ __device__ __forceinline__ void hand_on_dq_turn(int *turn) {
                  "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
 
-// Q, dO (and sage's Q̂) of the 64 queries from q0 into buffer buf, as one cp.async group;
-// rows >= N are zero-filled.
+// Q, dO (and sage's Q̂) of the 64 queries from q0 of head bh (head = bh·N·D) into buffer buf, as
+// one cp.async group; rows >= N are zero-filled.
 template <int D, int WARPS, int SRC>
-__device__ __forceinline__ void load_query_block(uint8_t *smem, int buf, const AttnBwdArgs &a, size_t head, int q0) {
+__device__ __forceinline__ void load_query_block(uint8_t *smem, int buf, const AttnBwdArgs &a, int bh, size_t head,
+                                                 int q0) {
     using S = AttnBwdSmem<D, WARPS, SRC>;
     constexpr int THREADS = WARPS * 32;
     int rows = a.N - q0;
     cp_async_rows<BWD_BLOCK_M, 2 * D, S::STRIDE, THREADS>(smem + S::Q + buf * S::QB_BYTES,
                                                           (const uint8_t *)(a.q + head + (size_t)q0 * D), 2 * D, rows);
-    cp_async_rows<BWD_BLOCK_M, 2 * D, S::STRIDE, THREADS>(smem + S::DO + buf * S::QB_BYTES,
-                                                          (const uint8_t *)(a.dout + head + (size_t)q0 * D), 2 * D, rows);
+    cp_async_rows<BWD_BLOCK_M, 2 * D, S::STRIDE, THREADS>(
+        smem + S::DO + buf * S::QB_BYTES, (const uint8_t *)(a.dout + attn_row_offset(bh, q0, a.N, D, a.merged_heads)),
+        2 * attn_row_stride(D, a.merged_heads), rows);
     if constexpr (SRC == SCORES_SAGE)
         cp_async_rows<BWD_BLOCK_M, D, S::I8_STRIDE, THREADS>(smem + S::Q8 + buf * S::Q8B_BYTES,
                                                              (const uint8_t *)a.qv.q8 + head + (size_t)q0 * D, D, rows);
@@ -229,7 +237,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
                                                           2 * D, keys);
     cp_async_rows<BLOCK_N, 2 * D, S::STRIDE, THREADS>(smem + S::V, (const uint8_t *)(a.v + head + (size_t)k0 * D),
                                                       2 * D, keys);
-    load_query_block<D, WARPS, SRC>(smem, 0, a, head, 0);
+    load_query_block<D, WARPS, SRC>(smem, 0, a, bh, head, 0);
     if (tid < BWD_BLOCK_M) s_lse[tid] = tid < N ? lse_h[tid] : INFINITY;
     else if (tid < 2 * BWD_BLOCK_M) s_delta[tid - BWD_BLOCK_M] = tid - BWD_BLOCK_M < N ? delta_h[tid - BWD_BLOCK_M] : 0.0f;
     float score_scale = 1.44269504f / sqrtf((float)D);   // bf16: c; sage: k_scale here, q_scale per block
@@ -265,7 +273,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
         float next_stat = 0.0f;   // lse (tid < 64) or delta (64 <= tid < 128) of block qb+1
         if (qb + 1 < nqb) {
             int q1 = q0 + BWD_BLOCK_M;
-            load_query_block<D, WARPS, SRC>(smem, buf ^ 1, a, head, q1);
+            load_query_block<D, WARPS, SRC>(smem, buf ^ 1, a, bh, head, q1);
             if (tid < BWD_BLOCK_M) next_stat = q1 + tid < N ? lse_h[q1 + tid] : INFINITY;
             else if (tid < 2 * BWD_BLOCK_M) next_stat = q1 + tid - BWD_BLOCK_M < N ? delta_h[q1 + tid - BWD_BLOCK_M] : 0.0f;
         }

@@ -93,12 +93,35 @@ struct Bwd90Barriers {
 };
 
 // k: sage's K̂ (int8, D inner, B·H·N outer, box D × 128) or flash's K (bf16 rows as bytes, box D
-// bytes × 128, D-byte swizzle); q8: sage's Q̂ (box D × 64; unused by flash); v, q, dout: bf16 rows
-// as bytes (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64.
+// bytes × 128, D-byte swizzle); q8: sage's Q̂ (box D × 64; unused by flash); v, q: bf16 rows as
+// bytes (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64; dout: tma_map_dout.
 // dq: fp32 (D, N, B·H), box 32 × 64 × 1 (128-byte swizzle), for the TMA reduce-add.
 typedef struct {
     CUtensorMap k, v, q8, q, dout, dq;
 } Bwd90Maps;
+
+// dout (bf16 rows as bytes) as a 4-D map (2D bytes, N, heads, batches) in the layout merged_heads
+// says (attention_rows.cuh): merged, (2D, N, H, B) with rows H·D apart; head-major, (2D, N, 1, B·H).
+// Boxes of 128 bytes × 64 rows of one head (rows >= N arrive as zeros); coordinates
+// (x, t, bh % H, bh / H), or (x, t, 0, bh) head-major (load_query_stage).
+static inline int tma_map_dout(CUtensorMap *map, const void *dout, int D, int N, int BH, int merged_heads,
+                               const char *what, char *err) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
+    if (!encode) return -1;
+    uint64_t row = (uint64_t)2 * D, h = merged_heads ? (uint64_t)merged_heads : 1;
+    cuuint64_t dims[4] = {row, (cuuint64_t)N, h, (cuuint64_t)BH / h};
+    cuuint64_t strides[3] = {row * h, merged_heads ? row : row * N, row * h * N};
+    cuuint32_t box[4] = {128, BWD90_QUERIES, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, (void *)dout, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        dit_set_error(err, "cuTensorMapEncodeTiled(%s: D=%d N=%d B·H=%d merged_heads=%d) failed (%d)", what, D, N, BH,
+                      merged_heads, (int)r);
+        return -1;
+    }
+    return 0;
+}
 
 // dq as a 3-D fp32 tensor map (D, N, BH) with boxes of 32 columns × 64 rows of one head, for the
 // TMA reduce-add (rows >= N of a box are dropped). `what` names the kernel in the error message.
@@ -234,15 +257,17 @@ __device__ __forceinline__ void dq_wgmma(float (&d)[NCOL / 2], uint64_t desc_a, 
 // at st (the TMA boxes hold 64 rows: H of them per tile, 64 rows apart), completing on bar (with
 // one arrival).
 template <int D, int SCORES>
-__device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, const Bwd90Maps &m, int bh, int N, int qs) {
+__device__ __forceinline__ void load_query_stage(uint8_t *st, uint64_t *bar, const Bwd90Maps &m, int bh, int N,
+                                                 int merged_heads, int qs) {
     using S = Bwd90Smem<D, SCORES>;
+    const int head = merged_heads ? bh % merged_heads : 0, batch = merged_heads ? bh / merged_heads : bh;
     mbar_expect_bytes(bar, S::STAGE_TX);
     for (int h = 0; h < S::H; h++) {
-        int row = bh * N + qs * S::QS + h * BWD90_QUERIES;
+        int t = qs * S::QS + h * BWD90_QUERIES, row = bh * N + t;
         if constexpr (SCORES == SCORES_SAGE) tma_load_2d(st + S::Q8 + h * BWD90_QUERIES * D, &m.q8, bar, 0, row);
         for (int b = 0; b < D / 64; b++) {
             tma_load_2d(st + S::Q + b * S::QS * 128 + h * BWD90_QUERIES * 128, &m.q, bar, 128 * b, row);
-            tma_load_2d(st + S::DO + b * S::QS * 128 + h * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, row);
+            tma_load_4d(st + S::DO + b * S::QS * 128 + h * BWD90_QUERIES * 128, &m.dout, bar, 128 * b, t, head, batch);
         }
     }
 }
@@ -272,7 +297,7 @@ __device__ void load_stages(Bwd90Barriers *bar, uint8_t *sm, const Bwd90Maps &m,
         const int stage = qs & 1;
         uint8_t *st = sm + S::STAGE0 + stage * S::STAGE_BYTES;
         if (qs >= 2) mbar_wait(&bar->empty[stage], ((qs >> 1) - 1) & 1);
-        if (lane == 0) load_query_stage<D, SCORES>(st, &bar->full[stage], m, bh, N, qs);
+        if (lane == 0) load_query_stage<D, SCORES>(st, &bar->full[stage], m, bh, N, a.merged_heads, qs);
 #pragma unroll
         for (int i = 0; i < 2 * S::QS / 32; i++) {   // lse | delta are adjacent in the stage
             int t = lane + 32 * i;

@@ -6,6 +6,7 @@
 #include <limits.h>
 #include "attention/flash_cuda.h"
 #include "attention/backward_sm90.cuh"
+#include "attention/attention_rows.cuh"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 
@@ -22,7 +23,7 @@ static int launch_flash_backward_sm90(const AttnBwdArgs &a, int BH, cudaStream_t
     if (tma_map_2d_bytes(&m.k, a.k, 2 * D, rows, D, BWD90_KEYS, "flash_backward_sm90 k", err) ||
         tma_map_2d_bytes(&m.v, a.v, 2 * D, rows, 128, BWD90_KEYS, "flash_backward_sm90 v", err) ||
         tma_map_2d_bytes(&m.q, a.q, 2 * D, rows, 128, BWD90_QUERIES, "flash_backward_sm90 q", err) ||
-        tma_map_2d_bytes(&m.dout, a.dout, 2 * D, rows, 128, BWD90_QUERIES, "flash_backward_sm90 dout", err) ||
+        tma_map_dout(&m.dout, a.dout, D, N, BH, a.merged_heads, "flash_backward_sm90 dout", err) ||
         tma_map_dq(&m.dq, a.dq, D, N, BH, "flash_backward_sm90 dq", err))
         return -1;
     int bytes = Bwd90Smem<D, SCORES_BF16>::TOTAL;
@@ -35,9 +36,10 @@ static int launch_flash_backward_sm90(const AttnBwdArgs &a, int BH, cudaStream_t
     return 0;
 }
 
-extern "C" int flash_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
-                                        const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
-                                        const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err) {
+int flash_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
+                             const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                             const float *lse, int B, int H, int N, int D, int merged_heads, cudaStream_t stream,
+                             char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         (long long)B * H * N > INT_MAX) {
         dit_set_error(err, "flash_backward_sm90_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535 and "
@@ -53,9 +55,15 @@ extern "C" int flash_backward_sm90_cuda(float *dq, float *dk, float *dv, void *w
         return -1;
     }
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
-                     (const __nv_bfloat16 *)v, lse, NULL, {}, N, NULL};
+                     (const __nv_bfloat16 *)v, lse, NULL, {}, N, merged_heads, NULL};
     if (attention_backward_prepare(&a, workspace, out, B * H, D, flash_backward_deterministic(), stream, err) != 0)
         return -1;
     if (D == 64) return launch_flash_backward_sm90<64>(a, B * H, stream, err);
     return launch_flash_backward_sm90<128>(a, B * H, stream, err);
+}
+
+extern "C" int flash_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
+                                        const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                                        const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err) {
+    return flash_backward_sm90_rows(dq, dk, dv, workspace, dout, q, k, v, out, lse, B, H, N, D, 0, stream, err);
 }

@@ -5,7 +5,8 @@
 // the GPU rounds P (and dS) to bf16 before the tensor-core products and sums in fp32.
 //
 // Layout: q, k, v, out, dout are (B, H, N, D) contiguous bf16 on the device (passed as the raw
-// 16-bit patterns); lse is (B, H, N) fp32 in BASE 2: lse_i = log2 Σ_j 2^{s_ij} with
+// 16-bit patterns; the *_merged_cuda calls take out and dout as (B, N, H, D));
+// lse is (B, H, N) fp32 in BASE 2: lse_i = log2 Σ_j 2^{s_ij} with
 // s_ij = q_i·k_j·log2(e)/sqrt(D). D is 64 or 128; any N >= 1 and any B·H. Non-causal.
 // q, k, v, out, dout, dq, dk, dv and the workspace must be 16-byte aligned; a NULL or misaligned
 // pointer returns -1.
@@ -25,6 +26,11 @@ extern "C" {
 int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
                        const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err);
 
+// flash_forward_cuda with out in the layout of the projection that reads it, (B, N, H, D) ("merged"
+// heads; see sage_forward_merged_cuda). Bitwise the values of flash_forward_cuda, transposed.
+int flash_forward_merged_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                              const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err);
+
 // The Hopper forward (attention/flash_forward_sm90.cu): the same math with wgmma fed by TMA
 // (B·H·N < 2^31). Available (1) on a compute capability 9.0 device when the build has sm_90a
 // machine code; flash_forward_sm90_cuda returns -1 otherwise.
@@ -42,6 +48,13 @@ size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D);
 int flash_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
                         const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                         const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err);
+
+// flash_backward_cuda with dout and out in the merged layout (B, N, H, D); dq, dk, dv stay
+// (B, H, N, D). Bitwise the values of flash_backward_cuda on the transposed dout and out (dq: in
+// deterministic mode).
+int flash_backward_merged_cuda(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
+                               const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
+                               const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err);
 
 // Deterministic backward, off by default: with flash_backward_set_deterministic(1) the key blocks
 // add their dq contributions in a fixed order, so the same inputs give bitwise the same dq, dk, dv

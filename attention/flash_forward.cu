@@ -10,6 +10,7 @@
 #include <limits.h>
 #include <stdlib.h>
 #include "attention/flash_cuda.h"
+#include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
@@ -37,7 +38,7 @@ template <int D> struct FlashFwdSmem {
 template <int D>
 __global__ void __launch_bounds__(FWD_THREADS, FLASH_FWD_MIN_BLOCKS) flash_forward_kernel(
     __nv_bfloat16 *out, float *lse, const __nv_bfloat16 *q, const __nv_bfloat16 *k,
-    const __nv_bfloat16 *v, int N) {
+    const __nv_bfloat16 *v, int N, int merged_heads) {
     using S = FlashFwdSmem<D>;
     constexpr int NT = D / 8;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(FWD_THREADS, FLASH_FWD_MIN_BLOCKS) flash_forwa
         int row = q0 + warp * 16 + g + 8 * r;
         if (row >= N) continue;
         float inv_l = 1.0f / l[r];
-        __nv_bfloat16 *orow = out + head + (size_t)row * D + 2 * c;
+        __nv_bfloat16 *orow = out + attn_row_offset(bh, row, N, D, merged_heads) + 2 * c;
 #pragma unroll
         for (int j = 0; j < NT; j++)
             *(__nv_bfloat162 *)(orow + 8 * j) = __floats2bfloat162_rn(o[j][2 * r] * inv_l, o[j][2 * r + 1] * inv_l);
@@ -150,29 +151,42 @@ __global__ void __launch_bounds__(FWD_THREADS, FLASH_FWD_MIN_BLOCKS) flash_forwa
 
 template <int D>
 static int launch_forward(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                          int BH, int N, cudaStream_t stream, char *err) {
+                          int BH, int N, int merged_heads, cudaStream_t stream, char *err) {
     int bytes = FlashFwdSmem<D>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(flash_forward_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                     err, "cudaFuncSetAttribute(flash_forward_kernel max dynamic smem)");
     dim3 grid((N + FWD_BLOCK_M - 1) / FWD_BLOCK_M, BH);
     flash_forward_kernel<D><<<grid, FWD_THREADS, bytes, stream>>>(
-        (__nv_bfloat16 *)out, lse, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, N);
+        (__nv_bfloat16 *)out, lse, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, N,
+        merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch flash_forward_kernel");
     return 0;
 }
 
-extern "C" int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
-                                  const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err) {
+// flash_forward_cuda (merged_heads 0) and flash_forward_merged_cuda (merged_heads H).
+static int forward(const char *fn, uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                   const uint16_t *v, int B, int H, int N, int D, int merged_heads, cudaStream_t stream, char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
-        dit_set_error(err, "flash_forward_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535 "
-                           "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
+        dit_set_error(err, "%s: need D in {64, 128}, B, H, N >= 1, B·H <= 65535 (got B=%d H=%d N=%d D=%d)", fn,
+                      B, H, N, D);
         return -1;
     }
-    CHECK_DEVICE_ARGS("flash_forward_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(q, 16),
-                      DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
+                      DEVICE_ARG(v, 16));
     // Hopper: the wgmma kernel (flash_forward_sm90.cu); DIT_FLASH_MMA_SYNC=1 keeps this one.
     if (!getenv("DIT_FLASH_MMA_SYNC") && (long long)B * H * N <= INT_MAX && flash_forward_sm90_available())
-        return flash_forward_sm90_cuda(out, lse, q, k, v, B, H, N, D, stream, err);
-    if (D == 64) return launch_forward<64>(out, lse, q, k, v, B * H, N, stream, err);
-    return launch_forward<128>(out, lse, q, k, v, B * H, N, stream, err);
+        return flash_forward_sm90_rows(out, lse, q, k, v, B, H, N, D, merged_heads, stream, err);
+    if (D == 64) return launch_forward<64>(out, lse, q, k, v, B * H, N, merged_heads, stream, err);
+    return launch_forward<128>(out, lse, q, k, v, B * H, N, merged_heads, stream, err);
+}
+
+extern "C" int flash_forward_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                                  const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream, char *err) {
+    return forward("flash_forward_cuda", out, lse, q, k, v, B, H, N, D, 0, stream, err);
+}
+
+extern "C" int flash_forward_merged_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                                         const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream,
+                                         char *err) {
+    return forward("flash_forward_merged_cuda", out, lse, q, k, v, B, H, N, D, H, stream, err);
 }

@@ -16,6 +16,7 @@
 #include <limits.h>
 #include <math.h>
 #include "attention/flash_cuda.h"
+#include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
 #include "attention/wgmma.cuh"
 #include "layers/common.h"
@@ -83,7 +84,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[32], float (&alpha)[2]
 template <int D>
 __global__ void __launch_bounds__(FLASH90_THREADS, 2)
     flash_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse, int N) {
+                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse, int N,
+                              int merged_heads) {
 #ifdef SAGE_SM90_DEVICE
     using S = Flash90Smem<D>;
     extern __shared__ uint8_t smem_raw[];
@@ -168,7 +170,7 @@ __global__ void __launch_bounds__(FLASH90_THREADS, 2)
         int row = qb * FLASH90_BLOCK + warp * 16 + g + 8 * r;
         if (row >= N) continue;
         float inv_l = 1.0f / l[r];
-        __nv_bfloat16 *orow = out + ((size_t)bh * N + row) * D + 2 * c;
+        __nv_bfloat16 *orow = out + attn_row_offset(bh, row, N, D, merged_heads) + 2 * c;
 #pragma unroll
         for (int j = 0; j < D / 8; j++)
             *(__nv_bfloat162 *)(orow + 8 * j) = __floats2bfloat162_rn(o[4 * j + 2 * r] * inv_l,
@@ -184,7 +186,7 @@ extern "C" int flash_forward_sm90_available(void) {
 
 template <int D>
 static int launch_sm90(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k, const uint16_t *v, int BH,
-                       int N, cudaStream_t stream, char *err) {
+                       int N, int merged_heads, cudaStream_t stream, char *err) {
     uint64_t rows = (uint64_t)BH * N;
     CUtensorMap map_q, map_k, map_v;
     if (tma_map_2d_bytes(&map_q, q, 2 * D, rows, 128, FLASH90_BLOCK, "flash_forward_sm90 q", err) ||
@@ -197,14 +199,14 @@ static int launch_sm90(uint16_t *out, float *lse, const uint16_t *q, const uint1
                     err, "cudaFuncSetAttribute(flash_forward_sm90_kernel max dynamic smem)");
     dim3 grid((N + FLASH90_BLOCK - 1) / FLASH90_BLOCK, BH);
     flash_forward_sm90_kernel<D><<<grid, FLASH90_THREADS, bytes, stream>>>(map_q, map_k, map_v,
-                                                                            (__nv_bfloat16 *)out, lse, N);
+                                                                            (__nv_bfloat16 *)out, lse, N,
+                                                                            merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch flash_forward_sm90_kernel");
     return 0;
 }
 
-extern "C" int flash_forward_sm90_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
-                                       const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream,
-                                       char *err) {
+int flash_forward_sm90_rows(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                            int B, int H, int N, int D, int merged_heads, cudaStream_t stream, char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         (long long)B * H * N > INT_MAX) {
         dit_set_error(err, "flash_forward_sm90_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535 and "
@@ -218,6 +220,12 @@ extern "C" int flash_forward_sm90_cuda(uint16_t *out, float *lse, const uint16_t
                            "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
         return -1;
     }
-    if (D == 64) return launch_sm90<64>(out, lse, q, k, v, B * H, N, stream, err);
-    return launch_sm90<128>(out, lse, q, k, v, B * H, N, stream, err);
+    if (D == 64) return launch_sm90<64>(out, lse, q, k, v, B * H, N, merged_heads, stream, err);
+    return launch_sm90<128>(out, lse, q, k, v, B * H, N, merged_heads, stream, err);
+}
+
+extern "C" int flash_forward_sm90_cuda(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k,
+                                       const uint16_t *v, int B, int H, int N, int D, cudaStream_t stream,
+                                       char *err) {
+    return flash_forward_sm90_rows(out, lse, q, k, v, B, H, N, D, 0, stream, err);
 }

@@ -4,6 +4,7 @@
 // version). This file makes its tensor maps and launches it.
 #include "attention/sage_cuda.h"
 #include "attention/backward_sm90.cuh"
+#include "attention/attention_rows.cuh"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 
@@ -21,7 +22,7 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
         tma_map_2d_bytes(&m.q8, a.qv.q8, D, rows, D, BWD90_QUERIES, "sage_backward_sm90 q8", err) ||
         tma_map_2d_bytes(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "sage_backward_sm90 v", err) ||
         tma_map_2d_bytes(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 q", err) ||
-        tma_map_2d_bytes(&m.dout, dout, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 dout", err) ||
+        tma_map_dout(&m.dout, dout, D, N, BH, a.merged_heads, "sage_backward_sm90 dout", err) ||
         tma_map_dq(&m.dq, a.dq, D, N, BH, "sage_backward_sm90 dq", err))
         return -1;
     int bytes = Bwd90Smem<D, SCORES_SAGE>::TOTAL;
@@ -34,11 +35,10 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
     return 0;
 }
 
-extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
-                                       const uint16_t *dout, const uint16_t *q, const uint16_t *k,
-                                       const uint16_t *v, const uint16_t *out, const float *lse,
-                                       const float *delta, int B, int H, int N, int D, SagePV pv,
-                                       cudaStream_t stream, char *err) {
+int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
+                            const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                            const uint16_t *out, const float *lse, const float *delta, int B, int H, int N, int D,
+                            SagePV pv, int merged_heads, cudaStream_t stream, char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         (long long)B * H * N >= (1ll << 31)) {
         dit_set_error(err, "sage_backward_sm90_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535, "
@@ -58,9 +58,18 @@ extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *wo
     }
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
-                     sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N, NULL};
+                     sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N, merged_heads, NULL};
     if (attention_backward_prepare(&a, workspace, out, B * H, D, sage_backward_deterministic(), stream, err) != 0)
         return -1;
     if (D == 64) return launch_backward_sm90<64>(a, dout, q, v, B * H, stream, err);
     return launch_backward_sm90<128>(a, dout, q, v, B * H, stream, err);
+}
+
+extern "C" int sage_backward_sm90_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
+                                       const uint16_t *dout, const uint16_t *q, const uint16_t *k,
+                                       const uint16_t *v, const uint16_t *out, const float *lse,
+                                       const float *delta, int B, int H, int N, int D, SagePV pv,
+                                       cudaStream_t stream, char *err) {
+    return sage_backward_sm90_rows(dq, dk, dv, workspace, fwd_workspace, dout, q, k, v, out, lse, delta, B, H, N, D,
+                                   pv, 0, stream, err);
 }

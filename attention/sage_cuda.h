@@ -5,7 +5,8 @@
 // (plus exp2/log2 from the special-function unit, a few ulp from the CPU's exp2f/log2f).
 //
 // Layout: q, k, v, out, dout are (B, H, N, D) contiguous bf16 on the device (passed as the raw
-// 16-bit patterns); lse is (B, H, N) fp32 in base 2, in the smoothed space (as the definition).
+// 16-bit patterns; the *_merged_cuda calls take out and dout as (B, N, H, D));
+// lse is (B, H, N) fp32 in base 2, in the smoothed space (as the definition).
 // D is 64 or 128; any N >= 1 and any B·H. Non-causal. FP8 P·V needs compute capability 8.9+;
 // FP16 P·V runs on 8.0+. q, k, v, out, dout, dq, dk, dv and the workspaces must be 16-byte
 // aligned; a NULL or misaligned pointer returns -1.
@@ -78,6 +79,13 @@ int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
                       const uint16_t *q, const uint16_t *k, const uint16_t *v,
                       int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
 
+// sage_forward_cuda with out in the layout of the projection that reads it: (B, N, H, D), the
+// (B·N, H·D) activations of a linear layer ("merged" heads), so no head-merge pass is needed. q, k,
+// v and lse keep their layouts. Bitwise the values of sage_forward_cuda, transposed.
+int sage_forward_merged_cuda(uint16_t *out, float *lse, void *workspace,
+                             const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                             int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
+
 // The Hopper forward (attention/sage_forward_sm90.cu): wgmma INT8 Q·Kᵀ and FP8 P·V fed by TMA,
 // the same math as sage_forward_cuda with SAGE_PV_FP8 (and the same workspace, so the backward
 // works after either). Available (1) on a compute capability 9.0 device when the build has sm_90a
@@ -101,6 +109,15 @@ int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const v
                        const uint16_t *v, const uint16_t *out, const float *lse,
                        const float *delta, int B, int H, int N, int D, SagePV pv,
                        cudaStream_t stream, char *err);
+
+// sage_backward_cuda with dout and out in the merged layout (B, N, H, D) of sage_forward_merged_cuda
+// (dout: the projection's input gradient as it comes). dq, dk, dv stay (B, H, N, D). Bitwise the
+// values of sage_backward_cuda on the transposed dout and out (dq: in deterministic mode).
+int sage_backward_merged_cuda(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
+                              const uint16_t *dout, const uint16_t *q, const uint16_t *k,
+                              const uint16_t *v, const uint16_t *out, const float *lse,
+                              const float *delta, int B, int H, int N, int D, SagePV pv,
+                              cudaStream_t stream, char *err);
 
 // Deterministic backward, off by default: with sage_backward_set_deterministic(1) both sage
 // backwards add the key blocks' dq contributions in a fixed order (a counter per (head, 64-query

@@ -10,6 +10,7 @@
 // Finally out = O·v_scale/448/l (FP8) or O/l, lse = m + log2(l).
 #include <stdlib.h>
 #include "attention/sage_cuda.h"
+#include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
@@ -39,7 +40,8 @@ __device__ __forceinline__ void load_rows(uint8_t *dst, const uint8_t *src, size
 
 template <int D, bool FP8>
 __global__ void __launch_bounds__(FWD_THREADS) sage_forward_kernel(__nv_bfloat16 *out, float *lse,
-                                                                   SageCudaQuant qv, int N) {
+                                                                   SageCudaQuant qv, int N,
+                                                                   int merged_heads) {
     using S = FwdSmem<D, FP8>;
     constexpr int BN = SAGE_CUDA_BLOCK, ELT = FP8 ? 1 : 2, NT = D / 8;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(FWD_THREADS) sage_forward_kernel(__nv_bfloat16
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         int row = qb * BN + warp * 16 + g + 8 * r;
         if (row >= N) continue;
-        __nv_bfloat16 *orow = out + ((size_t)bh * N + row) * D;
+        __nv_bfloat16 *orow = out + attn_row_offset(bh, row, N, D, merged_heads);
         for (int j = 0; j < NT; j++) {
             int col = 8 * j + 2 * c;
             float x0 = o[j][2 * r], x1 = o[j][2 * r + 1];
@@ -176,14 +178,15 @@ __global__ void __launch_bounds__(FWD_THREADS) sage_forward_kernel(__nv_bfloat16
 }
 
 template <int D, bool FP8>
-static int launch_forward(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
+static int launch_forward(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N, int merged_heads,
                           cudaStream_t stream, char *err) {
     int bytes = FwdSmem<D, FP8>::TOTAL;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_kernel<D, FP8>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                     err, "cudaFuncSetAttribute(sage_forward_kernel max dynamic smem)");
     dim3 grid((N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK, BH);
-    sage_forward_kernel<D, FP8><<<grid, FWD_THREADS, bytes, stream>>>((__nv_bfloat16 *)out, lse, *qv, N);
+    sage_forward_kernel<D, FP8><<<grid, FWD_THREADS, bytes, stream>>>((__nv_bfloat16 *)out, lse, *qv, N,
+                                                                                      merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_kernel");
     return 0;
 }
@@ -218,29 +221,43 @@ static int check_forward_shape(const char *fn, int B, int H, int N, int D, SageP
     return 0;
 }
 
-// The mma.sync forward over the quantized tensors of `workspace`.
+// The mma.sync forward over the quantized tensors of `workspace`; out's rows as attn_row_offset
+// places them.
 static int launch_forward_quantized(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
-                                    int D, SagePV pv, cudaStream_t stream, char *err) {
+                                    int D, SagePV pv, int merged_heads, cudaStream_t stream, char *err) {
     SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, pv);
-    int BH = B * H;
-    if (D == 64) return pv == SAGE_PV_FP8 ? launch_forward<64, true>(out, lse, &qv, BH, N, stream, err)
-                                          : launch_forward<64, false>(out, lse, &qv, BH, N, stream, err);
-    return pv == SAGE_PV_FP8 ? launch_forward<128, true>(out, lse, &qv, BH, N, stream, err)
-                             : launch_forward<128, false>(out, lse, &qv, BH, N, stream, err);
+    int BH = B * H, mh = merged_heads;
+    if (D == 64) return pv == SAGE_PV_FP8 ? launch_forward<64, true>(out, lse, &qv, BH, N, mh, stream, err)
+                                          : launch_forward<64, false>(out, lse, &qv, BH, N, mh, stream, err);
+    return pv == SAGE_PV_FP8 ? launch_forward<128, true>(out, lse, &qv, BH, N, mh, stream, err)
+                             : launch_forward<128, false>(out, lse, &qv, BH, N, mh, stream, err);
+}
+
+// sage_forward_cuda (merged_heads 0) and sage_forward_merged_cuda (merged_heads H).
+static int forward(const char *fn, uint16_t *out, float *lse, void *workspace, const uint16_t *q, const uint16_t *k,
+                   const uint16_t *v, int B, int H, int N, int D, SagePV pv, int merged_heads, cudaStream_t stream,
+                   char *err) {
+    if (check_forward_shape(fn, B, H, N, D, pv, err) != 0) return -1;
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(workspace, 16),
+                      DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
+    // Hopper: the wgmma kernel (sage_forward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
+    if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
+        return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, merged_heads, stream, err);
+    if (pv == SAGE_PV_FP8 && check_fp8_capability(fn, err) != 0) return -1;
+    if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, pv, stream, err) != 0) return -1;
+    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, merged_heads, stream, err);
 }
 
 extern "C" int sage_forward_cuda(uint16_t *out, float *lse, void *workspace,
                                  const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                  int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
-    if (check_forward_shape("sage_forward_cuda", B, H, N, D, pv, err) != 0) return -1;
-    CHECK_DEVICE_ARGS("sage_forward_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(workspace, 16),
-                      DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
-    // Hopper: the wgmma kernel (sage_forward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
-    if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
-        return sage_forward_sm90_cuda(out, lse, workspace, q, k, v, B, H, N, D, stream, err);
-    if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_cuda", err) != 0) return -1;
-    if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, pv, stream, err) != 0) return -1;
-    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, stream, err);
+    return forward("sage_forward_cuda", out, lse, workspace, q, k, v, B, H, N, D, pv, 0, stream, err);
+}
+
+extern "C" int sage_forward_merged_cuda(uint16_t *out, float *lse, void *workspace,
+                                        const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                        int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err) {
+    return forward("sage_forward_merged_cuda", out, lse, workspace, q, k, v, B, H, N, D, pv, H, stream, err);
 }
 
 extern "C" int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
@@ -251,5 +268,5 @@ extern "C" int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void
     if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
         return sage_forward_sm90_quantized_cuda(out, lse, workspace, B, H, N, D, stream, err);
     if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_quantized_cuda", err) != 0) return -1;
-    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, stream, err);
+    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, 0, stream, err);
 }

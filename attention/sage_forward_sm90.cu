@@ -32,6 +32,7 @@
 //   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other.
 #include <limits.h>
 #include "attention/sage_cuda.h"
+#include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
 #include "attention/wgmma.cuh"
 #include "layers/common.h"
@@ -176,18 +177,20 @@ __device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (
     pv_wgmma(blk, p, smem_desc<SAGE_CUDA_BLOCK>(sV + h * 64 * SAGE_CUDA_BLOCK));
 }
 
-// O (64 × D, this thread's accumulator registers) → out (bf16) and lse for rows >= N skipped:
+// O (64 × D, this thread's accumulator registers) → out (bf16; rows as attn_row_offset places them)
+// and lse for rows >= N skipped:
 // o = 448·Σ p·v̂ and l = 448·Σ p, so out = o·v_scale/l and lse = m + log2 l − log2 448.
 template <int D>
 __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const float (&o)[D / 2], float (&l)[2],
-                                           const float (&m)[2], const float *vs, int bh, int N, int row0, int c) {
+                                           const float (&m)[2], const float *vs, int bh, int N, int merged_heads, int row0,
+                                           int c) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         int row = row0 + 8 * r;
         if (row >= N) continue;
-        __nv_bfloat16 *orow = out + ((size_t)bh * N + row) * D;
+        __nv_bfloat16 *orow = out + attn_row_offset(bh, row, N, D, merged_heads);
         float inv_l = 1.0f / l[r];
 #pragma unroll
         for (int j = 0; j < D / 8; j++) {
@@ -226,8 +229,8 @@ __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV
 // Consumer warpgroup `wg`: rows 64·wg.. of each of this CTA's tiles.
 template <int D>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
-                        __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int nblk, int ntq, int ntiles,
-                        int wg) {
+                        __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int merged_heads, int nblk,
+                        int ntq, int ntiles, int wg) {
     static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
     using S = Sm90Smem<D>;
     constexpr int BN = SAGE_CUDA_BLOCK;
@@ -317,7 +320,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         }
         it++;
         int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + lane / 4;
-        store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, row0, c);
+        store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, row0, c);
     }
 }
 #endif
@@ -330,7 +333,7 @@ template <int D>
 __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
-                             SageCudaQuant qv, int N, int BH) {
+                             SageCudaQuant qv, int N, int BH, int merged_heads) {
 #ifdef SAGE_SM90_DEVICE
     using S = Sm90Smem<D>;
     extern __shared__ uint8_t smem_raw[];
@@ -356,7 +359,7 @@ __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
             produce<D>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, ntiles);
     } else {
         setmaxnreg_inc<S::CONSUMER_REGS>();
-        consume<D>(&bar, sQ, sK, sV, out, lse, qv, N, nblk, ntq, ntiles, wg);
+        consume<D>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, ntiles, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -370,7 +373,7 @@ template <int D>
 __global__ void __launch_bounds__(128, 2)
     sage_forward_wg_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                            const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
-                           SageCudaQuant qv, int N) {
+                           SageCudaQuant qv, int N, int merged_heads) {
 #ifdef SAGE_SM90_DEVICE
     static_assert(D == 64, "the one-warpgroup kernel is the D = 64 layout (P·V over all 64 channels at once)");
     using S = Sm90WgSmem<D>;
@@ -435,7 +438,7 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
     }
-    store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, qb * BN + warp * 16 + g, c);
+    store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g, c);
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
 #endif
@@ -458,7 +461,7 @@ static int make_maps(CUtensorMap maps[3], const SageCudaQuant *qv, int BH, int N
 
 // D = 128: the persistent warp-specialized kernel, at most one CTA per SM.
 static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
-                                   cudaStream_t stream, char *err) {
+                                   int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 128;
     using S = Sm90Smem<D>;
     CUtensorMap maps[3];
@@ -473,14 +476,15 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
     long long tiles = (long long)BH * ((nblk + S::CONSUMERS - 1) / S::CONSUMERS);
     int grid = (int)(tiles < sms ? tiles : sms);
     sage_forward_sm90_kernel<D><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                     (__nv_bfloat16 *)out, lse, *qv, N, BH);
+                                                                     (__nv_bfloat16 *)out, lse, *qv, N, BH,
+                                                                     merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
 }
 
 // D = 64: the one-warpgroup kernel, one CTA per (64-query block, head).
 static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
-                                cudaStream_t stream, char *err) {
+                                int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 64;
     CUtensorMap maps[3];
     int bytes = Sm90WgSmem<D>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
@@ -489,14 +493,15 @@ static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_wg_kernel max dynamic smem)");
     sage_forward_wg_kernel<D><<<dim3(nblk, BH), 128, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                      (__nv_bfloat16 *)out, lse, *qv, N);
+                                                                      (__nv_bfloat16 *)out, lse, *qv, N,
+                                                                      merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_wg_kernel");
     return 0;
 }
 
-extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace, const uint16_t *q,
-                                      const uint16_t *k, const uint16_t *v, int B, int H, int N, int D,
-                                      cudaStream_t stream, char *err) {
+int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, int B, int H, int N, int D, int merged_heads, cudaStream_t stream,
+                           char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
         dit_set_error(err, "sage_forward_sm90_cuda: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 "
                            "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
@@ -511,8 +516,14 @@ extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace
     }
     if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, SAGE_PV_FP8, stream, err) != 0) return -1;
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, SAGE_PV_FP8);
-    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, stream, err)
-                   : launch_warp_specialized(out, lse, &qv, B * H, N, stream, err);
+    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, merged_heads, stream, err)
+                   : launch_warp_specialized(out, lse, &qv, B * H, N, merged_heads, stream, err);
+}
+
+extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace, const uint16_t *q,
+                                      const uint16_t *k, const uint16_t *v, int B, int H, int N, int D,
+                                      cudaStream_t stream, char *err) {
+    return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, 0, stream, err);
 }
 
 extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
@@ -530,6 +541,6 @@ extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const
         return -1;
     }
     SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, SAGE_PV_FP8);
-    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, stream, err)
-                   : launch_warp_specialized(out, lse, &qv, B * H, N, stream, err);
+    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, 0, stream, err)
+                   : launch_warp_specialized(out, lse, &qv, B * H, N, 0, stream, err);
 }

@@ -95,6 +95,15 @@ __device__ __forceinline__ void tma_load_2d(void *smem, const CUtensorMap *map, 
                    "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x), "r"(y) : "memory");
 }
 
+// The same for a 4-D tensor map, coordinates (x, y, z, w) from the innermost.
+__device__ __forceinline__ void tma_load_4d(void *smem, const CUtensorMap *map, uint64_t *bar, int x, int y, int z,
+                                            int w) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+                 ::"r"((uint32_t)__cvta_generic_to_shared(smem)), "l"((uint64_t)map),
+                   "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+
 // ---- wgmma shapes of the sage forward ------------------------------------------------------------
 // d (+)= A·B, int8 × int8 -> int32, m64n64k32; A and B K-major in shared memory (descriptors).
 // scale_d = 0 overwrites d, 1 accumulates. d: 32 registers per thread (accumulator layout above).

@@ -38,6 +38,10 @@ static void *arena_take(Arena *a, size_t bytes) {
 static int sp_size(const DitGpu *m) { return m->sp.ulysses * m->sp.ring; }
 static int heads_here(const DitGpu *m) { return m->cfg.heads / m->sp.ulysses; }
 static int ring_shard_tokens(const DitGpu *m) { return m->tokens * m->sp.ulysses; }   // T / R
+// Without sequence parallelism the attention writes its output straight into the projection's
+// input (B, T, H·D) and reads its gradient from there (the *_merged_cuda calls): no head merge or
+// split pass, no head-major copies of out and dout.
+static bool attention_merged(const DitGpu *m) { return sp_size(m) == 1; }
 
 // The Ulysses pipeline's groups for a batch of B: G = head_groups (at most the B·H/U pairs), and
 // group g's (b, head) pairs first .. first + count of the flattened b·H/U + h' (sizes differ by
@@ -98,7 +102,8 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->ln1, L * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
     TAKE(ar, a->qkv, L * BT * 3 * h);
     TAKE(ar, a->q, L * BT * h); TAKE(ar, a->k, L * BT * h); TAKE(ar, a->v, L * BT * h);   // equal steps
-    TAKE(ar, a->att, L * BT * h); TAKE(ar, a->att_lse, L * BT * c->heads);
+    if (!attention_merged(m)) TAKE(ar, a->att, L * BT * h);   // head-major out: sequence parallel only
+    TAKE(ar, a->att_lse, L * BT * c->heads);
     a->att_workspace = arena_take(ar, L * m->att_workspace_bytes);
     TAKE(ar, a->att_merged, L * BT * h); TAKE(ar, a->proj, L * BT * h); TAKE(ar, a->x_mid, L * BT * h);
     TAKE(ar, a->ln2, L * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
@@ -116,7 +121,11 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->final_ada, B * 2 * h); TAKE(ar, g->ada, B * L * 6 * h);
     TAKE(ar, g->final_ada_bf16, B * 2 * h); TAKE(ar, g->ada_bf16, B * L * 6 * h);
     TAKE(ar, g->fc2, BT * h); TAKE(ar, g->ln2, BT * h); TAKE(ar, g->proj, BT * h);
-    TAKE(ar, g->att_merged, BT * h); TAKE(ar, g->att, BT * h); TAKE(ar, g->ln1, BT * h);
+    TAKE(ar, g->att_merged, BT * h);
+    // head-major dout, sequence parallel only; inside the range zeroed before each block's backward
+    // (fc2 .. ln1: merge_heads_backward accumulates into it)
+    if (!attention_merged(m)) TAKE(ar, g->att, BT * h);
+    TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
     TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
     g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
@@ -654,11 +663,16 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int 
     cudaStream_t stream = compute_stream(m, g);
     void *ws = forward_workspace(m, l, g);
     DitGpuActivations *a = &m->acts;
-    uint16_t *out = (uint16_t *)(a->att + l * blk + first * pair);
     float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
     const uint16_t *q = (const uint16_t *)(a->q + l * blk + first * pair);
     const uint16_t *k = (const uint16_t *)(a->k + l * blk + first * pair);
     const uint16_t *v = (const uint16_t *)(a->v + l * blk + first * pair);
+    if (attention_merged(m)) {   // (whole: head groups are for Ulysses)
+        uint16_t *out = (uint16_t *)(a->att_merged + l * blk);
+        if (m->attention == DIT_ATTN_EXACT) return flash_forward_merged_cuda(out, lse, q, k, v, B, H, T, D, stream, err);
+        return sage_forward_merged_cuda(out, lse, ws, q, k, v, B, H, T, D, m->sage.pv, stream, err);
+    }
+    uint16_t *out = (uint16_t *)(a->att + l * blk + first * pair);
     if (m->sp.ring > 1)   // (head_groups is 1 under ring: whole)
         return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                             m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err);
@@ -666,8 +680,8 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int 
     return sage_forward_cuda(out, lse, ws, q, k, v, Bc, Hc, T, D, m->sage.pv, stream, err);
 }
 
-// dq, dk, dv of the same pairs from dout (the same layout as the forward's; the pointers are the
-// whole tensors').
+// dq, dk, dv of the same pairs from dout (the layout of the forward's out: merged, or head-major;
+// the pointers are the whole tensors').
 static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int count, float *dq, float *dk,
                                   float *dv, const bf16 *dout, char *err) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
@@ -679,7 +693,8 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
     DitGpuActivations *a = &m->acts;
     size_t at = l * blk + first * pair;
     const uint16_t *q = (const uint16_t *)(a->q + at), *k = (const uint16_t *)(a->k + at);
-    const uint16_t *v = (const uint16_t *)(a->v + at), *out = (const uint16_t *)(a->att + at);
+    const uint16_t *v = (const uint16_t *)(a->v + at);
+    const uint16_t *out = (const uint16_t *)(attention_merged(m) ? a->att_merged + l * blk : a->att + at);
     const uint16_t *dy = (const uint16_t *)(dout + first * pair);
     const float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
     dq += first * pair;
@@ -692,6 +707,11 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
         TRY(ring_backward(m, dq, dk, dv, dy, q, k, v, out, lse,
                           m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                           m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err));
+    } else if (attention_merged(m)) {
+        if (m->attention == DIT_ATTN_EXACT)
+            return flash_backward_merged_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, B, H, T, D, stream, err);
+        return sage_backward_merged_cuda(dq, dk, dv, ws, fwd_ws, dy, q, k, v, out, lse, NULL, B, H, T, D, m->sage.pv,
+                                         stream, err);
     } else if (m->attention == DIT_ATTN_EXACT) {
         return flash_backward_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, Bc, Hc, T, D, stream, err);
     } else {
@@ -1056,7 +1076,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     for (int l = 0; l < L; l++) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
-        bf16 *ln1 = a->ln1 + l * blk, *qkv = a->qkv + l * 3 * blk, *att = a->att + l * blk;
+        bf16 *ln1 = a->ln1 + l * blk, *qkv = a->qkv + l * 3 * blk;
         bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
         bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
         bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + l * 4 * blk, *fc2 = a->fc2 + l * blk;
@@ -1068,17 +1088,20 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
                                             B, T, h, stride, q8.inp_amax.qkv, s, err));
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
                                  BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, err));
-        // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back)
+        // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
+        // output in att_merged: written there by the attention itself (attention_merged; the FP8
+        // projection then takes the amax of its input itself), or merged from the heads
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
         } else {
             TRY(split_qkv(m, a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, err));
             TRY(attention_forward_gpu(m, l, B, 0, 0, B * heads_here(m), err));
         }
-        TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : att, B, T, H, D, q8.inp_amax.proj, s,
-                                     err));
+        if (!attention_merged(m))
+            TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : a->att + l * blk, B, T, H, D,
+                                         q8.inp_amax.proj, s, err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                 BT, h, h, &q8.proj, q8.inp_amax.proj, err));
+                                 BT, h, h, &q8.proj, attention_merged(m) ? NULL : q8.inp_amax.proj, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
@@ -1191,13 +1214,16 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
                                   g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
                                   q8.dout_amax.proj, err));
-        TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
+        // the attention's dout: the projection's input gradient as it is (attention_merged), or split
+        // into heads
+        if (!attention_merged(m)) TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
             TRY(ulysses_attention_backward(m, l, g->att, B, err));
             TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false,
                                q8.dout_amax.qkv, B, err));
         } else {
-            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->att, err));
+            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv,
+                                       attention_merged(m) ? g->att_merged : g->att, err));
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), q8.dout_amax.qkv, B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,

@@ -73,3 +73,71 @@ static inline void compare(double *rel, double *cos, const float *x, const float
     *rel = rel_l2(x, ref, n);
     *cos = cosine(x, ref, n);
 }
+
+// ---- the merged layout of out and dout (*_merged_cuda): (B, N, H, D) instead of (B, H, N, D) ----
+// Element (b, h, t, d) sits at ((b·H + h)·N + t)·D + d head-major and at ((b·N + t)·H + h)·D + d
+// merged.
+
+// A new device copy of the head-major bf16 `head_major` (device) in the merged layout.
+static inline uint16_t *merged_copy(const uint16_t *head_major, int B, int H, int N, int D) {
+    size_t n = (size_t)B * H * N * D;
+    uint16_t *from = xmalloc(n * 2), *to = xmalloc(n * 2), *dev = dmalloc(n * 2);
+    CUDA_OK(cudaMemcpy(from, head_major, n * 2, cudaMemcpyDeviceToHost));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < N; t++)
+                memcpy(to + (((size_t)b * N + t) * H + h) * D, from + (((size_t)b * H + h) * N + t) * D, D * 2);
+    CUDA_OK(cudaMemcpy(dev, to, n * 2, cudaMemcpyHostToDevice));
+    free(from);
+    free(to);
+    return dev;
+}
+
+// Bitwise comparisons of a merged-layout call's outputs with the head-major call's: each returns
+// the number of elements that differ in any bit or are NaN (the poison left where neither call
+// wrote), and fails the test at the first one with its coordinates and both values.
+
+// out: the bf16 `merged` (device, (B, N, H, D)) against `head_major` (device, (B, H, N, D)).
+static inline size_t count_merged_bf16_differences(const uint16_t *merged, const uint16_t *head_major, int B, int H,
+                                                   int N, int D, const char *what) {
+    size_t n = (size_t)B * H * N * D, differing = 0;
+    uint16_t *got = xmalloc(n * 2), *want = xmalloc(n * 2);
+    CUDA_OK(cudaMemcpy(got, merged, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(want, head_major, n * 2, cudaMemcpyDeviceToHost));
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < N; t++)
+                for (int d = 0; d < D; d++) {
+                    size_t im = (((size_t)b * N + t) * H + h) * D + d, ih = (((size_t)b * H + h) * N + t) * D + d;
+                    if (got[im] == want[ih] && !isnan(from_bf16(want[ih]))) continue;
+                    if (differing++ == 0)
+                        cr_expect_fail("%s: merged[%zu] (b=%d h=%d t=%d d=%d) = %g (0x%04x), head-major[%zu] = "
+                                       "%g (0x%04x)", what, im, b, h, t, d, from_bf16(got[im]), got[im], ih,
+                                       from_bf16(want[ih]), want[ih]);
+                }
+    free(got);
+    free(want);
+    return differing;
+}
+
+// lse, dq, dk, dv: fp32 `got` and `want` (device) in the same layout (B, H, N, D); D = 1 for lse.
+static inline size_t count_f32_differences(const float *got, const float *want, int B, int H, int N, int D,
+                                           const char *what) {
+    size_t n = (size_t)B * H * N * D, differing = 0;
+    uint32_t *g = xmalloc(n * 4), *w = xmalloc(n * 4);
+    CUDA_OK(cudaMemcpy(g, got, n * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(w, want, n * 4, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) {
+        float gf, wf;
+        memcpy(&gf, &g[i], 4);
+        memcpy(&wf, &w[i], 4);
+        if (g[i] == w[i] && !isnan(wf)) continue;
+        if (differing++ == 0)
+            cr_expect_fail("%s: [%zu] (b=%d h=%d t=%d d=%d) merged call %.9g (0x%08x), head-major call %.9g "
+                           "(0x%08x)", what, i, (int)(i / D / N / H), (int)(i / D / N % H), (int)(i / D % N),
+                           (int)(i % D), gf, g[i], wf, w[i]);
+    }
+    free(g);
+    free(w);
+    return differing;
+}

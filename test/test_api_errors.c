@@ -99,6 +99,11 @@ Test(cuda_api, flash_attention_rejects_head_dim_sizes_and_grid_overflow) {
                                      1, 1, 64, 32, 0, err), err, "flash_backward_cuda", "D=32");
     EXPECT_ERROR(flash_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                      300, 300, 64, 64, 0, err), err, "B=300 H=300");
+    EXPECT_ERROR(flash_forward_merged_cuda(NULL, NULL, NULL, NULL, NULL, 1, 2, 64, 96, 0, err), err,
+                 "flash_forward_merged_cuda", "D in {64, 128}", "D=96");
+    EXPECT_ERROR(flash_backward_merged_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                            300, 300, 64, 64, 0, err), err, "flash_backward_merged_cuda",
+                 "B=300 H=300");
     cr_assert_eq(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 1, 1, 1, 96, 0, NULL), -1, "err may be NULL");
 }
 
@@ -113,6 +118,11 @@ Test(cuda_api, sage_attention_rejects_head_dim_sizes_and_grid_overflow) {
                                     1, 2, 64, 96, SAGE_PV_FP8, 0, err), err, "sage_backward_cuda", "D=96");
     EXPECT_ERROR(sage_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                     65536, 65536, 64, 64, SAGE_PV_FP8, 0, err), err, "B·H <= 65535");
+    EXPECT_ERROR(sage_forward_merged_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 1, 2, 64, 96, SAGE_PV_FP16, 0, err),
+                 err, "sage_forward_merged_cuda", "D=96");
+    EXPECT_ERROR(sage_backward_merged_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                           65536, 65536, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_backward_merged_cuda", "B·H <= 65535");
 }
 
 // ---- attention kernels: NULL and misaligned device pointers, checked before any CUDA call ----
@@ -145,6 +155,15 @@ Test(cuda_api, attention_rejects_null_device_pointers_by_name) {
                  err, "sage_backward_cuda (delta = NULL", "out must be", "NULL");
     EXPECT_ERROR(sage_quantize_cuda(DEV, b, NULL, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
                  "sage_quantize_cuda", "k must be", "NULL");
+    // the merged calls check every pointer, out and dout (whose layout differs) included
+    EXPECT_ERROR(flash_forward_merged_cuda(NULL, f, b, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_merged_cuda",
+                 "out must be", "NULL");
+    EXPECT_ERROR(flash_backward_merged_cuda(f, f, f, DEV, NULL, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+                 "flash_backward_merged_cuda", "dout must be", "NULL");
+    EXPECT_ERROR(sage_forward_merged_cuda(b, f, DEV, NULL, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_forward_merged_cuda", "q must be", "NULL");
+    EXPECT_ERROR(sage_backward_merged_cuda(f, f, f, DEV, DEV, b, b, b, b, NULL, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0,
+                                           err), err, "sage_backward_merged_cuda", "out must be", "NULL");
     EXPECT_ERROR(sage_quantize_given_cuda(DEV, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
                  "sage_quantize_given_cuda (FP8", "v_scale must be", "NULL");
     EXPECT_ERROR(sage_kv_stats_cuda(NULL, f, DEV, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
@@ -169,6 +188,14 @@ Test(cuda_api, attention_rejects_misaligned_vector_buffers) {
                                          err), err, "sage_backward_sm90_cuda", "v=", "16-byte aligned");
     EXPECT_ERROR(sage_quantize_cuda(dev_bytes + 8, b, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
                  "sage_quantize_cuda", "workspace=", "16-byte aligned");
+    EXPECT_ERROR(flash_forward_merged_cuda(b2, f, b, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_merged_cuda",
+                 "out=", "16-byte aligned");
+    EXPECT_ERROR(flash_backward_merged_cuda(f, f, f, DEV, b2, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+                 "flash_backward_merged_cuda", "dout=", "16-byte aligned");
+    EXPECT_ERROR(sage_forward_merged_cuda(b2, f, DEV, b, b, b, 1, 2, 64, 64, SAGE_PV_FP16, 0, err), err,
+                 "sage_forward_merged_cuda", "out=", "16-byte aligned");
+    EXPECT_ERROR(sage_backward_merged_cuda(f, f, f, DEV, DEV, b2, b, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0,
+                                           err), err, "sage_backward_merged_cuda", "dout=", "16-byte aligned");
 }
 
 Test(cuda_api, sage_forward_checks_shapes_before_querying_the_device) {
@@ -180,6 +207,10 @@ Test(cuda_api, sage_forward_checks_shapes_before_querying_the_device) {
                  "sage_forward_cuda", "D in {64, 128}", "D=96");
     EXPECT_ERROR(sage_forward_cuda(b, f, DEV, b, b, b, 1, 2, 64, 64, (SagePV)7, 0, err), err,
                  "sage_forward_cuda", "pv=7");
+    EXPECT_ERROR(sage_forward_merged_cuda(b, f, DEV, b, b, b, 1, 2, 64, 96, SAGE_PV_FP8, 0, err), err,
+                 "sage_forward_merged_cuda", "D in {64, 128}", "D=96");
+    EXPECT_ERROR(sage_forward_merged_cuda(b, f, DEV, b, b, b, 1, 2, 64, 64, (SagePV)7, 0, err), err,
+                 "sage_forward_merged_cuda", "pv=7");
     EXPECT_ERROR(sage_forward_sm90_cuda(b, f, DEV, b, b, b, 1, 2, 64, 96, 0, err), err,
                  "sage_forward_sm90_cuda", "D=96");
     EXPECT_ERROR(sage_backward_sm90_cuda(f, f, f, DEV, DEV, b, b, b, b, b, f, NULL, 2, 1, 1 << 30, 64,

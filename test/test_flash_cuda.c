@@ -240,6 +240,69 @@ Test(flash_cuda, sm90_backward_deterministic, .timeout = 300) {
     flash_backward_set_deterministic(before);
 }
 
+// ---- the merged layout (flash_forward_merged_cuda, flash_backward_merged_cuda) -------------------
+// out and dout in (B, N, H, D), the layout of the projection around attention: the merged calls
+// must give bitwise the head-major calls' values (out transposed; lse, dq, dk, dv as they are;
+// dq in deterministic mode), each call with its own workspace and NaN-poisoned outputs (dmalloc).
+// B, H > 1 and N not a multiple of 64, so a batch/head swap, a token stride of D instead of H·D or
+// a missed tail lands on other values or on the poison.
+static void check_merged_layout(int B, int H, int N, int D, const char *dispatch, uint64_t seed) {
+    Case c = make_case(B, H, N, D, 1.0f, seed);
+    size_t rows = (size_t)B * H * N;
+    char err[DIT_ERR_LEN] = "", what[160];
+    snprintf(what, sizeof what, "flash merged layout B%d H%d N%d D%d (%s)", B, H, N, D, dispatch);
+    size_t ws_bytes = flash_cuda_backward_workspace_size(B, H, N, D);
+    void *ws_h = dmalloc(ws_bytes), *ws_m = dmalloc(ws_bytes);
+    uint16_t *out_h = dmalloc(c.n * 2), *out_m = dmalloc(c.n * 2), *dout_m = merged_copy(c.dev[3], B, H, N, D);
+    float *lse_h = dmalloc(rows * 4), *lse_m = dmalloc(rows * 4);
+    float *grads_h = dmalloc(3 * c.n * 4), *grads_m = dmalloc(3 * c.n * 4);   // dq, dk, dv
+
+    int rc = flash_forward_cuda(out_h, lse_h, c.dev[0], c.dev[1], c.dev[2], B, H, N, D, 0, err);
+    cr_assert_eq(rc, 0, "flash_forward_cuda: %s", err);
+    rc = flash_forward_merged_cuda(out_m, lse_m, c.dev[0], c.dev[1], c.dev[2], B, H, N, D, 0, err);
+    cr_assert_eq(rc, 0, "flash_forward_merged_cuda: %s", err);
+    rc = flash_backward_cuda(grads_h, grads_h + c.n, grads_h + 2 * c.n, ws_h, c.dev[3], c.dev[0], c.dev[1], c.dev[2],
+                             out_h, lse_h, B, H, N, D, 0, err);
+    cr_assert_eq(rc, 0, "flash_backward_cuda: %s", err);
+    rc = flash_backward_merged_cuda(grads_m, grads_m + c.n, grads_m + 2 * c.n, ws_m, dout_m, c.dev[0], c.dev[1],
+                                    c.dev[2], out_m, lse_m, B, H, N, D, 0, err);
+    cr_assert_eq(rc, 0, "flash_backward_merged_cuda: %s", err);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    char name[200];
+    size_t differing[5];
+    snprintf(name, sizeof name, "%s: out", what);
+    differing[0] = count_merged_bf16_differences(out_m, out_h, B, H, N, D, name);
+    snprintf(name, sizeof name, "%s: lse", what);
+    differing[1] = count_f32_differences(lse_m, lse_h, B, H, N, 1, name);
+    for (int t = 0; t < 3; t++) {
+        snprintf(name, sizeof name, "%s: d%c", what, "qkv"[t]);
+        differing[2 + t] = count_f32_differences(grads_m + t * c.n, grads_h + t * c.n, B, H, N, D, name);
+    }
+    printf("%s vs head-major: differing out %zu, lse %zu, dq %zu, dk %zu, dv %zu\n", what, differing[0], differing[1],
+           differing[2], differing[3], differing[4]);
+    fflush(stdout);
+    cudaFree(ws_h); cudaFree(ws_m); cudaFree(out_h); cudaFree(out_m); cudaFree(dout_m);
+    cudaFree(lse_h); cudaFree(lse_m); cudaFree(grads_h); cudaFree(grads_m);
+    free_case(&c);
+}
+
+// The default dispatch (on sm_90: the Hopper kernels) and the mma.sync kernels
+// (DIT_FLASH_MMA_SYNC=1, read at call time).
+Test(flash_cuda, merged_layout_matches_head_major, .timeout = 120) {
+    SKIP_WITHOUT_GPU();
+    int shapes[4][4] = {{2, 3, 130, 64}, {2, 3, 130, 128}, {1, 4, 1000, 128}, {3, 2, 77, 64}};
+    int deterministic_before = flash_backward_set_deterministic(1);
+    for (int mma_sync = 0; mma_sync < 2; mma_sync++) {
+        const char *dispatch = mma_sync ? "DIT_FLASH_MMA_SYNC=1" : "default dispatch";
+        if (mma_sync) setenv("DIT_FLASH_MMA_SYNC", "1", 1);
+        for (int s = 0; s < 4; s++)
+            check_merged_layout(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3], dispatch, 20 + s);
+        if (mma_sync) unsetenv("DIT_FLASH_MMA_SYNC");
+    }
+    flash_backward_set_deterministic(deterministic_before);
+}
+
 // Argument checks come before any CUDA call: this test runs without a GPU too.
 Test(flash_cuda, rejects_bad_shapes) {
     char err[DIT_ERR_LEN] = "";

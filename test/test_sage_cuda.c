@@ -688,3 +688,70 @@ Test(sage_cuda, sm90_forward_short_tail_block, .timeout = 60) {
     SKIP_WITHOUT_SM90();
     check_forward_sm90(1, 1, 37, 64, OUTLIERS);
 }
+
+// ---- 8. the merged layout (sage_forward_merged_cuda, sage_backward_merged_cuda) -----------------
+// out and dout in (B, N, H, D), the layout of the projection around attention: the merged calls
+// must give bitwise the head-major calls' values (out transposed; lse, dq, dk, dv as they are;
+// dq in deterministic mode), each call with its own workspaces and NaN-poisoned outputs (dmalloc).
+// B, H > 1 and N not a multiple of 64, so a batch/head swap, a token stride of D instead of H·D or
+// a missed tail lands on other values or on the poison.
+static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const char *dispatch) {
+    Case c = make_case(B, H, N, D, GAUSSIAN, 10000 + B * 1000 + N + D + pv);
+    size_t rows = (size_t)B * H * N;
+    char err[DIT_ERR_LEN] = "", what[160];
+    snprintf(what, sizeof what, "merged layout B=%d H=%d N=%d D=%d %s (%s)", B, H, N, D,
+             pv == SAGE_PV_FP8 ? "fp8" : "fp16", dispatch);
+    size_t fwd_ws_bytes = sage_cuda_forward_workspace_size(B, H, N, D, pv);
+    size_t bwd_ws_bytes = sage_cuda_backward_workspace_size(B, H, N, D);
+    void *fwd_ws_h = dmalloc(fwd_ws_bytes), *fwd_ws_m = dmalloc(fwd_ws_bytes);
+    void *bwd_ws_h = dmalloc(bwd_ws_bytes), *bwd_ws_m = dmalloc(bwd_ws_bytes);
+    uint16_t *out_h = dmalloc(c.n * 2), *out_m = dmalloc(c.n * 2), *dout_m = merged_copy(c.ddout, B, H, N, D);
+    float *lse_h = dmalloc(rows * 4), *lse_m = dmalloc(rows * 4);
+    float *grads_h = dmalloc(3 * c.n * 4), *grads_m = dmalloc(3 * c.n * 4);   // dq, dk, dv
+
+    int rc = sage_forward_cuda(out_h, lse_h, fwd_ws_h, c.dq_, c.dk_, c.dv_, B, H, N, D, pv, 0, err);
+    cr_assert_eq(rc, 0, "sage_forward_cuda: %s", err);
+    rc = sage_forward_merged_cuda(out_m, lse_m, fwd_ws_m, c.dq_, c.dk_, c.dv_, B, H, N, D, pv, 0, err);
+    cr_assert_eq(rc, 0, "sage_forward_merged_cuda: %s", err);
+    rc = sage_backward_cuda(grads_h, grads_h + c.n, grads_h + 2 * c.n, bwd_ws_h, fwd_ws_h, c.ddout, c.dq_, c.dk_,
+                            c.dv_, out_h, lse_h, NULL, B, H, N, D, pv, 0, err);
+    cr_assert_eq(rc, 0, "sage_backward_cuda: %s", err);
+    rc = sage_backward_merged_cuda(grads_m, grads_m + c.n, grads_m + 2 * c.n, bwd_ws_m, fwd_ws_m, dout_m, c.dq_,
+                                   c.dk_, c.dv_, out_m, lse_m, NULL, B, H, N, D, pv, 0, err);
+    cr_assert_eq(rc, 0, "sage_backward_merged_cuda: %s", err);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    char name[200];
+    size_t differing[5];
+    snprintf(name, sizeof name, "%s: out", what);
+    differing[0] = count_merged_bf16_differences(out_m, out_h, B, H, N, D, name);
+    snprintf(name, sizeof name, "%s: lse", what);
+    differing[1] = count_f32_differences(lse_m, lse_h, B, H, N, 1, name);
+    for (int t = 0; t < 3; t++) {
+        snprintf(name, sizeof name, "%s: d%c", what, "qkv"[t]);
+        differing[2 + t] = count_f32_differences(grads_m + t * c.n, grads_h + t * c.n, B, H, N, D, name);
+    }
+    fprintf(stderr, "%s vs head-major: differing out %zu, lse %zu, dq %zu, dk %zu, dv %zu\n", what, differing[0],
+            differing[1], differing[2], differing[3], differing[4]);
+    cudaFree(fwd_ws_h); cudaFree(fwd_ws_m); cudaFree(bwd_ws_h); cudaFree(bwd_ws_m);
+    cudaFree(out_h); cudaFree(out_m); cudaFree(dout_m); cudaFree(lse_h); cudaFree(lse_m);
+    cudaFree(grads_h); cudaFree(grads_m);
+    free_case(&c);
+}
+
+// The default dispatch (on sm_90: the Hopper kernels for FP8, the Hopper backward for FP16) and
+// the mma.sync kernels (DIT_SAGE_MMA_SYNC=1, read at call time).
+Test(sage_cuda, merged_layout_matches_head_major, .timeout = 120) {
+    SKIP_WITHOUT_GPU();
+    int shapes[4][4] = {{2, 3, 130, 64}, {2, 3, 130, 128}, {1, 4, 1000, 128}, {3, 2, 77, 64}};
+    int deterministic_before = sage_backward_set_deterministic(1);
+    for (int mma_sync = 0; mma_sync < 2; mma_sync++) {
+        const char *dispatch = mma_sync ? "DIT_SAGE_MMA_SYNC=1" : "default dispatch";
+        if (mma_sync) setenv("DIT_SAGE_MMA_SYNC", "1", 1);
+        for (int s = 0; s < 4; s++)
+            check_merged_layout(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3], SAGE_PV_FP8, dispatch);
+        check_merged_layout(2, 3, 130, 128, SAGE_PV_FP16, dispatch);
+        if (mma_sync) unsetenv("DIT_SAGE_MMA_SYNC");
+    }
+    sage_backward_set_deterministic(deterministic_before);
+}
