@@ -1,7 +1,7 @@
 """Training-step time of ./train_dit against the PyTorch reference (dev/dit_ref.py) on the same GPU,
 for the same model config and batch, in one run: a markdown table (ms/step and images/s).
 
-    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--train-dit PATH]
+    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--rounds 1] [--train-dit PATH]
 
 PyTorch: fp32 master weights, autocast bf16, SDPA (cuDNN backend where available), fused AdamW,
 clip_grad_norm_, and the EMA of the weights updated every step (DiT's recipe: train_dit's step
@@ -14,6 +14,9 @@ sides (the step does not depend on pixel values). --fp8 adds train_dit --attn sa
 (FP8 GEMMs in the block linears) and its ratios. Configs b, c, d run at depth 4: the step time
 is linear in depth, so the ratios hold for the full model. A run that fails (out of memory, a
 compile error, train_dit exiting) prints why on stderr and leaves "—" in its cell; the table goes on.
+--rounds R measures each configuration R times in a row (every run of the row, then again), one
+table row per round, so that the spread between rounds shows next to the ratios (3 decimals: the
+targets sit on lines such as 1.2x).
 """
 import argparse
 import os
@@ -131,6 +134,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
     ap.add_argument("--fp8", action="store_true", help="also time train_dit --attn sage --linear fp8")
     ap.add_argument("--no-ema", action="store_true", help="PyTorch without the EMA update (train_dit keeps its own)")
+    ap.add_argument("--rounds", type=int, default=1, help="rows per configuration, measured one after the other")
     ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.steps} steps "
@@ -157,20 +161,21 @@ def main():
         size, patch, hidden, depth, heads, batch = CONFIGS[name]
         cfg = DiTConfig(image_size=size, channels=1, patch=patch, hidden=hidden, depth=depth,
                         heads=heads, num_classes=10)
-        ms = {}
-        for run, flags in ours.items():
-            ms[run] = measure(f"config {name}, train_dit {' '.join(flags)}", train_dit_step_ms, args.train_dit,
-                              size, patch, hidden, depth, heads, batch, flags, args.steps, args.warmup)
-        ms["PyTorch eager"] = measure(f"config {name}, PyTorch eager", pytorch_step_ms, cfg, batch,
-                                      args.steps, args.warmup, False, not args.no_ema)
-        if args.compile:
-            ms["PyTorch compile"] = measure(f"config {name}, PyTorch compile", pytorch_step_ms, cfg, batch,
-                                            args.steps, args.warmup, True, not args.no_ema)
-        cell = lambda v: f"{v:.1f} ({batch / (v / 1e3):.0f})" if v else "—"  # noqa: E731
-        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "—"  # noqa: E731
-        cells = [cell(ms[r]) for r in runs] + [ratio(ms[theirs], ms[mine]) for _, theirs, mine in ratio_of]
-        print(f"| {name} (h{hidden} H{heads}) | {(size // patch) ** 2} | {batch} | {depth} | " + " | ".join(cells) + " |",
-              flush=True)
+        for r in range(args.rounds):
+            ms = {}
+            for run, flags in ours.items():
+                ms[run] = measure(f"config {name}, train_dit {' '.join(flags)}", train_dit_step_ms, args.train_dit,
+                                  size, patch, hidden, depth, heads, batch, flags, args.steps, args.warmup)
+            ms["PyTorch eager"] = measure(f"config {name}, PyTorch eager", pytorch_step_ms, cfg, batch,
+                                          args.steps, args.warmup, False, not args.no_ema)
+            if args.compile:
+                ms["PyTorch compile"] = measure(f"config {name}, PyTorch compile", pytorch_step_ms, cfg, batch,
+                                                args.steps, args.warmup, True, not args.no_ema)
+            cell = lambda v: f"{v:.1f} ({batch / (v / 1e3):.0f})" if v else "—"  # noqa: E731
+            ratio = lambda a, b: f"{a / b:.3f}x" if a and b else "—"  # noqa: E731
+            cells = [cell(ms[k]) for k in runs] + [ratio(ms[theirs], ms[mine]) for _, theirs, mine in ratio_of]
+            label = f"{name} (h{hidden} H{heads})" + (f", round {r + 1}" if args.rounds > 1 else "")
+            print(f"| {label} | {(size // patch) ** 2} | {batch} | {depth} | " + " | ".join(cells) + " |", flush=True)
     print("\nb, c, d run at depth 4 (a at DiT-B's full 12): the step time is linear in depth, so the ratios "
           "hold for deeper models. x/y: how many times faster train_dit is (sage, or sage with FP8 linears).")
 
