@@ -16,7 +16,7 @@
 // and ce (CTA policy zero, buffers in symmetric windows). The all-to-all's result is checked
 // (every element from the right rank and place) in both variants.
 //
-//   nvcc -O2 -o build/bench_a2a_ce dev/bench_a2a_ce.c -lnccl -lcublas
+//   nvcc -O2 -I. -x cu -o build/bench_a2a_ce dev/bench_a2a_ce.c -lnccl -lcublas
 //   NCCL_NVLS_ENABLE=0 build/bench_a2a_ce [block MiB ...]       (needs two GPUs)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -27,6 +27,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "dev/bench_cuda.h"
 
 #define REPS 9
 #define WARMUP 2
@@ -37,14 +38,6 @@
 
 static int g_rank;
 
-#define CUDA_OK(x)                                                                                   \
-    do {                                                                                             \
-        cudaError_t e_ = (x);                                                                        \
-        if (e_ != cudaSuccess) {                                                                     \
-            fprintf(stderr, "rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
 #define NCCL_OK(x)                                                                                   \
     do {                                                                                             \
         ncclResult_t r_ = (x);                                                                       \
@@ -62,12 +55,8 @@ static int g_rank;
         }                                                                                            \
     } while (0)
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
 static float median(float *v, int n) {
-    qsort(v, n, sizeof(float), cmp_float);
+    qsort(v, n, sizeof(float), bench_cmp_float);
     return v[n / 2];
 }
 
@@ -108,27 +97,27 @@ static void run_a2a(Ctx *x, const void *send, void *recv, size_t count) {
 // all-to-alls first; times from the common start.
 static void measure(Ctx *x, const char *variant, const void *send, void *recv, size_t count) {
     cudaEvent_t start, gemm_end, a2a_end;
-    CUDA_OK(cudaEventCreate(&start));
-    CUDA_OK(cudaEventCreate(&gemm_end));
-    CUDA_OK(cudaEventCreate(&a2a_end));
+    CK(cudaEventCreate(&start));
+    CK(cudaEventCreate(&gemm_end));
+    CK(cudaEventCreate(&a2a_end));
     enum { A2A, GEMM, GEMM_FIRST, A2A_FIRST, MODES };
     float t_gemm[MODES][REPS], t_a2a[MODES][REPS], t_all[MODES][REPS];
     for (int mode = 0; mode < MODES; mode++)
         for (int it = -WARMUP; it < REPS; it++) {
             NCCL_OK(ncclAllReduce(send, recv, 1, ncclUint32, ncclMax, x->comm, x->comm_stream));   // line the ranks up
-            CUDA_OK(cudaStreamSynchronize(x->comm_stream));
-            CUDA_OK(cudaEventRecord(start, x->comm_stream));
-            CUDA_OK(cudaStreamWaitEvent(x->gemm_stream, start, 0));
+            CK(cudaStreamSynchronize(x->comm_stream));
+            CK(cudaEventRecord(start, x->comm_stream));
+            CK(cudaStreamWaitEvent(x->gemm_stream, start, 0));
             if (mode == A2A_FIRST) run_a2a(x, send, recv, count);
             if (mode != A2A) run_gemm(x);
-            CUDA_OK(cudaEventRecord(gemm_end, x->gemm_stream));
+            CK(cudaEventRecord(gemm_end, x->gemm_stream));
             if (mode == A2A || mode == GEMM_FIRST) run_a2a(x, send, recv, count);
-            CUDA_OK(cudaEventRecord(a2a_end, x->comm_stream));
-            CUDA_OK(cudaDeviceSynchronize());
+            CK(cudaEventRecord(a2a_end, x->comm_stream));
+            CK(cudaDeviceSynchronize());
             if (it < 0) continue;
             float g, a;
-            CUDA_OK(cudaEventElapsedTime(&g, start, gemm_end));
-            CUDA_OK(cudaEventElapsedTime(&a, start, a2a_end));
+            CK(cudaEventElapsedTime(&g, start, gemm_end));
+            CK(cudaEventElapsedTime(&a, start, a2a_end));
             t_gemm[mode][it] = g;
             t_a2a[mode][it] = a;
             t_all[mode][it] = g > a ? g : a;
@@ -149,14 +138,14 @@ static void measure(Ctx *x, const char *variant, const void *send, void *recv, s
 
 static void check_result(Ctx *x, const char *variant, void *send, void *recv, size_t count, int nranks) {
     unsigned long long *bad, h = 0;
-    CUDA_OK(cudaMalloc(&bad, sizeof(*bad)));
-    CUDA_OK(cudaMemset(bad, 0, sizeof(*bad)));
-    CUDA_OK(cudaMemset(recv, 0xff, count * 4 * nranks));   // poison
+    CK(cudaMalloc(&bad, sizeof(*bad)));
+    CK(cudaMemset(bad, 0, sizeof(*bad)));
+    CK(cudaMemset(recv, 0xff, count * 4 * nranks));   // poison
     fill_kernel<<<1024, 256, 0, x->comm_stream>>>((uint32_t *)send, count * nranks, g_rank);
     NCCL_OK(ncclAlltoAll(send, recv, count, ncclUint32, x->comm, x->comm_stream));
     check_kernel<<<1024, 256, 0, x->comm_stream>>>((const uint32_t *)recv, count, nranks, g_rank, bad);
-    CUDA_OK(cudaStreamSynchronize(x->comm_stream));
-    CUDA_OK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
+    CK(cudaStreamSynchronize(x->comm_stream));
+    CK(cudaMemcpy(&h, bad, sizeof(h), cudaMemcpyDeviceToHost));
     cudaFree(bad);
     printf("rank %d, %s, block %zu bytes: all-to-all result %s (%llu wrong elements)\n", g_rank, variant, count * 4,
            h ? "WRONG" : "correct", h);
@@ -166,7 +155,7 @@ static void check_result(Ctx *x, const char *variant, void *send, void *recv, si
 static int run_rank(int rank, const ncclUniqueId *ids, const double *mib, int n_sizes) {
     g_rank = rank;
     const int nranks = 2;
-    CUDA_OK(cudaSetDevice(rank));
+    CK(cudaSetDevice(rank));
     size_t max_count = 0;
     for (int s = 0; s < n_sizes; s++) {
         size_t cnt = (size_t)(mib[s] * (1 << 20)) / 4;
@@ -174,15 +163,15 @@ static int run_rank(int rank, const ncclUniqueId *ids, const double *mib, int n_
     }
     size_t buf_bytes = max_count * 4 * nranks;
     Ctx x;
-    CUDA_OK(cudaStreamCreateWithFlags(&x.gemm_stream, cudaStreamNonBlocking));
-    CUDA_OK(cudaStreamCreateWithFlags(&x.comm_stream, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&x.gemm_stream, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&x.comm_stream, cudaStreamNonBlocking));
     CUBLAS_OK(cublasCreate(&x.blas));
     CUBLAS_OK(cublasSetStream(x.blas, x.gemm_stream));
-    CUDA_OK(cudaMalloc(&x.a, (size_t)GEMM_M * GEMM_K * 2));
-    CUDA_OK(cudaMalloc(&x.b, (size_t)GEMM_K * GEMM_N * 2));
-    CUDA_OK(cudaMalloc(&x.c, (size_t)GEMM_M * GEMM_N * 2));
-    CUDA_OK(cudaMemset(x.a, 0x3c, (size_t)GEMM_M * GEMM_K * 2));   // bf16 ~0.0115: finite products
-    CUDA_OK(cudaMemset(x.b, 0x3c, (size_t)GEMM_K * GEMM_N * 2));
+    CK(cudaMalloc(&x.a, (size_t)GEMM_M * GEMM_K * 2));
+    CK(cudaMalloc(&x.b, (size_t)GEMM_K * GEMM_N * 2));
+    CK(cudaMalloc(&x.c, (size_t)GEMM_M * GEMM_N * 2));
+    CK(cudaMemset(x.a, 0x3c, (size_t)GEMM_M * GEMM_K * 2));   // bf16 ~0.0115: finite products
+    CK(cudaMemset(x.b, 0x3c, (size_t)GEMM_K * GEMM_N * 2));
 
     for (int variant = 0; variant < 2; variant++) {
         const char *name = variant ? "ce" : "kernel";
@@ -197,23 +186,23 @@ static int run_rank(int rank, const ncclUniqueId *ids, const double *mib, int n_
             NCCL_OK(ncclCommWindowRegister(x.comm, send, buf_bytes, &wins[0], NCCL_WIN_COLL_SYMMETRIC));
             NCCL_OK(ncclCommWindowRegister(x.comm, recv, buf_bytes, &wins[1], NCCL_WIN_COLL_SYMMETRIC));
         } else {
-            CUDA_OK(cudaMalloc(&send, buf_bytes));
-            CUDA_OK(cudaMalloc(&recv, buf_bytes));
+            CK(cudaMalloc(&send, buf_bytes));
+            CK(cudaMalloc(&recv, buf_bytes));
         }
         for (int s = 0; s < n_sizes; s++) {
             size_t count = (size_t)(mib[s] * (1 << 20)) / 4;
             check_result(&x, name, send, recv, count, nranks);
             measure(&x, name, send, recv, count);
         }
-        CUDA_OK(cudaDeviceSynchronize());
+        CK(cudaDeviceSynchronize());
         if (variant) {
             NCCL_OK(ncclCommWindowDeregister(x.comm, wins[0]));
             NCCL_OK(ncclCommWindowDeregister(x.comm, wins[1]));
             NCCL_OK(ncclMemFree(send));
             NCCL_OK(ncclMemFree(recv));
         } else {
-            CUDA_OK(cudaFree(send));
-            CUDA_OK(cudaFree(recv));
+            CK(cudaFree(send));
+            CK(cudaFree(recv));
         }
         NCCL_OK(ncclCommDestroy(x.comm));
     }

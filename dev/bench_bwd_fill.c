@@ -22,33 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include "attention/sage_cuda.h"
+#include "dev/bench_cuda.h"
 
 #define RUNS 11
 #define WARMUP 2
 enum { B = 1, H = 16, N = 16384, D = 128, HID = H * D };
 
-#define CUDA_OK(x)                                                                                   \
-    do {                                                                                             \
-        cudaError_t e_ = (x);                                                                        \
-        if (e_ != cudaSuccess) {                                                                     \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
-#define OK(x, what)                                                                                  \
-    do {                                                                                             \
-        if ((x) != 0) {                                                                              \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, what, err);               \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
-
 static char err[512];
-
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
 
 // bf16 values ~ N(0, scale²) from a fixed LCG (the backward's speed does not depend on them)
 static void *random_bf16(size_t n, float scale, uint32_t seed) {
@@ -65,8 +45,8 @@ static void *random_bf16(size_t n, float scale, uint32_t seed) {
         h[i] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
     }
     void *d;
-    CUDA_OK(cudaMalloc(&d, n * 2));
-    CUDA_OK(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&d, n * 2));
+    CK(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
     free(h);
     return d;
 }
@@ -96,63 +76,63 @@ int main(void) {
     void *q = random_bf16(n, 1.0f, 1), *k = random_bf16(n, 1.0f, 2), *v = random_bf16(n, 1.0f, 3);
     void *dout = random_bf16(n, 1.0f, 4), *out, *fws, *bws;
     float *lse, *dq, *dk, *dv;
-    CUDA_OK(cudaMalloc(&out, n * 2));
-    CUDA_OK(cudaMalloc((void **)&lse, (size_t)B * H * N * 4));
-    CUDA_OK(cudaMalloc((void **)&dq, n * 4));
-    CUDA_OK(cudaMalloc((void **)&dk, n * 4));
-    CUDA_OK(cudaMalloc((void **)&dv, n * 4));
-    CUDA_OK(cudaMalloc(&fws, sage_cuda_forward_workspace_size(B, H, N, D, SAGE_PV_FP8)));
-    CUDA_OK(cudaMalloc(&bws, sage_cuda_backward_workspace_size(B, H, N, D)));
+    CK(cudaMalloc(&out, n * 2));
+    CK(cudaMalloc((void **)&lse, (size_t)B * H * N * 4));
+    CK(cudaMalloc((void **)&dq, n * 4));
+    CK(cudaMalloc((void **)&dk, n * 4));
+    CK(cudaMalloc((void **)&dv, n * 4));
+    CK(cudaMalloc(&fws, sage_cuda_forward_workspace_size(B, H, N, D, SAGE_PV_FP8)));
+    CK(cudaMalloc(&bws, sage_cuda_backward_workspace_size(B, H, N, D)));
     OK(sage_forward_merged_cuda((uint16_t *)out, lse, fws, (uint16_t *)q, (uint16_t *)k, (uint16_t *)v, B, H, N, D,
-                                SAGE_PV_FP8, 0, err), "sage_forward_merged_cuda");
+                                SAGE_PV_FP8, 0, err));
     Gemms g = {.ic = {HID, HID, 4 * HID}, .oc = {HID, 4 * HID, HID}};   // proj, fc1, fc2
     if (cublasCreate(&g.blas) != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "cublasCreate failed\n"); return 1; }
     for (int i = 0; i < 3; i++) {
         g.x[i] = random_bf16((size_t)N * g.ic[i], 1.0f, 10 + i);
         g.dy[i] = random_bf16((size_t)N * g.oc[i], 0.01f, 20 + i);
-        CUDA_OK(cudaMalloc((void **)&g.dw[i], (size_t)g.ic[i] * g.oc[i] * 4));
-        CUDA_OK(cudaMemset(g.dw[i], 0, (size_t)g.ic[i] * g.oc[i] * 4));
+        CK(cudaMalloc((void **)&g.dw[i], (size_t)g.ic[i] * g.oc[i] * 4));
+        CK(cudaMemset(g.dw[i], 0, (size_t)g.ic[i] * g.oc[i] * 4));
     }
     int lo, hi;
-    CUDA_OK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    CK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
     cudaStream_t main_s, high, low;
-    CUDA_OK(cudaStreamCreateWithPriority(&main_s, cudaStreamNonBlocking, lo));
-    CUDA_OK(cudaStreamCreateWithPriority(&high, cudaStreamNonBlocking, hi));
-    CUDA_OK(cudaStreamCreateWithPriority(&low, cudaStreamNonBlocking, lo));
+    CK(cudaStreamCreateWithPriority(&main_s, cudaStreamNonBlocking, lo));
+    CK(cudaStreamCreateWithPriority(&high, cudaStreamNonBlocking, hi));
+    CK(cudaStreamCreateWithPriority(&low, cudaStreamNonBlocking, lo));
     cudaEvent_t start, a_end, g_end;
-    CUDA_OK(cudaEventCreate(&start));
-    CUDA_OK(cudaEventCreate(&a_end));
-    CUDA_OK(cudaEventCreate(&g_end));
+    CK(cudaEventCreate(&start));
+    CK(cudaEventCreate(&a_end));
+    CK(cudaEventCreate(&g_end));
     const char *names[5] = {"attention alone", "dW GEMMs alone", "serial (one stream)",
                             "side, GEMMs enqueued first", "side, attention enqueued first"};
     float med[5];
     for (int mode = 0; mode < 5; mode++) {
         float t[RUNS];
         for (int it = -WARMUP; it < RUNS; it++) {
-            CUDA_OK(cudaDeviceSynchronize());
+            CK(cudaDeviceSynchronize());
             cudaStream_t sa = mode >= 3 ? high : main_s, sg = mode >= 3 ? low : main_s;
-            CUDA_OK(cudaEventRecord(start, main_s));
-            CUDA_OK(cudaStreamWaitEvent(sa, start, 0));
-            CUDA_OK(cudaStreamWaitEvent(sg, start, 0));
+            CK(cudaEventRecord(start, main_s));
+            CK(cudaStreamWaitEvent(sa, start, 0));
+            CK(cudaStreamWaitEvent(sg, start, 0));
             if (mode == 1 || mode == 3) run_gemms(&g, sg);
             if (mode != 1)
                 OK(sage_backward_merged_cuda(dq, dk, dv, bws, fws, (uint16_t *)dout, (uint16_t *)q, (uint16_t *)k,
                                              (uint16_t *)v, (uint16_t *)out, lse, NULL, B, H, N, D, SAGE_PV_FP8, sa,
-                                             err), "sage_backward_merged_cuda");
+                                             err));
             if (mode == 2 || mode == 4) run_gemms(&g, sg);
-            CUDA_OK(cudaEventRecord(a_end, sa));
-            CUDA_OK(cudaEventRecord(g_end, sg));
-            CUDA_OK(cudaDeviceSynchronize());
+            CK(cudaEventRecord(a_end, sa));
+            CK(cudaEventRecord(g_end, sg));
+            CK(cudaDeviceSynchronize());
             float ta, tg;
-            CUDA_OK(cudaEventElapsedTime(&ta, start, a_end));
-            CUDA_OK(cudaEventElapsedTime(&tg, start, g_end));
+            CK(cudaEventElapsedTime(&ta, start, a_end));
+            CK(cudaEventElapsedTime(&tg, start, g_end));
             if (it >= 0) t[it] = ta > tg ? ta : tg;
         }
-        qsort(t, RUNS, sizeof(float), cmp_float);
+        qsort(t, RUNS, sizeof(float), bench_cmp_float);
         med[mode] = t[RUNS / 2];
     }
     struct cudaDeviceProp p;
-    CUDA_OK(cudaGetDeviceProperties(&p, 0));
+    CK(cudaGetDeviceProperties(&p, 0));
     printf("%s; sage backward (merged) B=%d H=%d N=%d D=%d and the bf16 dW GEMMs of proj, fc1, fc2 at %d tokens; "
            "median of %d (ms)\n", p.name, B, H, N, D, N, RUNS);
     for (int mode = 0; mode < 5; mode++) printf("  %-32s %.3f\n", names[mode], med[mode]);

@@ -1,4 +1,5 @@
-// Helpers shared by the CUDA microbenchmarks (dev/bench_layers_cuda.c, dev/bench_linear_fp8.c):
+// Helpers shared by the CUDA microbenchmarks (dev/bench_layers_cuda.c, dev/bench_linear_fp8.c,
+// dev/bench_gemm_algos.c, dev/bench_a2a_ce.c, dev/bench_bwd_fill.c):
 // exit with a message on a failed CUDA or library call (OK reads the including file's `err`),
 // and the median time of a call on the default stream.
 #pragma once

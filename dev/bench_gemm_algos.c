@@ -6,27 +6,20 @@
 // candidate's time against the fastest's. Not the trainer's exact calls (bf16's GELU epilogues and
 // dbias are left out): an upper bound on what per-shape tuning could give.
 //
-//   nvcc -O2 -o build/bench_gemm_algos dev/bench_gemm_algos.c -lcublasLt
+//   nvcc -O2 -I. -o build/bench_gemm_algos dev/bench_gemm_algos.c -lcublasLt
 //   build/bench_gemm_algos [fp8|bf16] [tokens] [hidden]        (defaults: fp8 16384 2048)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "dev/bench_cuda.h"
 
 #define ALGOS 16
 #define RUNS 15
 #define WARMUP 3
 #define WORKSPACE (64u << 20)
 
-#define CUDA_OK(x)                                                                                   \
-    do {                                                                                             \
-        cudaError_t e_ = (x);                                                                        \
-        if (e_ != cudaSuccess) {                                                                     \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));     \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
 #define LT_OK(x)                                                                                     \
     do {                                                                                             \
         cublasStatus_t s_ = (x);                                                                     \
@@ -35,11 +28,6 @@
             exit(1);                                                                                 \
         }                                                                                            \
     } while (0)
-
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
 
 typedef struct {
     const char *name;
@@ -86,22 +74,22 @@ static float sweep(cublasLtHandle_t lt, const Gemm *g, int fp8, void *a, void *b
     *best_i = -1;
     *count = found;
     cudaEvent_t e0, e1;
-    CUDA_OK(cudaEventCreate(&e0));
-    CUDA_OK(cudaEventCreate(&e1));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
     for (int i = 0; i < found; i++) {
         float t[RUNS];
         int ok = 1;
         for (int r = -WARMUP; r < RUNS && ok; r++) {
-            CUDA_OK(cudaEventRecord(e0, s));
+            CK(cudaEventRecord(e0, s));
             if (cublasLtMatmul(lt, desc, &alpha, a, la, b, lb, &beta, d, ld, d, ld, &h[i].algo, ws, WORKSPACE, s) !=
                 CUBLAS_STATUS_SUCCESS)
                 ok = 0;
-            CUDA_OK(cudaEventRecord(e1, s));
-            CUDA_OK(cudaEventSynchronize(e1));
-            if (r >= 0) CUDA_OK(cudaEventElapsedTime(&t[r], e0, e1));
+            CK(cudaEventRecord(e1, s));
+            CK(cudaEventSynchronize(e1));
+            if (r >= 0) CK(cudaEventElapsedTime(&t[r], e0, e1));
         }
         if (!ok) continue;
-        qsort(t, RUNS, sizeof(float), cmp_float);
+        qsort(t, RUNS, sizeof(float), bench_cmp_float);
         float med = t[RUNS / 2];
         if (i == 0) first = med;
         if (med < *best) { *best = med; *best_i = i; }
@@ -139,23 +127,23 @@ int main(int argc, char **argv) {
     }
     void *a, *b, *d, *bias, *ws;
     float *scale, one = 1.0f;
-    CUDA_OK(cudaMalloc(&a, max_a * 2));
-    CUDA_OK(cudaMalloc(&b, max_b * 2));
-    CUDA_OK(cudaMalloc(&d, max_d * 4));
-    CUDA_OK(cudaMalloc(&bias, 4 * (size_t)h * 2));
-    CUDA_OK(cudaMalloc(&ws, WORKSPACE));
-    CUDA_OK(cudaMalloc(&scale, sizeof(float)));
-    CUDA_OK(cudaMemcpy(scale, &one, sizeof one, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemset(a, 0x38, max_a * 2));   // small finite values in fp8 and bf16
-    CUDA_OK(cudaMemset(b, 0x38, max_b * 2));
-    CUDA_OK(cudaMemset(d, 0, max_d * 4));
-    CUDA_OK(cudaMemset(bias, 0, 4 * (size_t)h * 2));
+    CK(cudaMalloc(&a, max_a * 2));
+    CK(cudaMalloc(&b, max_b * 2));
+    CK(cudaMalloc(&d, max_d * 4));
+    CK(cudaMalloc(&bias, 4 * (size_t)h * 2));
+    CK(cudaMalloc(&ws, WORKSPACE));
+    CK(cudaMalloc((void **)&scale, sizeof(float)));
+    CK(cudaMemcpy(scale, &one, sizeof one, cudaMemcpyHostToDevice));
+    CK(cudaMemset(a, 0x38, max_a * 2));   // small finite values in fp8 and bf16
+    CK(cudaMemset(b, 0x38, max_b * 2));
+    CK(cudaMemset(d, 0, max_d * 4));
+    CK(cudaMemset(bias, 0, 4 * (size_t)h * 2));
     cublasLtHandle_t lt;
     LT_OK(cublasLtCreate(&lt));
     cudaStream_t s;
-    CUDA_OK(cudaStreamCreate(&s));
-    cudaDeviceProp p;
-    CUDA_OK(cudaGetDeviceProperties(&p, 0));
+    CK(cudaStreamCreate(&s));
+    struct cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, 0));
     printf("%s, cuBLASLt %zu, %s GEMMs of one block, %d tokens, hidden %d; median of %d runs (ms)\n", p.name,
            cublasLtGetVersion(), fp8 ? "FP8 e4m3" : "bf16", M, h, RUNS);
     printf("| linear | GEMM | m | n | k | candidates | first | fastest (index) | first / fastest |\n|---|---|---|---|---|---|---|---|---|\n");

@@ -78,6 +78,12 @@ static inline void compare(double *rel, double *cos, const float *x, const float
 // Element (b, h, t, d) sits at ((b·H + h)·N + t)·D + d head-major and at ((b·N + t)·H + h)·D + d
 // merged.
 
+// (B, H, N, D) of the merged-layout tests of sage and flash: N with tails (130, 1000, 77) and
+// without (256: every tile full, the kernels' unmasked paths).
+#define MERGED_LAYOUT_SHAPES 6
+static const int merged_layout_shapes[MERGED_LAYOUT_SHAPES][4] = {
+    {2, 3, 130, 64}, {2, 3, 130, 128}, {1, 4, 1000, 128}, {3, 2, 77, 64}, {2, 2, 256, 64}, {2, 2, 256, 128}};
+
 // A new device copy of the head-major bf16 `head_major` (device) in the merged layout.
 static inline uint16_t *merged_copy(const uint16_t *head_major, int B, int H, int N, int D) {
     size_t n = (size_t)B * H * N * D;

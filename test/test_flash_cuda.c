@@ -291,15 +291,14 @@ static void check_merged_layout(int B, int H, int N, int D, const char *dispatch
 // (DIT_FLASH_MMA_SYNC=1, read at call time).
 Test(flash_cuda, merged_layout_matches_head_major, .timeout = 120) {
     SKIP_WITHOUT_GPU();
-    // N with tails (130, 1000, 77) and without (256: every tile full, the kernels' unmasked paths)
-    int shapes[6][4] = {{2, 3, 130, 64}, {2, 3, 130, 128}, {1, 4, 1000, 128}, {3, 2, 77, 64}, {2, 2, 256, 64},
-                        {2, 2, 256, 128}};
     int deterministic_before = flash_backward_set_deterministic(1);
     for (int mma_sync = 0; mma_sync < 2; mma_sync++) {
         const char *dispatch = mma_sync ? "DIT_FLASH_MMA_SYNC=1" : "default dispatch";
         if (mma_sync) setenv("DIT_FLASH_MMA_SYNC", "1", 1);
-        for (int s = 0; s < 6; s++)
-            check_merged_layout(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3], dispatch, 20 + s);
+        for (int s = 0; s < MERGED_LAYOUT_SHAPES; s++) {
+            const int *x = merged_layout_shapes[s];
+            check_merged_layout(x[0], x[1], x[2], x[3], dispatch, 20 + s);
+        }
         if (mma_sync) unsetenv("DIT_FLASH_MMA_SYNC");
     }
     flash_backward_set_deterministic(deterministic_before);
