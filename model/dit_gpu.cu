@@ -99,15 +99,16 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->y_emb, B * h); TAKE(ar, a->c, B * h); TAKE(ar, a->c_silu, B * h);
     TAKE(ar, a->ada, B * L * 6 * h);
     TAKE(ar, a->residual, (L + 1) * BT * h);
-    TAKE(ar, a->ln1, L * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
+    int kept = m->linear == DIT_LINEAR_FP8 ? 1 : L;   // blocks of ln1, ln2, gelu (kept_block)
+    TAKE(ar, a->ln1, kept * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
     TAKE(ar, a->qkv, L * BT * 3 * h);
     TAKE(ar, a->q, L * BT * h); TAKE(ar, a->k, L * BT * h); TAKE(ar, a->v, L * BT * h);   // equal steps
     if (!attention_merged(m)) TAKE(ar, a->att, L * BT * h);   // head-major out: sequence parallel only
     TAKE(ar, a->att_lse, L * BT * c->heads);
     a->att_workspace = arena_take(ar, L * m->att_workspace_bytes);
     TAKE(ar, a->att_merged, L * BT * h); TAKE(ar, a->proj, L * BT * h); TAKE(ar, a->x_mid, L * BT * h);
-    TAKE(ar, a->ln2, L * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
-    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->gelu, L * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
+    TAKE(ar, a->ln2, kept * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
+    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->gelu, kept * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
     TAKE(ar, a->final_ada, B * 2 * h);
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
@@ -336,7 +337,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->tokens = dit_tokens(cfg) / sp_size(m);
     m->linear = linear;
     if (linear == DIT_LINEAR_FP8) TRY(check_fp8_linear(cfg, m->tokens, batch, &m->fp8_workspace_bytes, err));
-    m->fp8_producer_amax = linear == DIT_LINEAR_FP8;
+    m->fp8_fused_inputs = linear == DIT_LINEAR_FP8;
     m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
     m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
@@ -951,7 +952,7 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 // Block l's FP8 inputs saved by the forward for the backward (m->acts: ln1_fp8t .. fp8_scales):
 // (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear; and where the
 // kernels that write the linears' inputs and douts leave their amax (acts.fp8_amax). bf16, or
-// fp8_producer_amax off: the amax pointers NULL (the producers run without it, the linears take
+// fp8_fused_inputs off: the amax pointers NULL (the producers run without it, the linears take
 // their own); bf16: the saved copies NULL too, unused.
 typedef struct { float *qkv, *proj, *fc1, *fc2; } Fp8Amax;
 typedef struct {
@@ -969,7 +970,7 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     in.proj = (Fp8Saved){a->att_merged_fp8t + stride, scales + FP8_SCALE_SLOT};
     in.fc1 = (Fp8Saved){a->ln2_fp8t + stride, scales + 2 * FP8_SCALE_SLOT};
     in.fc2 = (Fp8Saved){a->gelu_fp8t + 4 * stride, scales + 3 * FP8_SCALE_SLOT};
-    if (m->fp8_producer_amax) {
+    if (m->fp8_fused_inputs) {
         float *fwd = a->fp8_amax + (size_t)l * 4, *bwd = a->fp8_amax + (size_t)(m->cfg.depth + l) * 4;
         in.inp_amax = (Fp8Amax){fwd, fwd + 1, fwd + 2, fwd + 3};
         in.dout_amax = (Fp8Amax){bwd, bwd + 1, bwd + 2, bwd + 3};
@@ -978,34 +979,53 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
 }
 
 // Zeroes the forward's (which = 0) or the backward's (1) amax slots of every block (FP8 with
-// fp8_producer_amax; else nothing).
+// fp8_fused_inputs; else nothing).
 static int zero_fp8_amax(const DitGpu *m, int which, char *err) {
-    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_producer_amax) return 0;
+    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
     size_t count = (size_t)m->cfg.depth * 4;
     CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax + which * count, 0, count * sizeof(float), m->stream),
                "zeroing %zu FP8 amax slots", count);
     return 0;
 }
 
-// out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
-// (also by the sampling forwards: harmless, every training step runs its own forward first);
-// inp_amax: max |inp| from inp's producer, or NULL
-static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax, char *err) {
-    if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, m->fp8_workspace,
-                                       m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+// Which block's ln1, ln2 and gelu buffers block l uses: its own (bf16 linears, whose backward reads
+// them), or the one set every block shares (FP8: the backward reads the quantized copies).
+static size_t kept_block(const DitGpu *m, int l) { return m->linear == DIT_LINEAR_FP8 ? 0 : (size_t)l; }
+
+static Fp8Input stored(const bf16 *x) { return (Fp8Input){.from = FP8_FROM_BF16, .x = x}; }
+
+// The input of a linear after a LayerNorm-modulate: the stored out, or (FP8 with fused inputs)
+// recomputed by the linear's quantization from the LayerNorm's input x, mean and rstd (out not stored).
+static Fp8Input layernorm_output(const DitGpu *m, const bf16 *out, const bf16 *x, const float *mean,
+                                 const float *rstd, const bf16 *shift, const bf16 *scale, int mod_stride) {
+    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return stored(out);
+    return (Fp8Input){.from = FP8_FROM_LAYERNORM_MODULATE, .x = x, .mean = mean, .rstd = rstd, .shift = shift,
+                      .scale = scale, .T = m->tokens, .mod_stride = mod_stride};
 }
 
-// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8: out_amax (or NULL) gets max |out|
-static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
-                                     const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
-                                     const float *inp_amax, float *out_amax, char *err) {
+// out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
+// (also by the sampling forwards: harmless, every training step runs its own forward first);
+// inp_amax: max |inp| from inp's producer, or NULL. bf16: inp is a stored tensor.
+static int block_linear_forward(const DitGpu *m, bf16 *out, const Fp8Input *inp, const bf16 *weight,
+                                const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
+                                const float *inp_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, out_amax,
+        return linear_fp8_forward_from_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, m->fp8_workspace,
+                                            m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return linear_forward_cuda(out, inp->x, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+}
+
+// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8 with fused inputs: out is not written
+// (fc2 recomputes it from pre_gelu, FP8_FROM_GELU)
+static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const Fp8Input *inp,
+                                     const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
+                                     const Fp8Saved *save, const float *inp_amax, char *err) {
+    if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
+        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, err);
+    if (m->linear == DIT_LINEAR_FP8)
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp->x, weight, bias, M, IC, OC, save, inp_amax, NULL,
                                             m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+    return linear_gelu_forward_cuda(out, pre_gelu, inp->x, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
 // dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
@@ -1076,17 +1096,21 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     for (int l = 0; l < L; l++) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
-        bf16 *ln1 = a->ln1 + l * blk, *qkv = a->qkv + l * 3 * blk;
+        bf16 *ln1 = a->ln1 + kept_block(m, l) * blk, *qkv = a->qkv + l * 3 * blk;
         bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
-        bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
-        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + l * 4 * blk, *fc2 = a->fc2 + l * blk;
+        bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + kept_block(m, l) * blk;
+        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + kept_block(m, l) * 4 * blk, *fc2 = a->fc2 + l * blk;
+        float *ln1_mean = a->ln1_mean + l * bt, *ln1_rstd = a->ln1_rstd + l * bt;
+        float *ln2_mean = a->ln2_mean + l * bt, *ln2_rstd = a->ln2_rstd + l * bt;
         // FP8: where the linears keep their quantized inputs, and the inputs' amax (from their producers)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
 
         // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
-        TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
-                                            B, T, h, stride, q8.inp_amax.qkv, s, err));
-        TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
+        // (FP8 with fused inputs: ln1 is not stored, the qkv linear recomputes it)
+        Fp8Input ln1_out = layernorm_output(m, ln1, x, ln1_mean, ln1_rstd, ada, ada + h, stride);
+        TRY(layernorm_modulate_forward_cuda(ln1_out.from == FP8_FROM_BF16 ? ln1 : NULL, ln1_mean, ln1_rstd, x,
+                                            ada, ada + h, B, T, h, stride, q8.inp_amax.qkv, s, err));
+        TRY(block_linear_forward(m, qkv, &ln1_out, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
                                  BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
         // output in att_merged: written there by the attention itself (attention_merged; the FP8
@@ -1100,19 +1124,24 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         if (!attention_merged(m))
             TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : a->att + l * blk, B, T, H, D,
                                          q8.inp_amax.proj, s, err));
-        TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
+        Fp8Input proj_in = stored(att_merged);
+        TRY(block_linear_forward(m, proj, &proj_in, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
                                  BT, h, h, &q8.proj, attention_merged(m) ? NULL : q8.inp_amax.proj, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
-        // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation)
-        TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
+        // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation.
+        // FP8 with fused inputs: neither ln2 nor GELU(fc1) is stored, fc1 and fc2 recompute them.)
+        Fp8Input ln2_out = layernorm_output(m, ln2, x_mid, ln2_mean, ln2_rstd, ada + 3 * h, ada + 4 * h, stride);
+        TRY(layernorm_modulate_forward_cuda(ln2_out.from == FP8_FROM_BF16 ? ln2 : NULL, ln2_mean, ln2_rstd, x_mid,
                                             ada + 3 * h, ada + 4 * h, B, T, h, stride, q8.inp_amax.fc1, s, err));
-        TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1,
-                                      q8.inp_amax.fc2, err));
-        TRY(block_linear_forward(m, fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
-                                 BT, 4 * h, h, &q8.fc2, q8.inp_amax.fc2, err));
+        TRY(block_linear_gelu_forward(m, gelu, fc1, &ln2_out, w->fc1_w + (size_t)l * 4 * h * h,
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1, err));
+        Fp8Input fc2_in = m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs
+                              ? (Fp8Input){.from = FP8_FROM_GELU, .x = fc1}
+                              : stored(gelu);
+        TRY(block_linear_forward(m, fc2, &fc2_in, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
+                                 BT, 4 * h, h, &q8.fc2, NULL, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -1190,7 +1219,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     for (int l = L - 1; l >= 0; l--) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         float *dada = g->ada + (size_t)l * 6 * h;
-        size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
+        size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt, kept1 = kept_block(m, l) * blk;
         // FP8: the inputs the forward quantized, and the douts' amax (from the kernels writing them)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
         TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
@@ -1199,10 +1228,11 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
                                          B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
-                                        g->fc2, a->gelu + o4, &q8.fc2, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
-                                        BT, 4 * h, h, q8.dout_amax.fc2, q8.dout_amax.fc1, err));
+                                        g->fc2, a->gelu + 4 * kept1, &q8.fc2, a->fc1 + o4,
+                                        w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
+                                        q8.dout_amax.fc1, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
-                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
+                                  g->fc1, a->ln2 + kept1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
                                   q8.dout_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
@@ -1227,7 +1257,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), q8.dout_amax.qkv, B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
-                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
+                                  g->qkv, a->ln1 + kept1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
                                   q8.dout_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,

@@ -76,6 +76,9 @@ typedef struct {
     bf16 *x_t;                         // (B, C, S, S): the model input
     bf16 *patches, *t_freq, *t_h, *t_h_silu, *t_emb, *y_emb, *c, *c_silu, *ada;
     bf16 *residual;                    // (depth + 1, B, T, h)
+    // ln1, ln2 (depth, B, T, h) and gelu (depth, B, T, 4h): with DIT_LINEAR_FP8 one block's worth
+    // (B, T, ·) that every block reuses (the FP8 backward reads the quantized copies below), written
+    // only with fp8_fused_inputs 0
     bf16 *ln1, *qkv, *q, *k, *v, *att, *att_merged, *proj, *x_mid, *ln2;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;  // (depth, B, T)
     float *att_lse;                    // (depth, B, H, T), base 2 (attention/attention.h)
@@ -90,8 +93,9 @@ typedef struct {
     uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
     float *fp8_scales;
     // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (2, depth, 4 linears: qkv,
-    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2, gelu), [1] their douts; taken by
-    // the kernels that write those tensors (zeroed at the start of each forward / backward)
+    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2; fc2's slot unused: fc2 takes the
+    // amax of GELU(fc1) itself), [1] their douts; taken by the kernels that write those tensors
+    // (zeroed at the start of each forward / backward)
     float *fp8_amax;
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
@@ -168,10 +172,13 @@ typedef struct {
     void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
     size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
     size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_amax)
-    int fp8_producer_amax;             // DIT_LINEAR_FP8: the amax of what the linears quantize comes from the
-                                       // kernels that write it (acts.fp8_amax; 1 from create); 0: each
-                                       // linear takes it in a pass of its own (as before; bitwise the same
-                                       // results: test_dit_fp8_cuda compares the two)
+    int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs come fused with
+                                       // their producers: the kernels that write them take their amax
+                                       // (acts.fp8_amax), and the LayerNorm-modulate and GELU outputs are
+                                       // not stored at all (the linears' quantization recomputes them:
+                                       // Fp8Input). 0: each linear reads a stored bf16 input and takes
+                                       // its amax in a pass of its own (bitwise the same results:
+                                       // test_dit_fp8_cuda compares the two)
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);

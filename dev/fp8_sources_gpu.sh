@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Branch fp8-sources on the GPU machine in one call: with FP8 linears the LayerNorm-modulate and GELU
+# outputs are no longer stored; the linears' quantization recomputes them (Fp8Input).
+#   here (nvcc, no GPU):  bash dev/fp8_sources_gpu.sh prepare DIR [BASE_BIN]
+#       builds DIR/ (git-ignored, e.g. .devrun_src): this tree's FP8 and model GPU tests, two planted
+#       builds of test_linear_fp8_cuda (the GELU source not rounded to bf16; the LayerNorm source
+#       modulated by row instead of by sample), train_dit, main's train_dit (BASE_BIN) as train_dit_base.
+#   GPU machine (one H200):  bash DIR/fp8_sources_gpu.sh run DIR   (carry DIR and .devlibs)
+#       writes $OUT/summary.txt and the logs.
+# Merge rule (set before the run): every test passes (rc 0), both planted builds fail (rc 1), the
+# checkpoints after 6 deterministic steps are byte-identical to main's for sage + FP8 and sage + bf16
+# (batch 8), config c with FP8 is >= 0.15 ms/step faster than main in both rounds, config a with FP8
+# not slower than main by more than 0.1 ms in either round, and peak memory at c with FP8 lower.
+set -uo pipefail
+
+prepare() {
+    set -e
+    local D=$1 BASE_BIN=${2:-/work/wt-base/train_dit}
+    local NVCC=${NVCC:-/usr/local/cuda/bin/nvcc} B
+    local NVFLAGS="-O3 -std=c++17 --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a"
+    local CFLAGS="-O2 -std=c11 -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA -I/usr/local/cuda/include"
+    local LIBS="-lm -lpthread -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublasLt -lcublas -lcudart -lstdc++"
+    [ -f /usr/local/cuda/include/nccl.h ] && { LIBS="$LIBS -lnccl"; CFLAGS="$CFLAGS -DDIT_NCCL"; }
+    B=$(mktemp -d)
+    rm -rf "$D" && mkdir -p "$D"
+    make -j2 train_dit build/libditc.a build/test_linear_fp8_cuda build/test_layers_cuda build/test_dit_gpu_cuda \
+        build/test_dit_fp8_cuda build/test_step_graph_cuda
+    # planted 1: the GELU source not rounded to bf16 before the quantization
+    sed 's|v\[j\] = bf16_rounded(gelu(v\[j\]));|v[j] = gelu(v[j]);|' layers/linear_fp8_cuda.cu > $B/nornd.cu
+    # planted 2: the LayerNorm source takes the modulation of sample r, not r / T
+    sed 's|size_t r = i / C, mod = (r / src.T) \* src.mod_stride + i % C;|size_t r = i / C, mod = (r % src.T) * src.mod_stride + i % C;|' \
+        layers/linear_fp8_cuda.cu > $B/byrow.cu
+    for p in nornd byrow; do
+        cmp -s layers/linear_fp8_cuda.cu $B/$p.cu && { echo "planted $p: sed changed nothing" >&2; exit 1; }
+        mkdir -p $B/$p/layers
+        cp layers/*.h layers/*.cuh $B/$p/layers/
+        cp $B/$p.cu $B/$p/layers/linear_fp8_cuda.cu
+        $NVCC $NVFLAGS -I$B/$p -I. -c -o $B/$p/linear_fp8_cuda.o $B/$p/layers/linear_fp8_cuda.cu
+        cc $CFLAGS -o $D/test_linear_fp8_planted_$p test/test_linear_fp8_cuda.c $B/$p/linear_fp8_cuda.o \
+            build/libditc.a $LIBS -lcriterion
+    done
+    cp build/test_linear_fp8_cuda build/test_layers_cuda build/test_dit_gpu_cuda build/test_dit_fp8_cuda \
+        build/test_step_graph_cuda train_dit $D/
+    cp "$BASE_BIN" $D/train_dit_base
+    strip $D/*
+    echo "$(git -C "$(dirname "$BASE_BIN")" rev-parse --short HEAD) ($BASE_BIN)" > $D/BASE
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (+ uncommitted changes)')" > $D/HEAD
+    cp dev/fp8_sources_gpu.sh $D/
+    rm -rf $B
+    du -sh "$D"
+}
+
+run() {
+    local D=${1:-.devrun_src} O=${OUT:-fp8_sources_out} L
+    L=$(mktemp -d)
+    mkdir -p $O
+    export LD_LIBRARY_PATH=$PWD/.devlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    local S=$O/summary.txt deadline=$((SECONDS + ${BUDGET_S:-300}))
+    : > $S
+    step() {   # step NAME SECONDS LOG COMMAND...: rc and last line into the summary
+        local name=$1 t=$2 log=$3; shift 3
+        [ $t -gt $((deadline - SECONDS)) ] && t=$((deadline - SECONDS))
+        if [ $t -lt 2 ]; then echo "$name: skipped (deadline)" >> $S; return; fi
+        echo "=== $name" >> $log
+        timeout -k 3 $t "$@" >> $log 2>&1
+        local rc=$?
+        echo "$name: rc=$rc$([ $rc -ge 124 ] && echo ' (cut by timeout)') ($(tail -n 1 $log | cut -c1-160)) at $SECONDS s" >> $S
+    }
+    echo "binaries of $(cat $D/HEAD 2>/dev/null); base (main) $(cat $D/BASE 2>/dev/null)" >> $S
+    timeout -k 3 10 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >> $S 2>&1
+
+    # 1. tests, and the planted builds (must FAIL: rc 1)
+    step linear_fp8 90 $O/tests.log $D/test_linear_fp8_cuda --verbose --jobs 4
+    step planted_nornd 60 $O/tests.log $D/test_linear_fp8_planted_nornd --filter 'linear_fp8/inputs_recomputed*'
+    step planted_byrow 60 $O/tests.log $D/test_linear_fp8_planted_byrow --filter 'linear_fp8/inputs_recomputed*'
+    step layers 90 $O/tests.log $D/test_layers_cuda --jobs 4
+    step dit_fp8 60 $O/tests.log $D/test_dit_fp8_cuda --verbose --jobs 2
+    step dit_gpu 90 $O/tests.log $D/test_dit_gpu_cuda --jobs 2
+    step step_graph 60 $O/tests.log $D/test_step_graph_cuda
+
+    # 2. bitwise against main: 6 deterministic steps of DiT-S, batch 8, checkpoint at 6
+    local CK="--device gpu --data synthetic --model S --batch 8 --image-size 32 --steps 6 --ckpt-every 6 --sample-every 0 --seed 5 --deterministic"
+    for run in "fp8 --attn sage --linear fp8" "bf16lin --attn sage --linear bf16"; do
+        set -- $run
+        local name=$1; shift
+        step ckpt_${name}_new 25 $O/train.log $D/train_dit $CK "$@" --out $L/k_${name}_new
+        step ckpt_${name}_base 25 $O/train.log $D/train_dit_base $CK "$@" --out $L/k_${name}_base
+        if cmp $L/k_${name}_new/ckpt_000006.safetensors $L/k_${name}_base/ckpt_000006.safetensors >> $S 2>&1; then
+            echo "ckpt_${name}_cmp: EQUAL" >> $S
+        else
+            echo "ckpt_${name}_cmp: DIFFERENT (or missing)" >> $S
+        fi
+    done
+
+    # 3. ms/step, new and main interleaved: config c (16K tokens) and config a (DiT-B/2, 256 tokens × 64)
+    #    with FP8 linears, two rounds each
+    local RUN="--device gpu --data synthetic --attn sage --steps 12 --ckpt-every 0 --sample-every 0 --seed 1"
+    local C="$RUN --hidden 2048 --heads 16 --depth 4 --batch 1 --image-size 256 --patch 2"
+    local A="$RUN --hidden 768 --heads 12 --depth 12 --batch 64 --image-size 32 --patch 2"
+    timed() {   # timed NAME ARGS...: new then base
+        local name=$1; shift
+        step t_${name}_new 40 $O/train.log $D/train_dit "$@" --out $L/t_${name}_new
+        step t_${name}_base 40 $O/train.log $D/train_dit_base "$@" --out $L/t_${name}_base
+    }
+    timed c_fp8_1 $C --linear fp8
+    timed a_fp8_1 $A --linear fp8
+    timed c_fp8_2 $C --linear fp8
+    timed a_fp8_2 $A --linear fp8
+    find $L -name '*.safetensors' -delete
+
+    median_ms() { awk -F, 'NR > 1 && $1 >= 4 && $1 <= 12 {print $5}' $L/$1/train_log.csv 2>/dev/null | sort -g |
+        awk '{v[NR] = $1} END {if (NR == 9) print v[5]; else print "n/a"}'; }
+    {
+        echo "== ms/step (median of steps 4-12): new | main | main - new (> 0: new faster)"
+        for r in c_fp8_1 c_fp8_2 a_fp8_1 a_fp8_2; do
+            local n=$(median_ms t_${r}_new) b=$(median_ms t_${r}_base)
+            echo "$r: $n | $b | $(awk -v a="$b" -v b="$n" 'BEGIN {if (a + 0 == 0 || b + 0 == 0) print "n/a"; else printf "%+.2f\n", a - b}')"
+        done
+        echo "== peak memory of c fp8 round 1 (the last step line): new, main"
+        for k in new base; do
+            awk -v sec="=== t_c_fp8_1_$k" '$0 == sec {on = 1; next} /^===/ {on = 0} on && /MiB peak/ {last = $0}
+                END {n = split(last, f, "|"); print f[n]}' $O/train.log
+        done
+    } >> $S
+    rm -rf $L
+    cat $S
+}
+
+case "${1:-}" in
+prepare) shift; prepare "$@" ;;
+run) shift; run "$@" ;;
+*) echo "usage: $0 prepare DIR [BASE_BIN] | run DIR" >&2; exit 2 ;;
+esac
