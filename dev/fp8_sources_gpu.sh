@@ -28,7 +28,7 @@ prepare() {
     # planted 1: the GELU source not rounded to bf16 before the quantization
     sed 's|v\[j\] = bf16_rounded(gelu(v\[j\]));|v[j] = gelu(v[j]);|' layers/linear_fp8_cuda.cu > $B/nornd.cu
     # planted 2: the LayerNorm source takes the modulation of sample r, not r / T
-    sed 's|size_t r = i / C, mod = (r / src.T) \* src.mod_stride + i % C;|size_t r = i / C, mod = (r % src.T) * src.mod_stride + i % C;|' \
+    sed 's|size_t mod = (size_t)(r / src.T) \* src.mod_stride + c;|size_t mod = (size_t)(r % src.T) * src.mod_stride + c;|' \
         layers/linear_fp8_cuda.cu > $B/byrow.cu
     for p in nornd byrow; do
         cmp -s layers/linear_fp8_cuda.cu $B/$p.cu && { echo "planted $p: sed changed nothing" >&2; exit 1; }
@@ -122,6 +122,24 @@ run() {
                 END {n = split(last, f, "|"); print f[n]}' $O/train.log
         done
     } >> $S
+    # 4. kernel time per step (CUPTI sums over 12 steps / 12, dev/kernel_times.c), new and main: the
+    #    kernels this branch touches and the total (env inside timeout: a preloaded timeout would
+    #    write its own empty list over the trainer's)
+    if [ -f $D/libkernel_times.so ]; then
+        echo "== kernel ms/step (new, then main): quantize, amax, LayerNorm forward, GELU forward, total" >> $S
+        for cfg in c a; do
+            local args=$C
+            [ $cfg = a ] && args=$A
+            for b in train_dit train_dit_base; do
+                timeout 60 env LD_PRELOAD=$PWD/$D/libkernel_times.so KERNEL_TIMES_OUT=$O/k_${cfg}_$b.txt $D/$b $args \
+                    --linear fp8 --steps 11 --out $L/p > /dev/null 2>&1
+                awk -v what="$cfg $b" '{t += $1} /fp8_quantize|fp8_amax|layernorm_modulate_forward|gelu_forward/ {
+                        k = $0; sub(/^[^ ]* [^ ]* (void )?/, "", k); sub(/\(.*/, "", k); s[k] += $1}
+                    END {line = what ":"; for (k in s) line = line sprintf(" %s %.3f", k, s[k] / 12e6);
+                         printf "%s | total %.3f\n", line, t / 12e6}' $O/k_${cfg}_$b.txt >> $S
+            done
+        done
+    fi
     rm -rf $L
     cat $S
 }

@@ -23,19 +23,20 @@
 #include "layers/cuda_common.cuh"
 #include "layers/linear_fp8_cuda.h"
 
-#define AMAX_BLOCKS 1024   // grid of the amax reduction (grid-stride; the max is order-free)
+#define AMAX_BLOCKS 65535  // largest grid of the amax reduction (grid-stride beyond; the max is order-free)
 #define QTILE 64           // the quantize kernel's tile: QTILE × QTILE elements per block
 
 // ---- the input: stored, or recomputed (Fp8Input) ------------------------------------------
 // The VEC values at element i = r·C + c (c a multiple of VEC) of the input src describes: loaded,
-// or recomputed as the producer's kernel computes them and rounded to bf16 as it stores them.
+// or recomputed as the producer's kernel computes them and rounded to bf16 as it stores them (r and
+// c are read only for FP8_FROM_LAYERNORM_MODULATE).
 template <int FROM>
-__device__ inline void load_input(float v[VEC], const Fp8Input &src, size_t i, int C) {
+__device__ inline void load_input(float v[VEC], const Fp8Input &src, size_t i, int r, int c) {
     load_bf16x8(v, src.x + i, VEC, true);
     if (FROM == FP8_FROM_GELU)
         for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(gelu(v[j]));
     if (FROM == FP8_FROM_LAYERNORM_MODULATE) {
-        size_t r = i / C, mod = (r / src.T) * src.mod_stride + i % C;
+        size_t mod = (size_t)(r / src.T) * src.mod_stride + c;
         float shift[VEC], scale[VEC], mean = src.mean[r], rstd = src.rstd[r];
         load_bf16x8(shift, src.shift + mod, VEC, true);
         load_bf16x8(scale, src.scale + mod, VEC, true);
@@ -53,7 +54,8 @@ __global__ void fp8_amax_kernel(float *amax, Fp8Input src, size_t n, int C) {
     float m = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC; i < n; i += (size_t)gridDim.x * BLOCK_SIZE * VEC) {
         float v[VEC];
-        load_input<FROM>(v, src, i, C);
+        int r = FROM == FP8_FROM_LAYERNORM_MODULATE ? (int)(i / C) : 0;
+        load_input<FROM>(v, src, i, r, (int)(i - (size_t)r * C));
         for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[j]));
     }
     block_amax_update(amax, m);
@@ -81,7 +83,7 @@ __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, Fp8In
         union { uint2 raw; uint8_t b[VEC]; } u = {};   // rows R..: qt's zero pad
         if (r < R) {
             float v[VEC];
-            load_input<FROM>(v, src, (size_t)r * C + c, C);
+            load_input<FROM>(v, src, (size_t)r * C + c, r, c);
             for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
             if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
         }
@@ -139,7 +141,7 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const Fp8Input *src, 
     if (!amax) {
         size_t n = (size_t)R * C;
         CUDA_CHECK(err, cudaMemsetAsync(amax_scratch, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
-        unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
+        unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);   // one vector per thread up to AMAX_BLOCKS
         if (blocks > AMAX_BLOCKS) blocks = AMAX_BLOCKS;
         switch (src->from) {
         case FP8_FROM_GELU: fp8_amax_kernel<FP8_FROM_GELU><<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, *src, n, C); break;
