@@ -43,18 +43,11 @@ __device__ inline void amax_update(float *amax, float m) {
 // The float the bf16 store of x holds (round to nearest even, as store_bf16x8).
 __device__ inline float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// ---- values that an FP8 linear's quantization recomputes (layers/linear_fp8_cuda.h, Fp8Input) ----
-// One expression each, shared by the layer's kernel and the quantization, so both give the same bits.
+// GELU(x) = 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³): gelu_forward_cuda's, and the FP8
+// linear's whose input is GELU(x) (linear_fp8_forward_gelu_input_cuda): one expression, the same bits.
 #define GELU_SCALE 0.7978845608028654f   // sqrt(2/π)
-
-// GELU(x) = 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³).
 __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
-}
-
-// LayerNorm-modulate of one value: x̂·(1 + scale) + shift, x̂ = (x - mean)·rstd.
-__device__ __forceinline__ float layernorm_modulate_value(float x, float mean, float rstd, float scale, float shift) {
-    return (x - mean) * rstd * (1.0f + scale) + shift;
 }
 
 // Max over the 32 lanes of a warp (all active).

@@ -110,9 +110,7 @@ int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
 
 // ---- LayerNorm (no affine, eps 1e-6) fused with adaLN modulation --------------------------
 // out (bf16) = x̂·(1 + scale_b) + shift_b; mean, rstd (B, T) fp32. shift, scale: bf16, sample b
-// at b·mod_stride (slices of the adaLN projection's output). out may be NULL: mean, rstd (and
-// out_amax) only, for an FP8 linear that recomputes out itself (layers/linear_fp8_cuda.h, Fp8Input).
-// out_amax: NULL, or a device float raised to max(*out_amax, max |out|).
+// at b·mod_stride (slices of the adaLN projection's output).
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     const bf16 *inp, const bf16 *shift, const bf16 *scale,
                                     int B, int T, int C, int mod_stride, float *out_amax,

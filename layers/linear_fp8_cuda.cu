@@ -23,53 +23,42 @@
 #include "layers/cuda_common.cuh"
 #include "layers/linear_fp8_cuda.h"
 
-#define AMAX_BLOCKS 65535  // largest grid of the amax reduction (grid-stride beyond; the max is order-free)
+#define AMAX_BLOCKS 1024   // grid of the amax reduction (grid-stride; the max is order-free)
 #define QTILE 64           // the quantize kernel's tile: QTILE × QTILE elements per block
 
-// ---- the input: stored, or recomputed (Fp8Input) ------------------------------------------
-// The VEC values at element i = r·C + c (c a multiple of VEC) of the input src describes: loaded,
-// or recomputed as the producer's kernel computes them and rounded to bf16 as it stores them (r and
-// c are read only for FP8_FROM_LAYERNORM_MODULATE).
-template <int FROM>
-__device__ inline void load_input(float v[VEC], const Fp8Input &src, size_t i, int r, int c) {
-    load_bf16x8(v, src.x + i, VEC, true);
-    if (FROM == FP8_FROM_GELU)
+// ---- the input: x, or GELU(x) recomputed ----------------------------------------------------
+// The VEC values at x, or (GELU) the bf16 values gelu_forward_cuda would store for them.
+template <bool GELU>
+__device__ inline void load_input(float v[VEC], const bf16 *x) {
+    load_bf16x8(v, x, VEC, true);
+    if (GELU)
         for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(gelu(v[j]));
-    if (FROM == FP8_FROM_LAYERNORM_MODULATE) {
-        size_t mod = (size_t)(r / src.T) * src.mod_stride + c;
-        float shift[VEC], scale[VEC], mean = src.mean[r], rstd = src.rstd[r];
-        load_bf16x8(shift, src.shift + mod, VEC, true);
-        load_bf16x8(scale, src.scale + mod, VEC, true);
-        for (int j = 0; j < VEC; j++)
-            v[j] = bf16_rounded(layernorm_modulate_value(v[j], mean, rstd, scale[j], shift[j]));
-    }
 }
 
 // ---- amax ----------------------------------------------------------------------------------
-// *amax = max(*amax, max_i |x_i|) over the n = R·C values of src (C a multiple of VEC, src.x
-// 16-byte aligned): exact and order-free (block_amax_update, layers/cuda_common.cuh). NaNs are
-// skipped here (they reach the GEMM as fp8 NaN).
-template <int FROM>
-__global__ void fp8_amax_kernel(float *amax, Fp8Input src, size_t n, int C) {
+// *amax = max(*amax, max_i |x_i|) over n bf16 (or GELU of them; n a multiple of VEC, x 16-byte
+// aligned): exact and order-free (block_amax_update, layers/cuda_common.cuh). NaNs are skipped
+// here (they reach the GEMM as fp8 NaN).
+template <bool GELU>
+__global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
     float m = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC; i < n; i += (size_t)gridDim.x * BLOCK_SIZE * VEC) {
         float v[VEC];
-        int r = FROM == FP8_FROM_LAYERNORM_MODULATE ? (int)(i / C) : 0;
-        load_input<FROM>(v, src, i, r, (int)(i - (size_t)r * C));
+        load_input<GELU>(v, x + i);
         for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[j]));
     }
     block_amax_update(amax, m);
 }
 
 // ---- quantize ------------------------------------------------------------------------------
-// x (R, C) of src -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e = fp8_scale_exponent(*amax),
-// Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e (written by block (0, 0)). One
-// block per QTILE × QTILE tile: each thread converts 8 consecutive elements of a row (one 16-byte
-// load, one 8-byte store into q); for qt the tile goes through shared memory (rows R.. as zeros)
-// and each thread stores 16 consecutive rows of one column (4 threads cover 64 contiguous bytes
-// of a qt row). C a multiple of 16.
-template <int FROM>
-__global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, Fp8Input src, const float *amax,
+// x (R, C) bf16 (or GELU of it) -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e =
+// fp8_scale_exponent(*amax), Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e
+// (written by block (0, 0)). One block per QTILE × QTILE tile: each thread converts 8 consecutive
+// elements of a row (one 16-byte load, one 8-byte store into q); for qt the tile goes through
+// shared memory (rows R.. as zeros) and each thread stores 16 consecutive rows of one column (4
+// threads cover 64 contiguous bytes of a qt row). C a multiple of 16.
+template <bool GELU>
+__global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax,
                                     int R, int C, Fp8Format format) {
     __shared__ uint8_t tile[QTILE][QTILE + 4];
     __nv_fp8_interpretation_t kind = format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
@@ -83,7 +72,7 @@ __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, Fp8In
         union { uint2 raw; uint8_t b[VEC]; } u = {};   // rows R..: qt's zero pad
         if (r < R) {
             float v[VEC];
-            load_input<FROM>(v, src, (size_t)r * C + c, r, c);
+            load_input<GELU>(v, x + (size_t)r * C + c);
             for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
             if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
         }
@@ -99,8 +88,6 @@ __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, Fp8In
     *(uint4 *)(qt + (size_t)c * Rp + r) = u.raw;
 }
 
-static Fp8Input stored_input(const bf16 *x) { return (Fp8Input){.from = FP8_FROM_BF16, .x = x}; }
-
 static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *qt, const bf16 *x, int R, int C,
                                char *err) {
     if (R <= 0 || C <= 0 || C % 16) {
@@ -114,65 +101,32 @@ static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *
     return 0;
 }
 
-// An Fp8Input's own fields (x's alignment is check_args's).
-static int check_input(const char *fn, const Fp8Input *inp, int IC, char *err) {
-    if (!inp || (inp->from != FP8_FROM_BF16 && inp->from != FP8_FROM_GELU &&
-                 inp->from != FP8_FROM_LAYERNORM_MODULATE)) {
-        dit_set_error(err, "%s: inp must be an Fp8Input with from = FP8_FROM_BF16, FP8_FROM_GELU or "
-                      "FP8_FROM_LAYERNORM_MODULATE (got %s%d)", fn, inp ? "" : "NULL, ", inp ? (int)inp->from : 0);
-        return -1;
-    }
-    if (inp->from == FP8_FROM_LAYERNORM_MODULATE &&
-        (!inp->mean || !inp->rstd || !aligned16(inp->shift) || !aligned16(inp->scale) || !inp->shift ||
-         !inp->scale || inp->T <= 0 || inp->mod_stride < IC || inp->mod_stride % VEC)) {
-        dit_set_error(err, "%s: FP8_FROM_LAYERNORM_MODULATE needs mean and rstd, 16-byte aligned shift and scale, "
-                      "T >= 1 and mod_stride >= IC, a multiple of %d (T=%d mod_stride=%d IC=%d)", fn, VEC, inp->T,
-                      inp->mod_stride, IC);
-        return -1;
-    }
-    return 0;
-}
-
 // The three steps without the argument check: amax = 0, amax reduction into *amax_scratch,
 // quantize; given_amax (max |x|, from x's producer): the quantize step alone, with that amax.
-static int quantize(uint8_t *q, uint8_t *qt, float *scale, const Fp8Input *src, int R, int C, Fp8Format format,
+// gelu: the tensor quantized is GELU(x) (bf16-rounded as gelu_forward_cuda stores it), not x.
+static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool gelu, int R, int C, Fp8Format format,
                     const float *given_amax, float *amax_scratch, cudaStream_t stream, char *err) {
     const float *amax = given_amax;
     if (!amax) {
         size_t n = (size_t)R * C;
         CUDA_CHECK(err, cudaMemsetAsync(amax_scratch, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
-        unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);   // one vector per thread up to AMAX_BLOCKS
+        unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
         if (blocks > AMAX_BLOCKS) blocks = AMAX_BLOCKS;
-        switch (src->from) {
-        case FP8_FROM_GELU: fp8_amax_kernel<FP8_FROM_GELU><<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, *src, n, C); break;
-        case FP8_FROM_LAYERNORM_MODULATE:
-            fp8_amax_kernel<FP8_FROM_LAYERNORM_MODULATE><<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, *src, n, C);
-            break;
-        default: fp8_amax_kernel<FP8_FROM_BF16><<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, *src, n, C);
-        }
-        LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d from=%d", R, C, (int)src->from);
+        (gelu ? fp8_amax_kernel<true> : fp8_amax_kernel<false>)<<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, x, n);
+        LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d gelu=%d", R, C, (int)gelu);
         amax = amax_scratch;
     }
     dim3 grid(blocks_for(C, QTILE), blocks_for(fp8_padded_rows(R), QTILE));
-    switch (src->from) {
-    case FP8_FROM_GELU:
-        fp8_quantize_kernel<FP8_FROM_GELU><<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, *src, amax, R, C, format);
-        break;
-    case FP8_FROM_LAYERNORM_MODULATE:
-        fp8_quantize_kernel<FP8_FROM_LAYERNORM_MODULATE><<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, *src, amax, R,
-                                                                                          C, format);
-        break;
-    default: fp8_quantize_kernel<FP8_FROM_BF16><<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, *src, amax, R, C, format);
-    }
-    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d from=%d", R, C, (int)format, (int)src->from);
+    (gelu ? fp8_quantize_kernel<true> : fp8_quantize_kernel<false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
+        q, qt, scale, x, amax, R, C, format);
+    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d gelu=%d", R, C, (int)format, (int)gelu);
     return 0;
 }
 
 int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err) {
     if (check_quantize_args("fp8_quantize_cuda", q, qt, x, R, C, err)) return -1;
-    Fp8Input src = stored_input(x);
-    return quantize(q, qt, scale, &src, R, C, format, NULL, amax_scratch, stream, err);
+    return quantize(q, qt, scale, x, false, R, C, format, NULL, amax_scratch, stream, err);
 }
 
 // ---- workspace -----------------------------------------------------------------------------
@@ -306,45 +260,44 @@ cleanup:
 }
 
 // ---- the layer -----------------------------------------------------------------------------
-static int forward(const char *fn, bf16 *out, const Fp8Input *inp, const bf16 *weight, const bf16 *bias, int M,
+// The forward of inp, or (gelu) of GELU(inp).
+static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const bf16 *weight, const bf16 *bias, int M,
                    int IC, int OC, const Fp8Saved *save, const float *inp_amax, void *workspace,
                    size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
-    if (check_input(fn, inp, IC, err) ||
-        check_args(fn, "inp", inp->x, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
+    if (check_args(fn, gelu ? "pre_gelu" : "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
         check_saved(fn, "save", save, false, M, IC, err))
         return -1;
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
     // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
     float *inp_scale = save ? save->scale : ws.scale + T_INP;
-    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP, stream,
-                 err))
+    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, gelu, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP,
+                 stream, err))
         return -1;
-    Fp8Input w = stored_input(weight);
-    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, &w, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream, err))
+    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream,
+                 err))
         return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
-    snprintf(what, sizeof what, "linear fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
+    snprintf(what, sizeof what, "%s M=%d IC=%d OC=%d", fn, M, IC, OC);
     return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, inp_q, CUDA_R_8F_E4M3,
                       inp_scale, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
-}
-
-int linear_fp8_forward_from_cuda(bf16 *out, const Fp8Input *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                 void *workspace, size_t workspace_bytes,
-                                 const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return forward("linear_fp8_forward_from_cuda", out, inp, weight, bias, M, IC, OC, save, inp_amax, workspace,
-                   workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                             int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
                             void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    Fp8Input src = stored_input(inp);
-    return forward("linear_fp8_forward_cuda", out, &src, weight, bias, M, IC, OC, save, inp_amax, workspace,
+    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_amax, workspace,
                    workspace_bytes, ctx, stream, err);
+}
+
+int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
+                                       int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                       void *workspace, size_t workspace_bytes,
+                                       const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    return forward("linear_fp8_forward_gelu_input_cuda", out, pre_gelu, true, weight, bias, M, IC, OC, save,
+                   inp_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
@@ -374,14 +327,14 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
     uint8_t *w_qt = take(&ws, (size_t)IC * OC);
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
-    Fp8Input dout_src = stored_input(dout), w = stored_input(weight);
-    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, &dout_src, M, OC, grad_format, dout_amax,
+    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, false, M, OC, grad_format, dout_amax,
                  ws.amax + T_DOUT, stream, err))
         return -1;
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
-        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, &w, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream, err))
+        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT,
+                     stream, err))
             return -1;
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,

@@ -39,23 +39,6 @@ typedef struct {
     float *scale;
 } Fp8Saved;
 
-// Where an FP8 linear's input comes from. FP8_FROM_BF16: the stored bf16 tensor x (M, IC). The
-// other two let the model skip storing an input that only the linear reads: the quantization
-// passes recompute it from the producer's input, bit for bit the bf16 values the producer's
-// kernel would have stored.
-//   FP8_FROM_GELU: GELU(x) (gelu_forward_cuda), x (M, IC) the pre-activation;
-//   FP8_FROM_LAYERNORM_MODULATE: layernorm_modulate_forward_cuda's out, from its input x (M, IC)
-//   and the mean and rstd it stored (one per row), row r modulated by sample r / T's shift and
-//   scale (at (r / T)·mod_stride; 16-byte aligned, mod_stride a multiple of 8).
-typedef enum { FP8_FROM_BF16 = 0, FP8_FROM_GELU = 1, FP8_FROM_LAYERNORM_MODULATE = 2 } Fp8From;
-typedef struct {
-    Fp8From from;
-    const bf16 *x;
-    const float *mean, *rstd;     // FP8_FROM_LAYERNORM_MODULATE only
-    const bf16 *shift, *scale;    // FP8_FROM_LAYERNORM_MODULATE only
-    int T, mod_stride;            // FP8_FROM_LAYERNORM_MODULATE only
-} Fp8Input;
-
 // Bytes of workspace one forward or backward call of these sizes needs (the larger of the two).
 size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 
@@ -67,11 +50,14 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
                             int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
                             void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
-// The same with the input described by inp (see Fp8Input; inp_amax: max |input| or NULL).
-int linear_fp8_forward_from_cuda(bf16 *out, const Fp8Input *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                 void *workspace, size_t workspace_bytes,
-                                 const LayersCuda *ctx, cudaStream_t stream, char *err);
+// The MLP's second layer reading GELU(pre_gelu) (M, IC) without it being stored: the same as
+// gelu_forward_cuda into a buffer and linear_fp8_forward_cuda from it, bit for bit, but the
+// quantization passes recompute GELU (and its bf16 rounding) from pre_gelu. inp_amax: NULL, or
+// max |GELU(pre_gelu)|.
+int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
+                                       int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                       void *workspace, size_t workspace_bytes,
+                                       const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
 // FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet

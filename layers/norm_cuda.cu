@@ -11,7 +11,6 @@
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
 // out = x̂·(1 + scale_b) + shift_b. The second and third reads of the row come from L1.
 // AMAX: *out_amax = max(*out_amax, max |out|) of the values stored (one update per row).
-// out NULL: only mean, rstd (and the amax) are written (an FP8 linear recomputes out, Fp8Input).
 template <bool AMAX>
 __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd, float *out_amax,
                                                   const bf16 *inp, const bf16 *shift, const bf16 *scale,
@@ -32,7 +31,7 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         for (int j = 0; j < n; j++) sq += (v[j] - m) * (v[j] - m);
     }
     float s = rsqrtf(warp_sum(sq) / C + LAYERNORM_EPS);
-    bf16 *y = out + (size_t)row * C;   // (unused when out is NULL)
+    bf16 *y = out + (size_t)row * C;
     float vmax = 0.0f;
     for (int c = lane * VEC; c < C; c += 32 * VEC) {
         int n = min(VEC, C - c);
@@ -40,8 +39,8 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         load_bf16x8(v, x + c, n, vec);
         load_bf16x8(shv, sh + c, n, vec);
         load_bf16x8(scv, sc + c, n, vec);
-        for (int j = 0; j < VEC; j++) v[j] = layernorm_modulate_value(v[j], m, s, scv[j], shv[j]);
-        if (out) store_bf16x8(y + c, v, n, vec);
+        for (int j = 0; j < VEC; j++) v[j] = (v[j] - m) * s * (1.0f + scv[j]) + shv[j];
+        store_bf16x8(y + c, v, n, vec);
         if (AMAX)
             for (int j = 0; j < n; j++) vmax = fmaxf(vmax, fabsf(bf16_rounded(v[j])));
     }

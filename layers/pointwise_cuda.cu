@@ -3,7 +3,6 @@
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
 
-
 // Index of gate_b[c] for element i of (B, T, C): b = i / (T·C), c = i % C.
 __device__ inline size_t gate_index(size_t i, int TC, int C, int mod_stride) {
     return (i / TC) * mod_stride + i % C;

@@ -99,16 +99,16 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, a->y_emb, B * h); TAKE(ar, a->c, B * h); TAKE(ar, a->c_silu, B * h);
     TAKE(ar, a->ada, B * L * 6 * h);
     TAKE(ar, a->residual, (L + 1) * BT * h);
-    int kept = m->linear == DIT_LINEAR_FP8 ? 1 : L;   // blocks of ln1, ln2, gelu (kept_block)
-    TAKE(ar, a->ln1, kept * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
+    TAKE(ar, a->ln1, L * BT * h); TAKE(ar, a->ln1_mean, L * BT); TAKE(ar, a->ln1_rstd, L * BT);
     TAKE(ar, a->qkv, L * BT * 3 * h);
     TAKE(ar, a->q, L * BT * h); TAKE(ar, a->k, L * BT * h); TAKE(ar, a->v, L * BT * h);   // equal steps
     if (!attention_merged(m)) TAKE(ar, a->att, L * BT * h);   // head-major out: sequence parallel only
     TAKE(ar, a->att_lse, L * BT * c->heads);
     a->att_workspace = arena_take(ar, L * m->att_workspace_bytes);
     TAKE(ar, a->att_merged, L * BT * h); TAKE(ar, a->proj, L * BT * h); TAKE(ar, a->x_mid, L * BT * h);
-    TAKE(ar, a->ln2, kept * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
-    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->gelu, kept * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
+    TAKE(ar, a->ln2, L * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
+    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
+    TAKE(ar, a->gelu, (m->linear == DIT_LINEAR_FP8 ? 1 : L) * BT * 4 * h);   // (gelu_block)
     TAKE(ar, a->final_ada, B * 2 * h);
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
@@ -988,44 +988,45 @@ static int zero_fp8_amax(const DitGpu *m, int which, char *err) {
     return 0;
 }
 
-// Which block's ln1, ln2 and gelu buffers block l uses: its own (bf16 linears, whose backward reads
-// them), or the one set every block shares (FP8: the backward reads the quantized copies).
-static size_t kept_block(const DitGpu *m, int l) { return m->linear == DIT_LINEAR_FP8 ? 0 : (size_t)l; }
-
-static Fp8Input stored(const bf16 *x) { return (Fp8Input){.from = FP8_FROM_BF16, .x = x}; }
-
-// The input of a linear after a LayerNorm-modulate: the stored out, or (FP8 with fused inputs)
-// recomputed by the linear's quantization from the LayerNorm's input x, mean and rstd (out not stored).
-static Fp8Input layernorm_output(const DitGpu *m, const bf16 *out, const bf16 *x, const float *mean,
-                                 const float *rstd, const bf16 *shift, const bf16 *scale, int mod_stride) {
-    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return stored(out);
-    return (Fp8Input){.from = FP8_FROM_LAYERNORM_MODULATE, .x = x, .mean = mean, .rstd = rstd, .shift = shift,
-                      .scale = scale, .T = m->tokens, .mod_stride = mod_stride};
-}
-
 // out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
 // (also by the sampling forwards: harmless, every training step runs its own forward first);
-// inp_amax: max |inp| from inp's producer, or NULL. bf16: inp is a stored tensor.
-static int block_linear_forward(const DitGpu *m, bf16 *out, const Fp8Input *inp, const bf16 *weight,
-                                const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
-                                const float *inp_amax, char *err) {
+// inp_amax: max |inp| from inp's producer, or NULL
+static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                                int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_from_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, m->fp8_workspace,
-                                            m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return linear_forward_cuda(out, inp->x, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, m->fp8_workspace,
+                                       m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8 with fused inputs: out is not written
-// (fc2 recomputes it from pre_gelu, FP8_FROM_GELU)
-static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const Fp8Input *inp,
-                                     const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
-                                     const Fp8Saved *save, const float *inp_amax, char *err) {
+// Block l's GELU(fc1) in acts.gelu (blk = B·T·hidden): its own (bf16 linears, whose backward reads
+// it), or the one buffer all blocks share (FP8: the backward reads fc2's quantized copy instead).
+static bf16 *gelu_block(const DitGpu *m, int l, size_t blk) {
+    return m->acts.gelu + (m->linear == DIT_LINEAR_FP8 ? 0 : (size_t)l * 4 * blk);
+}
+
+// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8 with fused inputs: out is not written (fc2
+// recomputes it from pre_gelu: block_linear_gelu_input_forward)
+static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
+                                     const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
+                                     const float *inp_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
         return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, err);
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp->x, weight, bias, M, IC, OC, save, inp_amax, NULL,
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, NULL,
                                             m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return linear_gelu_forward_cuda(out, pre_gelu, inp->x, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+    return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+}
+
+// out = GELU(pre_gelu)·weightᵀ + bias, the MLP's second linear: from the stored gelu, or (FP8 with fused
+// inputs) from pre_gelu, its quantization recomputing GELU
+static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf16 *gelu, const bf16 *pre_gelu,
+                                           const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
+                                           const Fp8Saved *save, char *err) {
+    if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
+        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, NULL,
+                                                  m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, err);
 }
 
 // dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
@@ -1096,21 +1097,17 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     for (int l = 0; l < L; l++) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
-        bf16 *ln1 = a->ln1 + kept_block(m, l) * blk, *qkv = a->qkv + l * 3 * blk;
+        bf16 *ln1 = a->ln1 + l * blk, *qkv = a->qkv + l * 3 * blk;
         bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
-        bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + kept_block(m, l) * blk;
-        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + kept_block(m, l) * 4 * blk, *fc2 = a->fc2 + l * blk;
-        float *ln1_mean = a->ln1_mean + l * bt, *ln1_rstd = a->ln1_rstd + l * bt;
-        float *ln2_mean = a->ln2_mean + l * bt, *ln2_rstd = a->ln2_rstd + l * bt;
+        bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
+        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = gelu_block(m, l, blk), *fc2 = a->fc2 + l * blk;
         // FP8: where the linears keep their quantized inputs, and the inputs' amax (from their producers)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
 
         // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
-        // (FP8 with fused inputs: ln1 is not stored, the qkv linear recomputes it)
-        Fp8Input ln1_out = layernorm_output(m, ln1, x, ln1_mean, ln1_rstd, ada, ada + h, stride);
-        TRY(layernorm_modulate_forward_cuda(ln1_out.from == FP8_FROM_BF16 ? ln1 : NULL, ln1_mean, ln1_rstd, x,
-                                            ada, ada + h, B, T, h, stride, q8.inp_amax.qkv, s, err));
-        TRY(block_linear_forward(m, qkv, &ln1_out, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
+        TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
+                                            B, T, h, stride, q8.inp_amax.qkv, s, err));
+        TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
                                  BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
         // output in att_merged: written there by the attention itself (attention_merged; the FP8
@@ -1124,24 +1121,19 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         if (!attention_merged(m))
             TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : a->att + l * blk, B, T, H, D,
                                          q8.inp_amax.proj, s, err));
-        Fp8Input proj_in = stored(att_merged);
-        TRY(block_linear_forward(m, proj, &proj_in, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
+        TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
                                  BT, h, h, &q8.proj, attention_merged(m) ? NULL : q8.inp_amax.proj, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
         // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation.
-        // FP8 with fused inputs: neither ln2 nor GELU(fc1) is stored, fc1 and fc2 recompute them.)
-        Fp8Input ln2_out = layernorm_output(m, ln2, x_mid, ln2_mean, ln2_rstd, ada + 3 * h, ada + 4 * h, stride);
-        TRY(layernorm_modulate_forward_cuda(ln2_out.from == FP8_FROM_BF16 ? ln2 : NULL, ln2_mean, ln2_rstd, x_mid,
+        // FP8 with fused inputs: GELU(fc1) is not stored, fc2's quantization recomputes it.)
+        TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
                                             ada + 3 * h, ada + 4 * h, B, T, h, stride, q8.inp_amax.fc1, s, err));
-        TRY(block_linear_gelu_forward(m, gelu, fc1, &ln2_out, w->fc1_w + (size_t)l * 4 * h * h,
+        TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
                                       w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1, err));
-        Fp8Input fc2_in = m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs
-                              ? (Fp8Input){.from = FP8_FROM_GELU, .x = fc1}
-                              : stored(gelu);
-        TRY(block_linear_forward(m, fc2, &fc2_in, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
-                                 BT, 4 * h, h, &q8.fc2, NULL, err));
+        TRY(block_linear_gelu_input_forward(m, fc2, gelu, fc1, w->fc2_w + (size_t)l * 4 * h * h,
+                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -1219,7 +1211,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     for (int l = L - 1; l >= 0; l--) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         float *dada = g->ada + (size_t)l * 6 * h;
-        size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt, kept1 = kept_block(m, l) * blk;
+        size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
         // FP8: the inputs the forward quantized, and the douts' amax (from the kernels writing them)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
         TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
@@ -1228,11 +1220,11 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
                                          B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
-                                        g->fc2, a->gelu + 4 * kept1, &q8.fc2, a->fc1 + o4,
+                                        g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
                                         w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
                                         q8.dout_amax.fc1, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
-                                  g->fc1, a->ln2 + kept1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
+                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
                                   q8.dout_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
@@ -1257,7 +1249,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), q8.dout_amax.qkv, B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
-                                  g->qkv, a->ln1 + kept1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
+                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
                                   q8.dout_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,

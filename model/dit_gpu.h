@@ -76,16 +76,15 @@ typedef struct {
     bf16 *x_t;                         // (B, C, S, S): the model input
     bf16 *patches, *t_freq, *t_h, *t_h_silu, *t_emb, *y_emb, *c, *c_silu, *ada;
     bf16 *residual;                    // (depth + 1, B, T, h)
-    // ln1, ln2 (depth, B, T, h) and gelu (depth, B, T, 4h): with DIT_LINEAR_FP8 one block's worth
-    // (B, T, ·) that every block reuses (the FP8 backward reads the quantized copies below), written
-    // only with fp8_fused_inputs 0
     bf16 *ln1, *qkv, *q, *k, *v, *att, *att_merged, *proj, *x_mid, *ln2;
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;  // (depth, B, T)
     float *att_lse;                    // (depth, B, H, T), base 2 (attention/attention.h)
     void *att_workspace;               // depth × att_workspace_bytes: what the attention's
                                        // backward reads (sage: the quantized Q, K, V; Ulysses:
                                        // one region per head group)
-    bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h)
+    bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h); gelu: with
+                                       // DIT_LINEAR_FP8 one block's (B, T, 4h), written only with
+                                       // fp8_fused_inputs 0 (the FP8 backward reads fc2's quantized copy)
     // DIT_LINEAR_FP8 only (else NULL): the block linears' inputs as their forwards quantized them,
     // for the backwards' dweight GEMMs (layers/linear_fp8_cuda.h, Fp8Saved): e4m3 transposed copies
     // (depth, IC, Mp), Mp = fp8_padded_rows(B·T), of ln1 (qkv), att_merged (proj), ln2 (fc1) and
@@ -172,13 +171,12 @@ typedef struct {
     void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
     size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
     size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_amax)
-    int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs come fused with
+    int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs fused with
                                        // their producers: the kernels that write them take their amax
-                                       // (acts.fp8_amax), and the LayerNorm-modulate and GELU outputs are
-                                       // not stored at all (the linears' quantization recomputes them:
-                                       // Fp8Input). 0: each linear reads a stored bf16 input and takes
-                                       // its amax in a pass of its own (bitwise the same results:
-                                       // test_dit_fp8_cuda compares the two)
+                                       // (acts.fp8_amax), and GELU(fc1) is not stored at all (fc2's
+                                       // quantization recomputes it). 0: each linear reads a stored bf16
+                                       // input and takes its amax in a pass of its own (bitwise the same
+                                       // results: test_dit_fp8_cuda compares the two)
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);

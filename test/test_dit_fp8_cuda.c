@@ -145,10 +145,10 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
     check_one_step(&c);
 }
 
-// The fused inputs (fp8_fused_inputs, the default: the producers' amax, the LayerNorm-modulate and
-// GELU outputs recomputed by the linears' quantization) against stored bf16 inputs and the linears'
-// own amax passes: the same values and scales, so bitwise the same output, loss and gradients (the
-// attention backward in its deterministic mode, so that two runs of the same step are comparable).
+// The fused inputs (fp8_fused_inputs, the default: the producers' amax, GELU(fc1) recomputed by fc2's
+// quantization) against stored bf16 inputs and the linears' own amax passes: the same values and
+// scales, so bitwise the same output, loss and gradients (the attention backward in its
+// deterministic mode, so that two runs of the same step are comparable).
 static void check_fused_inputs_are_exact(const DitConfig *c) {
     require_fp8_gpu();
     Dit cpu;

@@ -12,8 +12,8 @@
 // - against the bf16 linear layer at config c's IC × OC (M = 4096 tokens) on realistic operands
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
 //   (dev/notes_linear_fp8.md: out 0.038, dinp/dW 0.059 with e5m2 gradients, 0.038 with e4m3);
-// - inputs recomputed by the quantization (Fp8Input: GELU, LayerNorm-modulate) against the stored
-//   bf16 inputs: bitwise the same out, saved inpᵀ and scale;
+// - fc2 reading GELU(pre_gelu) recomputed by its quantization against a stored GELU output:
+//   bitwise the same out, saved inpᵀ and scale;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
 #include <criterion/criterion.h>
@@ -338,6 +338,9 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
+    cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0,
+                                                    err), -1);
+    cr_expect(strstr(err, "linear_fp8_forward_gelu_input_cuda: pre_gelu and weight"), "message: %s", err);
 }
 
 // ---- amax from the producers (exact) -------------------------------------------------------
@@ -555,97 +558,37 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     expect_amax_of(dpre_amax, dpre[1], ny, host_amax(download_bf16(dpre[0], ny), ny), "dGELU backward's dpre_amax");
 }
 
-// ---- inputs recomputed by the quantization (Fp8Input) ----------------------------------------
-// An FP8 linear reading GELU(pre) or a LayerNorm-modulate output through Fp8Input writes the bytes
-// it writes when that bf16 tensor is stored first and read (out, the saved inpᵀ and its scale),
-// with the amax given by the producer or taken by the layer itself. B = 3 samples with different
-// modulations and T = 37 tokens each (111 rows, not a multiple of 16); C = 128.
-enum { SRC_B = 3, SRC_T = 37, SRC_C = 128, SRC_OC = 80 };
-
-// out, the saved inpᵀ and scale of one forward through `in` against those of `ref`'s.
-static void expect_same_forward(const bf16 *y, const Fp8Saved *s, const bf16 *y_ref, const Fp8Saved *s_ref, int M,
-                                const char *name) {
-    char what[160];
-    snprintf(what, sizeof what, "%s: out", name);
-    expect_same_bytes(y, y_ref, (size_t)M * SRC_OC * sizeof(bf16), what);
-    snprintf(what, sizeof what, "%s: saved inpᵀ", name);
-    expect_same_bytes(s->qt, s_ref->qt, (size_t)SRC_C * fp8_padded_rows(M), what);
-    snprintf(what, sizeof what, "%s: saved scale", name);
-    expect_same_bytes(s->scale, s_ref->scale, sizeof(float), what);
-}
-
-Test(linear_fp8, inputs_recomputed_from_gelu_and_layernorm_give_the_same_bytes) {
+// ---- fc2 reading GELU(pre_gelu) without it being stored ------------------------------------
+// linear_fp8_forward_gelu_input_cuda writes the bytes that gelu_forward_cuda into a buffer and
+// linear_fp8_forward_cuda from it write (out, the saved inpᵀ and its scale), with the amax given
+// (gelu_forward_cuda's) or taken by the layer itself. M = 111 rows (not a multiple of 16).
+Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
     REQUIRE_GPU();
     Rng rng;
     rng_seed(&rng, 46);
-    int M = SRC_B * SRC_T, C = SRC_C, stride = 6 * C;
-    size_t n = (size_t)M * C;
-    float *x = randn_bf16(&rng, n, 2.0f), *mod = randn_bf16(&rng, (size_t)SRC_B * stride, 0.5f);
-    float *w = randn_bf16(&rng, (size_t)SRC_OC * C, 0.05f), *b = randn_bf16(&rng, SRC_OC, 0.1f);
-    bf16 *d_x = upload_bf16(x, n), *d_mod = upload_bf16(mod, (size_t)SRC_B * stride);
-    bf16 *d_w = upload_bf16(w, (size_t)SRC_OC * C), *d_b = upload_bf16(b, SRC_OC);
-
-    // GELU: stored GELU(x) (its amax from gelu_forward_cuda) against FP8_FROM_GELU, given that amax or not
-    bf16 *act = poisoned(n * sizeof(bf16)), *y_ref = poisoned((size_t)M * SRC_OC * sizeof(bf16));
+    int M = 111, IC = 128, OC = 80;
+    size_t n = (size_t)M * IC, ny = (size_t)M * OC;
+    float *pre = randn_bf16(&rng, n, 2.0f), *w = randn_bf16(&rng, (size_t)OC * IC, 0.05f);
+    float *b = randn_bf16(&rng, OC, 0.1f);
+    bf16 *d_pre = upload_bf16(pre, n), *d_w = upload_bf16(w, (size_t)OC * IC), *d_b = upload_bf16(b, OC);
+    bf16 *act = poisoned(n * sizeof(bf16)), *y_ref = poisoned(ny * sizeof(bf16));
     float *act_amax = zeroed_amax();
-    Fp8Saved s_ref = poisoned_saved(M, C);
-    OK(gelu_forward_cuda(act, d_x, n, act_amax, 0, err));
-    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, C, SRC_OC, &s_ref, NULL, workspace, workspace_bytes, &ctx, 0,
+    Fp8Saved s_ref = poisoned_saved(M, IC);
+    OK(gelu_forward_cuda(act, d_pre, n, act_amax, 0, err));
+    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, workspace, workspace_bytes, &ctx, 0,
                                err));
-    Fp8Input from_gelu = {.from = FP8_FROM_GELU, .x = d_x};
     for (int k = 0; k < 2; k++) {
-        bf16 *y = poisoned((size_t)M * SRC_OC * sizeof(bf16));
-        Fp8Saved s = poisoned_saved(M, C);
-        OK(linear_fp8_forward_from_cuda(y, &from_gelu, d_w, d_b, M, C, SRC_OC, &s, k ? act_amax : NULL, workspace,
-                                        workspace_bytes, &ctx, 0, err));
-        expect_same_forward(y, &s, y_ref, &s_ref, M, k ? "FP8_FROM_GELU, amax given" : "FP8_FROM_GELU");
-    }
-
-    // LayerNorm-modulate: stored out against FP8_FROM_LAYERNORM_MODULATE from the statistics of a call
-    // that stores nothing (out NULL), with its amax given or not
-    bf16 *ln = poisoned(n * sizeof(bf16));
-    float *stats = poisoned(4 * (size_t)M * sizeof(float)), *ln_amax = zeroed_amax(), *ln_amax2 = zeroed_amax();
-    OK(layernorm_modulate_forward_cuda(ln, stats, stats + M, d_x, d_mod, d_mod + C, SRC_B, SRC_T, C, stride, ln_amax,
-                                       0, err));
-    OK(layernorm_modulate_forward_cuda(NULL, stats + 2 * M, stats + 3 * M, d_x, d_mod, d_mod + C, SRC_B, SRC_T, C,
-                                       stride, ln_amax2, 0, err));
-    expect_same_bytes(stats + 2 * M, stats, 2 * (size_t)M * sizeof(float), "mean and rstd with out NULL");
-    expect_same_bytes(ln_amax2, ln_amax, sizeof(float), "the amax with out NULL");
-    OK(linear_fp8_forward_cuda(y_ref, ln, d_w, d_b, M, C, SRC_OC, &s_ref, NULL, workspace, workspace_bytes, &ctx, 0,
-                               err));
-    Fp8Input from_ln = {.from = FP8_FROM_LAYERNORM_MODULATE, .x = d_x, .mean = stats + 2 * M, .rstd = stats + 3 * M,
-                        .shift = d_mod, .scale = d_mod + C, .T = SRC_T, .mod_stride = stride};
-    for (int k = 0; k < 2; k++) {
-        bf16 *y = poisoned((size_t)M * SRC_OC * sizeof(bf16));
-        Fp8Saved s = poisoned_saved(M, C);
-        OK(linear_fp8_forward_from_cuda(y, &from_ln, d_w, d_b, M, C, SRC_OC, &s, k ? ln_amax2 : NULL, workspace,
-                                        workspace_bytes, &ctx, 0, err));
-        expect_same_forward(y, &s, y_ref, &s_ref, M,
-                            k ? "FP8_FROM_LAYERNORM_MODULATE, amax given" : "FP8_FROM_LAYERNORM_MODULATE");
-    }
-}
-
-Test(linear_fp8, rejects_bad_inputs) {
-    LayersCuda fake = {.scratch = (float *)256, .scratch_floats = 1};
-    bf16 *p = (bf16 *)4096;
-    void *ws = (void *)8192;
-    size_t need = linear_fp8_workspace_bytes(64, 64, 64);
-    Fp8Input bad_kind = {.from = (Fp8From)7, .x = p};
-    cr_expect_eq(linear_fp8_forward_from_cuda(p, &bad_kind, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0, err),
-                 -1);
-    cr_expect(strstr(err, "linear_fp8_forward_from_cuda") && strstr(err, "got 7"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_from_cuda(p, NULL, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0, err), -1);
-    cr_expect(strstr(err, "inp must be an Fp8Input"), "message: %s", err);
-    Fp8Input ln = {.from = FP8_FROM_LAYERNORM_MODULATE, .x = p, .mean = (float *)p, .rstd = (float *)p, .shift = p,
-                   .scale = p, .T = 4, .mod_stride = 6 * 64};
-    Fp8Input no_mean = ln, odd_stride = ln, misaligned = ln;
-    no_mean.mean = NULL;
-    odd_stride.mod_stride = 6 * 64 + 4;
-    misaligned.scale = p + 1;
-    const Fp8Input *bad[] = {&no_mean, &odd_stride, &misaligned};
-    for (int i = 0; i < 3; i++) {
-        cr_expect_eq(linear_fp8_forward_from_cuda(p, bad[i], p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0, err),
-                     -1, "bad LayerNorm input %d accepted", i);
-        cr_expect(strstr(err, "FP8_FROM_LAYERNORM_MODULATE needs"), "input %d, message: %s", i, err);
+        bf16 *y = poisoned(ny * sizeof(bf16));
+        Fp8Saved s = poisoned_saved(M, IC);
+        OK(linear_fp8_forward_gelu_input_cuda(y, d_pre, d_w, d_b, M, IC, OC, &s, k ? act_amax : NULL, workspace,
+                                              workspace_bytes, &ctx, 0, err));
+        const char *how = k ? "amax given" : "own amax";
+        char what[96];
+        snprintf(what, sizeof what, "gelu input, %s: out", how);
+        expect_same_bytes(y, y_ref, ny * sizeof(bf16), what);
+        snprintf(what, sizeof what, "gelu input, %s: saved inpᵀ", how);
+        expect_same_bytes(s.qt, s_ref.qt, (size_t)IC * fp8_padded_rows(M), what);
+        snprintf(what, sizeof what, "gelu input, %s: saved scale", how);
+        expect_same_bytes(s.scale, s_ref.scale, sizeof(float), what);
     }
 }
