@@ -43,6 +43,13 @@ __device__ inline void amax_update(float *amax, float m) {
 // The float the bf16 store of x holds (round to nearest even, as store_bf16x8).
 __device__ inline float bf16_rounded(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// GELU(x) = 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³): gelu_forward_cuda's, and the FP8
+// linear's whose input is GELU(x) (linear_fp8_forward_gelu_input_cuda): one expression, the same bits.
+#define GELU_SCALE 0.7978845608028654f   // sqrt(2/π)
+__device__ __forceinline__ float gelu(float x) {
+    return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
+}
+
 // Max over the 32 lanes of a warp (all active).
 __device__ inline float warp_max(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));

@@ -26,27 +26,38 @@
 #define AMAX_BLOCKS 1024   // grid of the amax reduction (grid-stride; the max is order-free)
 #define QTILE 64           // the quantize kernel's tile: QTILE × QTILE elements per block
 
+// ---- the input: x, or GELU(x) recomputed ----------------------------------------------------
+// The VEC values at x, or (GELU) the bf16 values gelu_forward_cuda would store for them.
+template <bool GELU>
+__device__ inline void load_input(float v[VEC], const bf16 *x) {
+    load_bf16x8(v, x, VEC, true);
+    if (GELU)
+        for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(gelu(v[j]));
+}
+
 // ---- amax ----------------------------------------------------------------------------------
-// *amax = max(*amax, max_i |x_i|) over n bf16 (n a multiple of VEC, x 16-byte aligned): exact and
-// order-free (block_amax_update, layers/cuda_common.cuh). NaNs are skipped here (they reach the
-// GEMM as fp8 NaN).
+// *amax = max(*amax, max_i |x_i|) over n bf16 (or GELU of them; n a multiple of VEC, x 16-byte
+// aligned): exact and order-free (block_amax_update, layers/cuda_common.cuh). NaNs are skipped
+// here (they reach the GEMM as fp8 NaN).
+template <bool GELU>
 __global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
     float m = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC; i < n; i += (size_t)gridDim.x * BLOCK_SIZE * VEC) {
         float v[VEC];
-        load_bf16x8(v, x + i, VEC, true);
+        load_input<GELU>(v, x + i);
         for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[j]));
     }
     block_amax_update(amax, m);
 }
 
 // ---- quantize ------------------------------------------------------------------------------
-// x (R, C) bf16 -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e = fp8_scale_exponent(*amax),
-// Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e (written by block (0, 0)). One
-// block per QTILE × QTILE tile: each thread converts 8 consecutive elements of a row (one 16-byte
-// load, one 8-byte store into q); for qt the tile goes through shared memory (rows R.. as zeros)
-// and each thread stores 16 consecutive rows of one column (4 threads cover 64 contiguous bytes
-// of a qt row). C a multiple of 16.
+// x (R, C) bf16 (or GELU of it) -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e =
+// fp8_scale_exponent(*amax), Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e
+// (written by block (0, 0)). One block per QTILE × QTILE tile: each thread converts 8 consecutive
+// elements of a row (one 16-byte load, one 8-byte store into q); for qt the tile goes through
+// shared memory (rows R.. as zeros) and each thread stores 16 consecutive rows of one column (4
+// threads cover 64 contiguous bytes of a qt row). C a multiple of 16.
+template <bool GELU>
 __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax,
                                     int R, int C, Fp8Format format) {
     __shared__ uint8_t tile[QTILE][QTILE + 4];
@@ -61,7 +72,7 @@ __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const
         union { uint2 raw; uint8_t b[VEC]; } u = {};   // rows R..: qt's zero pad
         if (r < R) {
             float v[VEC];
-            load_bf16x8(v, x + (size_t)r * C + c, VEC, true);
+            load_input<GELU>(v, x + (size_t)r * C + c);
             for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
             if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
         }
@@ -92,27 +103,30 @@ static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *
 
 // The three steps without the argument check: amax = 0, amax reduction into *amax_scratch,
 // quantize; given_amax (max |x|, from x's producer): the quantize step alone, with that amax.
-static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C, Fp8Format format,
+// gelu: the tensor quantized is GELU(x) (bf16-rounded as gelu_forward_cuda stores it), not x.
+static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool gelu, int R, int C, Fp8Format format,
                     const float *given_amax, float *amax_scratch, cudaStream_t stream, char *err) {
     const float *amax = given_amax;
     if (!amax) {
         size_t n = (size_t)R * C;
         CUDA_CHECK(err, cudaMemsetAsync(amax_scratch, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
         unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
-        fp8_amax_kernel<<<blocks < AMAX_BLOCKS ? blocks : AMAX_BLOCKS, BLOCK_SIZE, 0, stream>>>(amax_scratch, x, n);
-        LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d", R, C);
+        if (blocks > AMAX_BLOCKS) blocks = AMAX_BLOCKS;
+        (gelu ? fp8_amax_kernel<true> : fp8_amax_kernel<false>)<<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, x, n);
+        LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d gelu=%d", R, C, (int)gelu);
         amax = amax_scratch;
     }
     dim3 grid(blocks_for(C, QTILE), blocks_for(fp8_padded_rows(R), QTILE));
-    fp8_quantize_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, amax, R, C, format);
-    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d", R, C, (int)format);
+    (gelu ? fp8_quantize_kernel<true> : fp8_quantize_kernel<false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
+        q, qt, scale, x, amax, R, C, format);
+    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d gelu=%d", R, C, (int)format, (int)gelu);
     return 0;
 }
 
 int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err) {
     if (check_quantize_args("fp8_quantize_cuda", q, qt, x, R, C, err)) return -1;
-    return quantize(q, qt, scale, x, R, C, format, NULL, amax_scratch, stream, err);
+    return quantize(q, qt, scale, x, false, R, C, format, NULL, amax_scratch, stream, err);
 }
 
 // ---- workspace -----------------------------------------------------------------------------
@@ -246,28 +260,44 @@ cleanup:
 }
 
 // ---- the layer -----------------------------------------------------------------------------
-int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                            void *workspace, size_t workspace_bytes,
-                            const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    const char *fn = "linear_fp8_forward_cuda";
+// The forward of inp, or (gelu) of GELU(inp).
+static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const bf16 *weight, const bf16 *bias, int M,
+                   int IC, int OC, const Fp8Saved *save, const float *inp_amax, void *workspace,
+                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
-    if (check_args(fn, "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
+    if (check_args(fn, gelu ? "pre_gelu" : "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
         check_saved(fn, "save", save, false, M, IC, err))
         return -1;
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
     // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
     float *inp_scale = save ? save->scale : ws.scale + T_INP;
-    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP, stream,
-                 err))
+    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, gelu, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP,
+                 stream, err))
         return -1;
-    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream, err))
+    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream,
+                 err))
         return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
-    snprintf(what, sizeof what, "linear fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
+    snprintf(what, sizeof what, "%s M=%d IC=%d OC=%d", fn, M, IC, OC);
     return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, inp_q, CUDA_R_8F_E4M3,
                       inp_scale, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
+}
+
+int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
+                            int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                            void *workspace, size_t workspace_bytes,
+                            const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_amax, workspace,
+                   workspace_bytes, ctx, stream, err);
+}
+
+int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
+                                       int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                       void *workspace, size_t workspace_bytes,
+                                       const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    return forward("linear_fp8_forward_gelu_input_cuda", out, pre_gelu, true, weight, bias, M, IC, OC, save,
+                   inp_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
@@ -297,14 +327,14 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
     uint8_t *w_qt = take(&ws, (size_t)IC * OC);
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
-    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, M, OC, grad_format, dout_amax,
+    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, false, M, OC, grad_format, dout_amax,
                  ws.amax + T_DOUT, stream, err))
         return -1;
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
-        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream,
-                     err))
+        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT,
+                     stream, err))
             return -1;
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,

@@ -50,6 +50,14 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
                             int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
                             void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
+// The MLP's second layer reading GELU(pre_gelu) (M, IC) without it being stored: the same as
+// gelu_forward_cuda into a buffer and linear_fp8_forward_cuda from it, bit for bit, but the
+// quantization passes recompute GELU (and its bf16 rounding) from pre_gelu. inp_amax: NULL, or
+// max |GELU(pre_gelu)|.
+int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
+                                       int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                       void *workspace, size_t workspace_bytes,
+                                       const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
 // FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet

@@ -3,8 +3,6 @@
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
 
-#define GELU_SCALE 0.7978845608028654f   // sqrt(2/π)
-
 // Index of gate_b[c] for element i of (B, T, C): b = i / (T·C), c = i % C.
 __device__ inline size_t gate_index(size_t i, int TC, int C, int mod_stride) {
     return (i / TC) * mod_stride + i % C;
@@ -89,11 +87,7 @@ __global__ void gated_residual_dgate_kernel(float *dgate, float *partial, const 
     else partial[(size_t)blockIdx.y * C + col] = total;
 }
 
-// GELU(x) = 0.5·x·(1 + tanh(u)), u = sqrt(2/π)·(x + 0.044715·x³).
-__device__ __forceinline__ float gelu(float x) {
-    return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
-}
-
+// (gelu(x): layers/cuda_common.cuh, shared with the FP8 linear's quantization)
 // out = GELU(inp), VEC elements per thread (16-byte vectors when vec). GELU runs only in the FP8
 // MLP (the bf16 one has it in the GEMM's epilogue), whose next linear quantizes out: AMAX:
 // *amax = max(*amax, max |out|) on the way (VEC per thread keeps the blocks, and so the amax

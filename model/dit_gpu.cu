@@ -107,7 +107,8 @@ static size_t activation_layout(DitGpu *m, char *base) {
     a->att_workspace = arena_take(ar, L * m->att_workspace_bytes);
     TAKE(ar, a->att_merged, L * BT * h); TAKE(ar, a->proj, L * BT * h); TAKE(ar, a->x_mid, L * BT * h);
     TAKE(ar, a->ln2, L * BT * h); TAKE(ar, a->ln2_mean, L * BT); TAKE(ar, a->ln2_rstd, L * BT);
-    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->gelu, L * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
+    TAKE(ar, a->fc1, L * BT * 4 * h); TAKE(ar, a->fc2, L * BT * h);
+    TAKE(ar, a->gelu, (m->linear == DIT_LINEAR_FP8 ? 1 : L) * BT * 4 * h);   // (gelu_block)
     TAKE(ar, a->final_ada, B * 2 * h);
     TAKE(ar, a->lnf, BT * h); TAKE(ar, a->lnf_mean, BT); TAKE(ar, a->lnf_rstd, BT);
     TAKE(ar, a->out_tokens, BT * P); TAKE(ar, a->out, img); TAKE(ar, a->out_float, img);
@@ -336,7 +337,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->tokens = dit_tokens(cfg) / sp_size(m);
     m->linear = linear;
     if (linear == DIT_LINEAR_FP8) TRY(check_fp8_linear(cfg, m->tokens, batch, &m->fp8_workspace_bytes, err));
-    m->fp8_producer_amax = linear == DIT_LINEAR_FP8;
+    m->fp8_fused_inputs = linear == DIT_LINEAR_FP8;
     m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
     m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
@@ -951,7 +952,7 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 // Block l's FP8 inputs saved by the forward for the backward (m->acts: ln1_fp8t .. fp8_scales):
 // (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear; and where the
 // kernels that write the linears' inputs and douts leave their amax (acts.fp8_amax). bf16, or
-// fp8_producer_amax off: the amax pointers NULL (the producers run without it, the linears take
+// fp8_fused_inputs off: the amax pointers NULL (the producers run without it, the linears take
 // their own); bf16: the saved copies NULL too, unused.
 typedef struct { float *qkv, *proj, *fc1, *fc2; } Fp8Amax;
 typedef struct {
@@ -969,7 +970,7 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     in.proj = (Fp8Saved){a->att_merged_fp8t + stride, scales + FP8_SCALE_SLOT};
     in.fc1 = (Fp8Saved){a->ln2_fp8t + stride, scales + 2 * FP8_SCALE_SLOT};
     in.fc2 = (Fp8Saved){a->gelu_fp8t + 4 * stride, scales + 3 * FP8_SCALE_SLOT};
-    if (m->fp8_producer_amax) {
+    if (m->fp8_fused_inputs) {
         float *fwd = a->fp8_amax + (size_t)l * 4, *bwd = a->fp8_amax + (size_t)(m->cfg.depth + l) * 4;
         in.inp_amax = (Fp8Amax){fwd, fwd + 1, fwd + 2, fwd + 3};
         in.dout_amax = (Fp8Amax){bwd, bwd + 1, bwd + 2, bwd + 3};
@@ -978,9 +979,9 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
 }
 
 // Zeroes the forward's (which = 0) or the backward's (1) amax slots of every block (FP8 with
-// fp8_producer_amax; else nothing).
+// fp8_fused_inputs; else nothing).
 static int zero_fp8_amax(const DitGpu *m, int which, char *err) {
-    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_producer_amax) return 0;
+    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
     size_t count = (size_t)m->cfg.depth * 4;
     CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax + which * count, 0, count * sizeof(float), m->stream),
                "zeroing %zu FP8 amax slots", count);
@@ -998,14 +999,34 @@ static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, con
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8: out_amax (or NULL) gets max |out|
+// Block l's GELU(fc1) in acts.gelu (blk = B·T·hidden): its own (bf16 linears, whose backward reads
+// it), or the one buffer all blocks share (FP8: the backward reads fc2's quantized copy instead).
+static bf16 *gelu_block(const DitGpu *m, int l, size_t blk) {
+    return m->acts.gelu + (m->linear == DIT_LINEAR_FP8 ? 0 : (size_t)l * 4 * blk);
+}
+
+// pre_gelu = inp·weightᵀ + bias, out = GELU(pre_gelu); FP8 with fused inputs: out is not written (fc2
+// recomputes it from pre_gelu: block_linear_gelu_input_forward)
 static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
                                      const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
-                                     const float *inp_amax, float *out_amax, char *err) {
+                                     const float *inp_amax, char *err) {
+    if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
+        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, err);
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, out_amax,
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, NULL,
                                             m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
+}
+
+// out = GELU(pre_gelu)·weightᵀ + bias, the MLP's second linear: from the stored gelu, or (FP8 with fused
+// inputs) from pre_gelu, its quantization recomputing GELU
+static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf16 *gelu, const bf16 *pre_gelu,
+                                           const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
+                                           const Fp8Saved *save, char *err) {
+    if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
+        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, NULL,
+                                                  m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, err);
 }
 
 // dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
@@ -1079,7 +1100,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         bf16 *ln1 = a->ln1 + l * blk, *qkv = a->qkv + l * 3 * blk;
         bf16 *att_merged = a->att_merged + l * blk, *proj = a->proj + l * blk;
         bf16 *x_mid = a->x_mid + l * blk, *ln2 = a->ln2 + l * blk;
-        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = a->gelu + l * 4 * blk, *fc2 = a->fc2 + l * blk;
+        bf16 *fc1 = a->fc1 + l * 4 * blk, *gelu = gelu_block(m, l, blk), *fc2 = a->fc2 + l * blk;
         // FP8: where the linears keep their quantized inputs, and the inputs' amax (from their producers)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
 
@@ -1105,14 +1126,14 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
-        // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation)
+        // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation.
+        // FP8 with fused inputs: GELU(fc1) is not stored, fc2's quantization recomputes it.)
         TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
                                             ada + 3 * h, ada + 4 * h, B, T, h, stride, q8.inp_amax.fc1, s, err));
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1,
-                                      q8.inp_amax.fc2, err));
-        TRY(block_linear_forward(m, fc2, gelu, w->fc2_w + (size_t)l * 4 * h * h, w->fc2_b + (size_t)l * h,
-                                 BT, 4 * h, h, &q8.fc2, q8.inp_amax.fc2, err));
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1, err));
+        TRY(block_linear_gelu_input_forward(m, fc2, gelu, fc1, w->fc2_w + (size_t)l * 4 * h * h,
+                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -1199,8 +1220,9 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
                                          B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
-                                        g->fc2, a->gelu + o4, &q8.fc2, a->fc1 + o4, w->fc2_w + (size_t)l * 4 * h * h,
-                                        BT, 4 * h, h, q8.dout_amax.fc2, q8.dout_amax.fc1, err));
+                                        g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
+                                        w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
+                                        q8.dout_amax.fc1, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
                                   g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
                                   q8.dout_amax.fc1, err));

@@ -82,7 +82,9 @@ typedef struct {
     void *att_workspace;               // depth × att_workspace_bytes: what the attention's
                                        // backward reads (sage: the quantized Q, K, V; Ulysses:
                                        // one region per head group)
-    bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h)
+    bf16 *fc1, *gelu, *fc2;            // fc1 is the pre-GELU activation (depth, B, T, 4h); gelu: with
+                                       // DIT_LINEAR_FP8 one block's (B, T, 4h), written only with
+                                       // fp8_fused_inputs 0 (the FP8 backward reads fc2's quantized copy)
     // DIT_LINEAR_FP8 only (else NULL): the block linears' inputs as their forwards quantized them,
     // for the backwards' dweight GEMMs (layers/linear_fp8_cuda.h, Fp8Saved): e4m3 transposed copies
     // (depth, IC, Mp), Mp = fp8_padded_rows(B·T), of ln1 (qkv), att_merged (proj), ln2 (fc1) and
@@ -90,8 +92,9 @@ typedef struct {
     uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
     float *fp8_scales;
     // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (2, depth, 4 linears: qkv,
-    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2, gelu), [1] their douts; taken by
-    // the kernels that write those tensors (zeroed at the start of each forward / backward)
+    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2; fc2's slot unused: fc2 takes the
+    // amax of GELU(fc1) itself), [1] their douts; taken by the kernels that write those tensors
+    // (zeroed at the start of each forward / backward)
     float *fp8_amax;
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
@@ -168,9 +171,11 @@ typedef struct {
     void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
     size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
     size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_amax)
-    int fp8_producer_amax;             // DIT_LINEAR_FP8: the amax of what the linears quantize comes from the
-                                       // kernels that write it (acts.fp8_amax; 1 from create); 0: each
-                                       // linear takes it in a pass of its own (as before; bitwise the same
+    int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs fused with
+                                       // their producers: the kernels that write them take their amax
+                                       // (acts.fp8_amax), and GELU(fc1) is not stored at all (fc2's
+                                       // quantization recomputes it). 0: each linear reads a stored bf16
+                                       // input and takes its amax in a pass of its own (bitwise the same
                                        // results: test_dit_fp8_cuda compares the two)
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is

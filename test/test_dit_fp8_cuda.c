@@ -47,16 +47,16 @@ static void require_fp8_gpu(void) {
 }
 
 // One step (forward, loss, backward) of a model created with `linear` from cpu's weights: the
-// output (n floats), the loss and every parameter gradient. producer_amax: FP8's
-// fp8_producer_amax (1: create's default; 0: the linears' own amax passes).
-static float gpu_step(const Dit *cpu, DitLinear linear, int producer_amax, const float *x0, const float *noise,
+// output (n floats), the loss and every parameter gradient. fused: FP8's fp8_fused_inputs (1:
+// create's default; 0: the linears read stored bf16 inputs and take their own amax).
+static float gpu_step(const Dit *cpu, DitLinear linear, int fused, const float *x0, const float *noise,
                       const float *t, const int *labels, float *out, float *grads) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     float loss;
     OK(dit_gpu_create_sp(&m, &cpu->cfg, B, DIT_ATTN_EXACT, linear, NULL, err));
-    if (linear == DIT_LINEAR_FP8) cr_assert_eq(m.fp8_producer_amax, 1, "create must turn the producers' amax on");
-    m.fp8_producer_amax = producer_amax;
+    if (linear == DIT_LINEAR_FP8) cr_assert_eq(m.fp8_fused_inputs, 1, "create must turn the fused inputs on");
+    m.fp8_fused_inputs = fused;
     OK(dit_gpu_upload(&m, cpu, err));
     OK(dit_gpu_set_flow_batch(&m, x0, noise, t, labels, B, err));
     OK(dit_gpu_forward(&m, &m.weights, B, err));
@@ -145,10 +145,11 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
     check_one_step(&c);
 }
 
-// The producers' amax (fp8_producer_amax, the default) against the linears' own amax passes (the
-// code of before): the same scales, so bitwise the same output, loss and gradients (the attention
-// backward in its deterministic mode, so that two runs of the same step are comparable).
-static void check_producer_amax_is_exact(const DitConfig *c) {
+// The fused inputs (fp8_fused_inputs, the default: the producers' amax, GELU(fc1) recomputed by fc2's
+// quantization) against stored bf16 inputs and the linears' own amax passes: the same values and
+// scales, so bitwise the same output, loss and gradients (the attention backward in its
+// deterministic mode, so that two runs of the same step are comparable).
+static void check_fused_inputs_are_exact(const DitConfig *c) {
     require_fp8_gpu();
     Dit cpu;
     Rng rng;
@@ -165,7 +166,7 @@ static void check_producer_amax_is_exact(const DitConfig *c) {
         loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1 - k, x0, noise, t, labels, out[k], grads[k]);
     }
     flash_backward_set_deterministic(was_deterministic);
-    fprintf(stderr, "fp8, producers' amax vs the linears' own, %d tokens: loss %.9g vs %.9g\n", dit_tokens(c),
+    fprintf(stderr, "fp8, fused inputs vs stored ones, %d tokens: loss %.9g vs %.9g\n", dit_tokens(c),
             loss[0], loss[1]);
     cr_expect(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "loss %.9g vs %.9g", loss[0], loss[1]);
     cr_expect(memcmp(out[0], out[1], n * sizeof(float)) == 0, "the outputs differ");
@@ -178,12 +179,12 @@ static void check_producer_amax_is_exact(const DitConfig *c) {
     dit_free(&cpu);
 }
 
-Test(dit_fp8, producer_amax_gives_bitwise_the_same_step) { check_producer_amax_is_exact(&fp8_config); }
+Test(dit_fp8, fused_inputs_give_bitwise_the_same_step) { check_fused_inputs_are_exact(&fp8_config); }
 
-Test(dit_fp8, producer_amax_gives_bitwise_the_same_step_100_tokens) {
+Test(dit_fp8, fused_inputs_give_bitwise_the_same_step_100_tokens) {
     DitConfig c = fp8_config;
     c.image_size = 20;
-    check_producer_amax_is_exact(&c);
+    check_fused_inputs_are_exact(&c);
 }
 
 // An unknown kind is refused before any CUDA call (no GPU needed); FP8 with 100 tokens is not

@@ -12,6 +12,8 @@
 // - against the bf16 linear layer at config c's IC × OC (M = 4096 tokens) on realistic operands
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
 //   (dev/notes_linear_fp8.md: out 0.038, dinp/dW 0.059 with e5m2 gradients, 0.038 with e4m3);
+// - fc2 reading GELU(pre_gelu) recomputed by its quantization against a stored GELU output:
+//   bitwise the same out, saved inpᵀ and scale;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
 #include <criterion/criterion.h>
@@ -336,6 +338,9 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
+    cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0,
+                                                    err), -1);
+    cr_expect(strstr(err, "linear_fp8_forward_gelu_input_cuda: pre_gelu and weight"), "message: %s", err);
 }
 
 // ---- amax from the producers (exact) -------------------------------------------------------
@@ -551,4 +556,39 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     expect_same_bytes(dpre[1], dpre[0], ny * sizeof(bf16), "dGELU backward's dpre with amax");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dGELU backward's dweight with dout_amax");
     expect_amax_of(dpre_amax, dpre[1], ny, host_amax(download_bf16(dpre[0], ny), ny), "dGELU backward's dpre_amax");
+}
+
+// ---- fc2 reading GELU(pre_gelu) without it being stored ------------------------------------
+// linear_fp8_forward_gelu_input_cuda writes the bytes that gelu_forward_cuda into a buffer and
+// linear_fp8_forward_cuda from it write (out, the saved inpᵀ and its scale), with the amax given
+// (gelu_forward_cuda's) or taken by the layer itself. M = 111 rows (not a multiple of 16).
+Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 46);
+    int M = 111, IC = 128, OC = 80;
+    size_t n = (size_t)M * IC, ny = (size_t)M * OC;
+    float *pre = randn_bf16(&rng, n, 2.0f), *w = randn_bf16(&rng, (size_t)OC * IC, 0.05f);
+    float *b = randn_bf16(&rng, OC, 0.1f);
+    bf16 *d_pre = upload_bf16(pre, n), *d_w = upload_bf16(w, (size_t)OC * IC), *d_b = upload_bf16(b, OC);
+    bf16 *act = poisoned(n * sizeof(bf16)), *y_ref = poisoned(ny * sizeof(bf16));
+    float *act_amax = zeroed_amax();
+    Fp8Saved s_ref = poisoned_saved(M, IC);
+    OK(gelu_forward_cuda(act, d_pre, n, act_amax, 0, err));
+    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, workspace, workspace_bytes, &ctx, 0,
+                               err));
+    for (int k = 0; k < 2; k++) {
+        bf16 *y = poisoned(ny * sizeof(bf16));
+        Fp8Saved s = poisoned_saved(M, IC);
+        OK(linear_fp8_forward_gelu_input_cuda(y, d_pre, d_w, d_b, M, IC, OC, &s, k ? act_amax : NULL, workspace,
+                                              workspace_bytes, &ctx, 0, err));
+        const char *how = k ? "amax given" : "own amax";
+        char what[96];
+        snprintf(what, sizeof what, "gelu input, %s: out", how);
+        expect_same_bytes(y, y_ref, ny * sizeof(bf16), what);
+        snprintf(what, sizeof what, "gelu input, %s: saved inpᵀ", how);
+        expect_same_bytes(s.qt, s_ref.qt, (size_t)IC * fp8_padded_rows(M), what);
+        snprintf(what, sizeof what, "gelu input, %s: saved scale", how);
+        expect_same_bytes(s.scale, s_ref.scale, sizeof(float), what);
+    }
 }
