@@ -120,7 +120,8 @@ __device__ inline Bf16x8 load_bf16x8_raw(const bf16 *p, int n, bool vec) {
         return u;
     }
     uint32_t w[VEC / 2] = {};
-    for (int j = 0; j < n; j++) w[j / 2] |= (uint32_t)__bfloat16_as_ushort(p[j]) << (16 * (j % 2));
+    for (int j = 0; j < VEC; j++)
+        if (j < n) w[j / 2] |= (uint32_t)__bfloat16_as_ushort(p[j]) << (16 * (j % 2));
     u.raw = make_uint4(w[0], w[1], w[2], w[3]);
     return u;
 }

@@ -42,7 +42,8 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         int c = (lane + 32 * k) * VEC;
         if (c >= C) break;
         unpack_bf16x8(v, xr[k]);
-        for (int j = 0; j < min(VEC, C - c); j++) sq += (v[j] - m) * (v[j] - m);
+        for (int j = 0; j < VEC; j++)
+            if (c + j < C) sq += (v[j] - m) * (v[j] - m);
     }
     float s = rsqrtf(warp_sum(sq) / C + LAYERNORM_EPS);
     bf16 *y = out + (size_t)row * C;
@@ -59,7 +60,8 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         for (int j = 0; j < VEC; j++) v[j] = (v[j] - m) * s * (1.0f + scv[j]) + shv[j];
         store_bf16x8(y + c, v, n, vec);
         if (AMAX)
-            for (int j = 0; j < n; j++) vmax = fmaxf(vmax, fabsf(bf16_rounded(v[j])));
+            for (int j = 0; j < VEC; j++)
+                if (j < n) vmax = fmaxf(vmax, fabsf(bf16_rounded(v[j])));
     }
     if (AMAX) vmax = warp_max(vmax);   // the whole warp is here (rows leave by whole warps)
     if (lane == 0) {
@@ -98,7 +100,8 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
         unpack_bf16x8(xv, xr[k]);
         unpack_bf16x8(dyv, dyr[k]);
         load_bf16x8(scv, sc + c, n, vec);
-        for (int j = 0; j < n; j++) {
+        for (int j = 0; j < VEC; j++) {
+            if (j >= n) break;
             float dxhat = dyv[j] * (1.0f + scv[j]);
             sum_dxhat += dxhat;
             sum_dxhat_xhat += dxhat * (xv[j] - m) * s;
