@@ -27,7 +27,7 @@ prepare() {
         build/test_step_graph_cuda
     # planted 1: the variance sums the zero pad of a partial vector; planted 2: the output pass reads
     # the first register vector for every vector
-    sed 's|for (int j = 0; j < min(VEC, C - c); j++) sq += (v\[j\] - m) \* (v\[j\] - m);|for (int j = 0; j < VEC; j++) sq += (v[j] - m) * (v[j] - m);|' \
+    sed 's|if (c + j < C) sq += (v\[j\] - m) \* (v\[j\] - m);|sq += (v[j] - m) * (v[j] - m);|' \
         layers/norm_cuda.cu > $B/pad.cu
     awk '/unpack_bf16x8\(v, xr\[k\]\);/ {n++; if (n == 3) sub(/xr\[k\]/, "xr[0]")} {print}' layers/norm_cuda.cu > $B/first.cu
     for p in pad first; do
