@@ -5,11 +5,14 @@
 #include "layers/cuda_args.h"
 
 #define LAYERNORM_EPS 1e-6f
-#define ROWS_PER_BLOCK (BLOCK_SIZE / 32)   // one warp per (b, t) row
+#define ROW_BLOCK 128                     // threads per block of the row kernels: 4 rows (one warp each)
+#define ROWS_PER_BLOCK (ROW_BLOCK / 32)
 
 // Rows of up to LAYERNORM_MAX_C channels: one warp per row, lane l owns the vectors l, l + 32, ...
 // (VPL of them, the template's compile-time count: 1, 2, 4, 8 or 16) and keeps them in registers
-// between the passes, so each row is read from memory once.
+// between the passes, so each row is read from memory once, all its loads issued at once
+// (ptxas, sm_90a: forward 126 and dinp 168 registers at VPL 8, no spill; dinp at VPL 16, C > 2048,
+// spills 648 bytes).
 #define LAYERNORM_MAX_C (32 * VEC * 16)
 
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
@@ -23,12 +26,16 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
     if (row >= rows) return;   // whole warps leave together
     const bf16 *x = inp + (size_t)row * C;
     const bf16 *sh = shift + (size_t)(row / T) * mod_stride, *sc = scale + (size_t)(row / T) * mod_stride;
-    Bf16x8 xr[VPL];
+    Bf16x8 xr[VPL], shr[VPL], scr[VPL];   // every load of the row issued at once
     float v[VEC], sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < VPL; k++) {
         int c = (lane + 32 * k) * VEC;
-        if (c < C) xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
+        if (c < C) {
+            xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
+            shr[k] = load_bf16x8_raw(sh + c, min(VEC, C - c), vec);
+            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
+        }
     }
 #pragma unroll
     for (int k = 0; k < VPL; k++) {
@@ -55,8 +62,8 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         int n = min(VEC, C - c);
         float shv[VEC], scv[VEC];
         unpack_bf16x8(v, xr[k]);
-        load_bf16x8(shv, sh + c, n, vec);
-        load_bf16x8(scv, sc + c, n, vec);
+        unpack_bf16x8(shv, shr[k]);
+        unpack_bf16x8(scv, scr[k]);
         for (int j = 0; j < VEC; j++) v[j] = (v[j] - m) * s * (1.0f + scv[j]) + shv[j];
         store_bf16x8(y + c, v, n, vec);
         if (AMAX)
@@ -82,13 +89,16 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
     const bf16 *x = inp + (size_t)row * C, *dy = dout + (size_t)row * C;
     const bf16 *sc = scale + (size_t)(row / T) * mod_stride;
     float m = mean[row], s = rstd[row];
-    Bf16x8 xr[VPL], dyr[VPL];
+    bf16 *dx = dinp + (size_t)row * C;
+    Bf16x8 xr[VPL], dyr[VPL], scr[VPL], dxr[VPL];   // every load of the row issued at once
 #pragma unroll
     for (int k = 0; k < VPL; k++) {
         int c = (lane + 32 * k) * VEC;
         if (c < C) {
             xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
             dyr[k] = load_bf16x8_raw(dy + c, min(VEC, C - c), vec);
+            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
+            dxr[k] = load_bf16x8_raw(dx + c, min(VEC, C - c), vec);
         }
     }
     float xv[VEC], dyv[VEC], scv[VEC], sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
@@ -99,7 +109,7 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
         int n = min(VEC, C - c);
         unpack_bf16x8(xv, xr[k]);
         unpack_bf16x8(dyv, dyr[k]);
-        load_bf16x8(scv, sc + c, n, vec);
+        unpack_bf16x8(scv, scr[k]);
         for (int j = 0; j < VEC; j++) {
             if (j >= n) break;
             float dxhat = dyv[j] * (1.0f + scv[j]);
@@ -108,7 +118,6 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
         }
     }
     float mean_dxhat = warp_sum(sum_dxhat) / C, mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
-    bf16 *dx = dinp + (size_t)row * C;
 #pragma unroll
     for (int k = 0; k < VPL; k++) {
         int c = (lane + 32 * k) * VEC;
@@ -117,8 +126,8 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
         float dxv[VEC];
         unpack_bf16x8(xv, xr[k]);
         unpack_bf16x8(dyv, dyr[k]);
-        load_bf16x8(scv, sc + c, n, vec);
-        load_bf16x8(dxv, dx + c, n, vec);
+        unpack_bf16x8(scv, scr[k]);
+        unpack_bf16x8(dxv, dxr[k]);
         for (int j = 0; j < VEC; j++) {
             float xhat = (xv[j] - m) * s, dxhat = dyv[j] * (1.0f + scv[j]);
             dxv[j] += s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat);
@@ -183,11 +192,11 @@ static int vectors_per_lane(int C) {
 
 #define LAUNCH_BY_VPL(kernel_for, C, grid, ...)                                                        \
     switch (vectors_per_lane(C)) {                                                                    \
-    case 1: kernel_for(1)<<<grid, BLOCK_SIZE, 0, stream>>>(__VA_ARGS__); break;                        \
-    case 2: kernel_for(2)<<<grid, BLOCK_SIZE, 0, stream>>>(__VA_ARGS__); break;                        \
-    case 4: kernel_for(4)<<<grid, BLOCK_SIZE, 0, stream>>>(__VA_ARGS__); break;                        \
-    case 8: kernel_for(8)<<<grid, BLOCK_SIZE, 0, stream>>>(__VA_ARGS__); break;                        \
-    default: kernel_for(16)<<<grid, BLOCK_SIZE, 0, stream>>>(__VA_ARGS__);                             \
+    case 1: kernel_for(1)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    case 2: kernel_for(2)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    case 4: kernel_for(4)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    case 8: kernel_for(8)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    default: kernel_for(16)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__);                              \
     }
 
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
