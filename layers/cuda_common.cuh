@@ -107,6 +107,33 @@ __device__ inline void load_bf16x8(float x[VEC], const bf16 *p, int n, bool vec)
     for (int j = 0; j < VEC; j++) x[j] = j < n ? __bfloat162float(p[j]) : 0.0f;
 }
 
+// VEC bf16 kept as their raw 16 bytes (4 registers instead of 8 floats), so that a row a kernel
+// reads more than once can stay in registers: element 2j in the low half of word j, 2j + 1 in the
+// high half. load_bf16x8_raw then unpack_bf16x8 give load_bf16x8's floats.
+typedef struct { uint4 raw; } Bf16x8;
+
+// p[j] for j < n (n <= VEC), 0 for j >= n.
+__device__ inline Bf16x8 load_bf16x8_raw(const bf16 *p, int n, bool vec) {
+    Bf16x8 u;
+    if (vec && n == VEC) {
+        u.raw = *(const uint4 *)p;
+        return u;
+    }
+    uint32_t w[VEC / 2] = {};
+    for (int j = 0; j < VEC; j++)
+        if (j < n) w[j / 2] |= (uint32_t)__bfloat16_as_ushort(p[j]) << (16 * (j % 2));
+    u.raw = make_uint4(w[0], w[1], w[2], w[3]);
+    return u;
+}
+
+__device__ inline void unpack_bf16x8(float x[VEC], Bf16x8 u) {
+    uint32_t w[VEC / 2] = {u.raw.x, u.raw.y, u.raw.z, u.raw.w};
+    for (int j = 0; j < VEC / 2; j++) {
+        x[2 * j] = __uint_as_float(w[j] << 16);
+        x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
 // p[j] = bf16(x[j]) for j < n (n <= VEC).
 __device__ inline void store_bf16x8(bf16 *p, const float x[VEC], int n, bool vec) {
     if (vec && n == VEC) {

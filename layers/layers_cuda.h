@@ -110,7 +110,8 @@ int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
 
 // ---- LayerNorm (no affine, eps 1e-6) fused with adaLN modulation --------------------------
 // out (bf16) = x̂·(1 + scale_b) + shift_b; mean, rstd (B, T) fp32. shift, scale: bf16, sample b
-// at b·mod_stride (slices of the adaLN projection's output).
+// at b·mod_stride (slices of the adaLN projection's output). C <= 4096 (a row in one warp's
+// registers; also for the backward).
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     const bf16 *inp, const bf16 *shift, const bf16 *scale,
                                     int B, int T, int C, int mod_stride, float *out_amax,

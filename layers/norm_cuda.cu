@@ -5,13 +5,20 @@
 #include "layers/cuda_args.h"
 
 #define LAYERNORM_EPS 1e-6f
-#define ROWS_PER_BLOCK (BLOCK_SIZE / 32)   // one warp per (b, t) row
+#define ROW_BLOCK 128                     // threads per block of the row kernels: 4 rows (one warp each)
+#define ROWS_PER_BLOCK (ROW_BLOCK / 32)
 
-// One warp per row of C channels, sample b = row / T; lane l reads the vectors l, l + 32, ...:
+// Rows of up to LAYERNORM_MAX_C channels: one warp per row, lane l owns the vectors l, l + 32, ...
+// (VPL of them, the template's compile-time count: 1, 2, 4, 8 or 16) and keeps them in registers
+// between the passes, so each row is read from memory once, all its loads issued at once
+// (ptxas, sm_90a: forward 126 and dinp 168 registers at VPL 8, no spill; dinp at VPL 16, C > 2048,
+// spills 648 bytes).
+#define LAYERNORM_MAX_C (32 * VEC * 16)
+
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
-// out = x̂·(1 + scale_b) + shift_b. The second and third reads of the row come from L1.
+// out = x̂·(1 + scale_b) + shift_b, sample b = row / T.
 // AMAX: *out_amax = max(*out_amax, max |out|) of the values stored (one update per row).
-template <bool AMAX>
+template <bool AMAX, int VPL>
 __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd, float *out_amax,
                                                   const bf16 *inp, const bf16 *shift, const bf16 *scale,
                                                   int rows, int T, int C, int mod_stride, bool vec) {
@@ -19,30 +26,49 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
     if (row >= rows) return;   // whole warps leave together
     const bf16 *x = inp + (size_t)row * C;
     const bf16 *sh = shift + (size_t)(row / T) * mod_stride, *sc = scale + (size_t)(row / T) * mod_stride;
+    Bf16x8 xr[VPL], shr[VPL], scr[VPL];   // every load of the row issued at once
     float v[VEC], sum = 0.0f;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        load_bf16x8(v, x + c, min(VEC, C - c), vec);
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c < C) {
+            xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
+            shr[k] = load_bf16x8_raw(sh + c, min(VEC, C - c), vec);
+            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        if ((lane + 32 * k) * VEC >= C) break;
+        unpack_bf16x8(v, xr[k]);
         for (int j = 0; j < VEC; j++) sum += v[j];
     }
     float m = warp_sum(sum) / C, sq = 0.0f;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
-        int n = min(VEC, C - c);
-        load_bf16x8(v, x + c, n, vec);
-        for (int j = 0; j < n; j++) sq += (v[j] - m) * (v[j] - m);
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c >= C) break;
+        unpack_bf16x8(v, xr[k]);
+        for (int j = 0; j < VEC; j++)
+            if (c + j < C) sq += (v[j] - m) * (v[j] - m);
     }
     float s = rsqrtf(warp_sum(sq) / C + LAYERNORM_EPS);
     bf16 *y = out + (size_t)row * C;
     float vmax = 0.0f;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c >= C) break;
         int n = min(VEC, C - c);
         float shv[VEC], scv[VEC];
-        load_bf16x8(v, x + c, n, vec);
-        load_bf16x8(shv, sh + c, n, vec);
-        load_bf16x8(scv, sc + c, n, vec);
+        unpack_bf16x8(v, xr[k]);
+        unpack_bf16x8(shv, shr[k]);
+        unpack_bf16x8(scv, scr[k]);
         for (int j = 0; j < VEC; j++) v[j] = (v[j] - m) * s * (1.0f + scv[j]) + shv[j];
         store_bf16x8(y + c, v, n, vec);
         if (AMAX)
-            for (int j = 0; j < n; j++) vmax = fmaxf(vmax, fabsf(bf16_rounded(v[j])));
+            for (int j = 0; j < VEC; j++)
+                if (j < n) vmax = fmaxf(vmax, fabsf(bf16_rounded(v[j])));
     }
     if (AMAX) vmax = warp_max(vmax);   // the whole warp is here (rows leave by whole warps)
     if (lane == 0) {
@@ -52,8 +78,9 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
     }
 }
 
-// One warp per row: dx̂ = dout·(1 + scale_b);
+// One warp per row (its x and dout in registers, as above): dx̂ = dout·(1 + scale_b);
 // dinp += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂)).
+template <int VPL>
 __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, const bf16 *inp,
                                                const float *mean, const float *rstd, const bf16 *scale,
                                                int rows, int T, int C, int mod_stride, bool vec) {
@@ -62,27 +89,45 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
     const bf16 *x = inp + (size_t)row * C, *dy = dout + (size_t)row * C;
     const bf16 *sc = scale + (size_t)(row / T) * mod_stride;
     float m = mean[row], s = rstd[row];
+    bf16 *dx = dinp + (size_t)row * C;
+    Bf16x8 xr[VPL], dyr[VPL], scr[VPL], dxr[VPL];   // every load of the row issued at once
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c < C) {
+            xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
+            dyr[k] = load_bf16x8_raw(dy + c, min(VEC, C - c), vec);
+            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
+            dxr[k] = load_bf16x8_raw(dx + c, min(VEC, C - c), vec);
+        }
+    }
     float xv[VEC], dyv[VEC], scv[VEC], sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c >= C) break;
         int n = min(VEC, C - c);
-        load_bf16x8(xv, x + c, n, vec);
-        load_bf16x8(dyv, dy + c, n, vec);
-        load_bf16x8(scv, sc + c, n, vec);
-        for (int j = 0; j < n; j++) {
+        unpack_bf16x8(xv, xr[k]);
+        unpack_bf16x8(dyv, dyr[k]);
+        unpack_bf16x8(scv, scr[k]);
+        for (int j = 0; j < VEC; j++) {
+            if (j >= n) break;
             float dxhat = dyv[j] * (1.0f + scv[j]);
             sum_dxhat += dxhat;
             sum_dxhat_xhat += dxhat * (xv[j] - m) * s;
         }
     }
     float mean_dxhat = warp_sum(sum_dxhat) / C, mean_dxhat_xhat = warp_sum(sum_dxhat_xhat) / C;
-    bf16 *dx = dinp + (size_t)row * C;
-    for (int c = lane * VEC; c < C; c += 32 * VEC) {
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c >= C) break;
         int n = min(VEC, C - c);
         float dxv[VEC];
-        load_bf16x8(xv, x + c, n, vec);
-        load_bf16x8(dyv, dy + c, n, vec);
-        load_bf16x8(scv, sc + c, n, vec);
-        load_bf16x8(dxv, dx + c, n, vec);
+        unpack_bf16x8(xv, xr[k]);
+        unpack_bf16x8(dyv, dyr[k]);
+        unpack_bf16x8(scv, scr[k]);
+        unpack_bf16x8(dxv, dxr[k]);
         for (int j = 0; j < VEC; j++) {
             float xhat = (xv[j] - m) * s, dxhat = dyv[j] * (1.0f + scv[j]);
             dxv[j] += s * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat);
@@ -130,13 +175,29 @@ __global__ void layernorm_modulate_dmod_kernel(float *dshift, float *dscale, flo
 }
 
 static int check_sizes(const char *fn, int B, int T, int C, int mod_stride, char *err) {
-    if (B <= 0 || T <= 0 || C <= 0 || mod_stride < C) {
-        dit_set_error(err, "%s: need positive B, T, C and mod_stride >= C (B=%d T=%d C=%d mod_stride=%d)",
-                      fn, B, T, C, mod_stride);
+    if (B <= 0 || T <= 0 || C <= 0 || C > LAYERNORM_MAX_C || mod_stride < C) {
+        dit_set_error(err, "%s: need positive B, T, C <= %d (a row in one warp's registers) and mod_stride >= C "
+                      "(B=%d T=%d C=%d mod_stride=%d)", fn, LAYERNORM_MAX_C, B, T, C, mod_stride);
         return -1;
     }
     return check_product(fn, "rows B·T", B, T, INT_MAX, err);   // rows are int in the kernels
 }
+
+// The vectors per lane a row of C channels needs, as one of the kernels' counts (C <= LAYERNORM_MAX_C).
+static int vectors_per_lane(int C) {
+    int vpl = 1;
+    while (32 * VEC * vpl < C) vpl *= 2;
+    return vpl;
+}
+
+#define LAUNCH_BY_VPL(kernel_for, C, grid, ...)                                                        \
+    switch (vectors_per_lane(C)) {                                                                    \
+    case 1: kernel_for(1)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    case 2: kernel_for(2)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    case 4: kernel_for(4)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    case 8: kernel_for(8)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__); break;                         \
+    default: kernel_for(16)<<<grid, ROW_BLOCK, 0, stream>>>(__VA_ARGS__);                              \
+    }
 
 int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     const bf16 *inp, const bf16 *shift, const bf16 *scale,
@@ -146,9 +207,10 @@ int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
     int rows = B * T;
     bool vec = C % VEC == 0 && mod_stride % VEC == 0 && aligned16(out) && aligned16(inp) &&
                aligned16(shift) && aligned16(scale);
-    auto kernel = out_amax ? layernorm_modulate_forward_kernel<true> : layernorm_modulate_forward_kernel<false>;
-    kernel<<<blocks_for(rows, ROWS_PER_BLOCK), BLOCK_SIZE, 0, stream>>>(
-        out, mean, rstd, out_amax, inp, shift, scale, rows, T, C, mod_stride, vec);
+#define FORWARD(vpl) (out_amax ? layernorm_modulate_forward_kernel<true, vpl> : layernorm_modulate_forward_kernel<false, vpl>)
+    LAUNCH_BY_VPL(FORWARD, C, blocks_for(rows, ROWS_PER_BLOCK), out, mean, rstd, out_amax, inp, shift, scale, rows,
+                  T, C, mod_stride, vec);
+#undef FORWARD
     LAUNCH_CHECK(err, "layernorm_modulate_forward_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }
@@ -181,8 +243,10 @@ int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
     }
     if (!dinp) return 0;
     vec = vec && mod_stride % VEC == 0 && aligned16(dinp) && aligned16(scale);
-    layernorm_modulate_dinp_kernel<<<blocks_for(rows, ROWS_PER_BLOCK), BLOCK_SIZE, 0, stream>>>(
-        dinp, dout, inp, mean, rstd, scale, rows, T, C, mod_stride, vec);
+#define DINP(vpl) layernorm_modulate_dinp_kernel<vpl>
+    LAUNCH_BY_VPL(DINP, C, blocks_for(rows, ROWS_PER_BLOCK), dinp, dout, inp, mean, rstd, scale, rows, T, C,
+                  mod_stride, vec);
+#undef DINP
     LAUNCH_CHECK(err, "layernorm_modulate_dinp_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }

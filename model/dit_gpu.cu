@@ -322,9 +322,10 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
                       cfg->hidden, cfg->heads, D);
         return -1;
     }
-    if (cfg->hidden % 8 != 0 || batch <= 0) {
-        dit_set_error(err, "dit_gpu_create: need hidden a multiple of 8 (cuBLASLt GELU epilogues) and batch > 0 "
-                      "(hidden %d, batch %d)", cfg->hidden, batch);
+    if (cfg->hidden % 8 != 0 || cfg->hidden > 4096 || batch <= 0) {
+        dit_set_error(err, "dit_gpu_create: need hidden a multiple of 8 (cuBLASLt GELU epilogues) and at most 4096 "
+                      "(the LayerNorm kernels keep a row in one warp's registers), and batch > 0 (hidden %d, "
+                      "batch %d)", cfg->hidden, batch);
         return -1;
     }
     if (linear != DIT_LINEAR_BF16 && linear != DIT_LINEAR_FP8) {

@@ -232,6 +232,10 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
                  err, "IC=12");
     EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 8, 4, NULL, 0, err), err,
                  "mod_stride >= C", "mod_stride=4");
+    EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 4104, 4104, NULL, 0, err),
+                 err, "C <= 4096", "C=4104");
+    EXPECT_ERROR(layernorm_modulate_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 4104, 4104,
+                                                  NULL, 0, err), err, "layernorm_modulate_backward_cuda", "C=4104");
     EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, NULL, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "T=0");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 10, 4, 0, err), err, "S a multiple of p", "S=10 p=4");

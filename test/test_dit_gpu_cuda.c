@@ -392,3 +392,14 @@ Test(dit_gpu, sampling_from_the_ema_follows_the_cpu) {
     dit_gpu_free(&gpu);
     dit_free(&cpu);
 }
+
+// Sizes the GPU model cannot run are refused by create before any CUDA call (no GPU needed):
+// hidden above 4096 (the LayerNorm kernels keep a row in one warp's registers), head dim 128.
+Test(dit_gpu, create_refuses_hidden_above_4096) {
+    char err[DIT_ERR_LEN];
+    DitGpu m;
+    DitConfig c = {.image_size = 16, .channels = 1, .patch = 2, .hidden = 4224, .depth = 1, .heads = 33,
+                   .num_classes = 2};
+    cr_expect_eq(dit_gpu_create(&m, &c, 1, DIT_ATTN_SAGE, err), -1);
+    cr_expect(strstr(err, "at most 4096") && strstr(err, "hidden 4224"), "message: %s", err);
+}
