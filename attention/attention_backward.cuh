@@ -36,6 +36,7 @@
 #include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
+#include "layers/cuda_args.h"
 
 #define BWD_BLOCK_M 64   // queries per step (= SAGE_CUDA_BLOCK: one q_scale per step)
 
@@ -44,6 +45,10 @@ enum { SCORES_BF16 = 0, SCORES_SAGE = 1 };
 // Inputs and outputs of one backward, (B,H,N,D) / (B,H,N) as in flash_cuda.h and sage_cuda.h, but
 // dout (and the out of the delta) in the layout merged_heads says (attention_rows.cuh).
 // qv: the sage forward's quantized tensors (q8, k8, q_scale, k_scale, k_mean); unused for SCORES_BF16.
+// dV goes to dv (fp32, (B,H,N,D)), or, with dv_rows (merged layout only), as bf16 into the rows of a
+// token-major tensor: dV of key t of head h of batch b at dv_rows + (b·N + t)·dv_row_stride + h·D
+// (the v part of the qkv projection's input gradient), with max |dV| (of the bf16 values) raised into
+// *dv_amax when that is not NULL.
 typedef struct {
     float *dq, *dk, *dv;
     const __nv_bfloat16 *dout, *q, *k, *v;
@@ -51,7 +56,61 @@ typedef struct {
     SageCudaQuant qv;
     int N, merged_heads;
     int *dq_turn;   // (B·H, ceil(N/64)) counters, zeroed: ordered dQ adds; NULL: unordered atomics
+    __nv_bfloat16 *dv_rows;
+    size_t dv_row_stride;
+    float *dv_amax;
 } AttnBwdArgs;
+
+// a's dV destination from the call's AttnDvRows (NULL: the fp32 dv already in a).
+static inline void set_dv_rows(AttnBwdArgs *a, const AttnDvRows *r) {
+    if (!r) return;
+    a->dv_rows = (__nv_bfloat16 *)r->rows;
+    a->dv_row_stride = r->row_stride;
+    a->dv_amax = r->amax;
+}
+
+// The checks of a call's dV destination: fp32 dv 16-byte aligned, or rows 4-byte aligned (bf16
+// pairs), row_stride >= H·D and even, amax NULL or 4-byte aligned.
+static inline int check_dv_out(const char *fn, const float *dv, const AttnDvRows *r, int H, int D, char *err) {
+    if (!r) {
+        CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dv, 16));
+        return 0;
+    }
+    if (r->row_stride < (size_t)H * D || r->row_stride % 2) {
+        dit_set_error(err, "%s: dv_row_stride must be even and at least H·D = %d (got %zu)", fn, H * D, r->row_stride);
+        return -1;
+    }
+    const uint16_t *rows = r->rows;
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(rows, 4));
+    if (r->amax) {
+        const float *dv_amax = r->amax;
+        CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dv_amax, 4));
+    }
+    return 0;
+}
+
+// One pair of dV values (key t of head bh, columns col and col + 1) where AttnBwdArgs says; returns
+// max |stored| of the bf16 pair (0 for fp32), for store_dv_amax.
+template <int D>
+__device__ __forceinline__ float store_dv_pair(const AttnBwdArgs &a, int bh, int t, int col, float x, float y) {
+    if (!a.dv_rows) {
+        *(float2 *)(a.dv + ((size_t)bh * a.N + t) * D + col) = make_float2(x, y);
+        return 0.0f;
+    }
+    int b = bh / a.merged_heads, h = bh % a.merged_heads;
+    __nv_bfloat162 p = __floats2bfloat162_rn(x, y);
+    *(__nv_bfloat162 *)(a.dv_rows + ((size_t)b * a.N + t) * a.dv_row_stride + (size_t)h * D + col) = p;
+    return fmaxf(fabsf(__low2float(p)), fabsf(__high2float(p)));
+}
+
+// *a.dv_amax = max(*a.dv_amax, the warp's m) (m >= 0: its bits order as unsigned ints, so atomicMax
+// on them is exact and order-free); every lane of the warp calls it.
+__device__ __forceinline__ void store_dv_amax(const AttnBwdArgs &a, float m) {
+    if (!a.dv_amax) return;
+    unsigned int most = __reduce_max_sync(0xffffffffu, __float_as_uint(m));
+    if (threadIdx.x % 32 == 0 && most > __float_as_uint(__ldcg(a.dv_amax)))
+        atomicMax((unsigned int *)a.dv_amax, most);
+}
 
 template <int D, int WARPS, int SRC> struct AttnBwdSmem {
     static constexpr int BLOCK_N = 16 * WARPS;               // keys per CTA
@@ -383,16 +442,19 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
         if (tid == 0) hand_on_dq_turn(turn + nqb - 1);
     }
 
+    float dv_max = 0.0f;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (!key_valid[h]) continue;
-        size_t at = head + (size_t)(k0 + warp * 16 + g + 8 * h) * D + 2 * c;
+        int t = k0 + warp * 16 + g + 8 * h;
+        size_t at = head + (size_t)t * D + 2 * c;
 #pragma unroll
         for (int j = 0; j < NT; j++) {
-            *(float2 *)(a.dv + at + 8 * j) = make_float2(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
+            dv_max = fmaxf(dv_max, store_dv_pair<D>(a, bh, t, 8 * j + 2 * c, dv_acc[j][2 * h], dv_acc[j][2 * h + 1]));
             *(float2 *)(a.dk + at + 8 * j) = make_float2(dk_acc[j][2 * h] * inv_sqrt_d, dk_acc[j][2 * h + 1] * inv_sqrt_d);
         }
     }
+    store_dv_amax(a, dv_max);
 }
 
 template <int D, int WARPS, int SRC, bool ORDERED>

@@ -128,7 +128,8 @@ static size_t activation_layout(DitGpu *m, char *base) {
     if (!attention_merged(m)) TAKE(ar, g->att, BT * h);
     TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
-    TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
+    TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h);
+    if (!attention_merged(m)) TAKE(ar, g->dv, BT * h);   // merged: dv goes straight into g->qkv
     g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
     if (m->linear == DIT_LINEAR_FP8) {   // (bf16: none of it, the layout of before)
         size_t Mp = fp8_padded_rows((int)BT), first;
@@ -683,9 +684,11 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int 
 }
 
 // dq, dk, dv of the same pairs from dout (the layout of the forward's out: merged, or head-major;
-// the pointers are the whole tensors').
+// the pointers are the whole tensors'). Merged: dv is written as bf16 into the v columns of dqkv (the
+// qkv linear's input gradient, (B·T, 3·hidden)) with its amax raised into dv_amax (may be NULL),
+// and the fp32 dv is not used.
 static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int count, float *dq, float *dk,
-                                  float *dv, const bf16 *dout, char *err) {
+                                  float *dv, bf16 *dqkv, float *dv_amax, const bf16 *dout, char *err) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
     size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D, pair = (size_t)T * D;
     int whole = first == 0 && count == B * H, Bc = whole ? B : 1, Hc = whole ? H : count;
@@ -701,7 +704,7 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
     const float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
     dq += first * pair;
     dk += first * pair;
-    dv += first * pair;
+    if (dv) dv += first * pair;
     if (m->sp.ring > 1) {   // the ring accumulates
         CUDA_CHECK(err, cudaMemsetAsync(dq, 0, blk * sizeof(float), m->stream), "zeroing dq");
         CUDA_CHECK(err, cudaMemsetAsync(dk, 0, blk * sizeof(float), m->stream), "zeroing dk");
@@ -710,10 +713,13 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
                           m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                           m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err));
     } else if (attention_merged(m)) {
+        uint16_t *dv_rows = (uint16_t *)(dqkv + 2 * m->cfg.hidden);
+        size_t stride = 3 * (size_t)m->cfg.hidden;
         if (m->attention == DIT_ATTN_EXACT)
-            return flash_backward_merged_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, B, H, T, D, stream, err);
-        return sage_backward_merged_cuda(dq, dk, dv, ws, fwd_ws, dy, q, k, v, out, lse, NULL, B, H, T, D, m->sage.pv,
-                                         stream, err);
+            return flash_backward_merged_cuda(dq, dk, dv_rows, stride, dv_amax, ws, dy, q, k, v, out, lse, B, H, T, D,
+                                              stream, err);
+        return sage_backward_merged_cuda(dq, dk, dv_rows, stride, dv_amax, ws, fwd_ws, dy, q, k, v, out, lse, NULL, B,
+                                         H, T, D, m->sage.pv, stream, err);
     } else if (m->attention == DIT_ATTN_EXACT) {
         return flash_backward_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, Bc, Hc, T, D, stream, err);
     } else {
@@ -778,21 +784,22 @@ __device__ __forceinline__ void load_grad8(float (&x)[HADAMARD_VALUES_PER_LANE],
 
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32 (or bf16):
 // split_heads_backward (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when
-// rotate, rounded to bf16 once (bf16 inputs: copied bit for bit when rotate is off).
-// AMAX: *amax = max(*amax, max |dqkv|) (the FP8 qkv linear's dout).
+// rotate, rounded to bf16 once (bf16 inputs: copied bit for bit when rotate is off). parts 2: dq
+// and dk only (dv is there already: the merged attention backward wrote it).
+// AMAX: *amax = max(*amax, max |what it writes|) (the FP8 qkv linear's dout).
 template <int D, bool AMAX, typename G>
 __global__ void merge_qkv_grad_kernel(bf16 *dqkv, float *amax, const G *dq, const G *dk, const G *dv, int T, int H,
-                                      bool rotate, float norm, size_t rows) {
+                                      int parts, bool rotate, float norm, size_t rows) {
     constexpr int L = D / HADAMARD_VALUES_PER_LANE;
     const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
     const bool valid = row < rows;
     const size_t r = valid ? row : 0;
-    const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
-    const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
+    const int h = r % H, which = (r / H) % parts, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
+    const size_t bt = r / (parts * H), b = bt / T, t = bt % T;
     float x[HADAMARD_VALUES_PER_LANE];
     load_grad8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
     if (rotate) rotate_if<D>(x, which < 2, norm);
-    if (valid) store_bf16x8(dqkv + r * D + c, x, VEC, true);
+    if (valid) store_bf16x8(dqkv + ((bt * 3 + which) * H + h) * D + c, x, VEC, true);
     if (AMAX) {   // every thread of the block is here (rows past the end hold m = 0)
         float m = 0.0f;
         for (int j = 0; j < VEC && valid; j++) m = fmaxf(m, fabsf(bf16_rounded(x[j])));
@@ -840,18 +847,19 @@ static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv
 }
 
 // rotate: sage's rotation of dq and dk here (off when round_qkv_grad has applied it already).
-// amax: NULL, or raised to max |dqkv| (the kernel without it: the work of before).
+// amax: NULL, or raised to max |dqkv| (the kernel without it: the work of before). dv NULL: dqkv's
+// v columns are written already (the merged attention backward), only dq and dk are merged.
 template <typename G>
 static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk, const G *dv, bool rotate,
                           float *amax, int B, char *err) {
-    int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
-    size_t rows = (size_t)B * T * 3 * H;
+    int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H, parts = dv ? 3 : 2;
+    size_t rows = (size_t)B * T * parts * H;
     // the grid of LAUNCH_HEAD_ROWS; the instance picked by D and by amax
     size_t rows_per_block = 256 / (D / HADAMARD_VALUES_PER_LANE);
     unsigned blocks = (unsigned)((rows + rows_per_block - 1) / rows_per_block);
     auto kernel = D == 128 ? (amax ? merge_qkv_grad_kernel<128, true, G> : merge_qkv_grad_kernel<128, false, G>)
                            : (amax ? merge_qkv_grad_kernel<64, true, G> : merge_qkv_grad_kernel<64, false, G>);
-    kernel<<<blocks, 256, 0, m->stream>>>(dqkv, amax, dq, dk, dv, T, H, rotate, 1.0f / sqrtf((float)D), rows);
+    kernel<<<blocks, 256, 0, m->stream>>>(dqkv, amax, dq, dk, dv, T, H, parts, rotate, 1.0f / sqrtf((float)D), rows);
     LAUNCH_CHECK(err, "merge_qkv_grad_kernel", "B·T=%d H=%d D=%d amax=%s", B * T, H, D, amax ? "on" : "off");
     return 0;
 }
@@ -934,7 +942,7 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
         cudaStream_t c = compute_stream(m, g);
         group_pairs(pairs, G, g, &first, &count);
         CUDA_CHECK(err, cudaStreamWaitEvent(c, ev[1 + g], 0), "wait for group %d's dout", g);
-        TRY(attention_backward_gpu(m, l, B, g, first, count, sb->dq_heads, sb->dk_heads, sb->dv_heads,
+        TRY(attention_backward_gpu(m, l, B, g, first, count, sb->dq_heads, sb->dk_heads, sb->dv_heads, NULL, NULL,
                                    sb->dout_heads, err));
         // rotation and rounding are per row of D values, the exchange moves whole rows: both
         // orders give the same bits, and this one moves bf16
@@ -1245,9 +1253,11 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false,
                                q8.dout_amax.qkv, B, err));
         } else {
-            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv,
-                                       attention_merged(m) ? g->att_merged : g->att, err));
-            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), q8.dout_amax.qkv, B, err));
+            // (merged: dv goes straight into g->qkv's v columns, as bf16, with its amax)
+            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->qkv,
+                                       q8.dout_amax.qkv, attention_merged(m) ? g->att_merged : g->att, err));
+            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, attention_merged(m) ? NULL : g->dv, sage_rotates(m),
+                               q8.dout_amax.qkv, B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
                                   g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,

@@ -112,7 +112,8 @@ typedef struct {
     // one block: the accumulated ones (zeroed per block) are contiguous from fc2 to ln1
     bf16 *fc2, *ln2, *proj, *att_merged, *att, *ln1;
     bf16 *fc1, *qkv;                   // written, not accumulated
-    float *dq, *dk, *dv;               // (B, H, T, D) fp32 from the attention backward
+    float *dq, *dk, *dv;               // (B, H, T, D) fp32 from the attention backward (dv: sequence parallel
+                                       // only; without it dv goes as bf16 straight into qkv's v columns)
     void *att_workspace;               // the attention backward's workspace (Ulysses with head
                                        // groups: one per compute stream)
 } DitGpuGradActs;

@@ -126,6 +126,44 @@ static inline size_t count_merged_bf16_differences(const uint16_t *merged, const
     return differing;
 }
 
+// The merged backwards' dv: bf16 rows of the token-major `rows` (device; row b·N + t, columns
+// [offset + h·D, + D) of head h, `stride` bf16 per row, the rest of each row poison) against the
+// head-major fp32 `dv` (device) rounded to bf16, and *amax (device) against max |those bf16|.
+// Counts the values that differ (or are NaN) and the poison overwritten.
+static inline size_t count_dv_rows_differences(const uint16_t *rows, size_t stride, size_t offset, const float *d_amax,
+                                               const float *dv, int B, int H, int N, int D, const char *what) {
+    size_t n = (size_t)B * H * N * D, nrows = (size_t)B * N * stride, differing = 0, overwritten = 0;
+    uint16_t *got = xmalloc(nrows * 2);
+    float *want = xmalloc(n * 4), amax = 0.0f, want_amax = 0.0f;
+    CUDA_OK(cudaMemcpy(got, rows, nrows * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(want, dv, n * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&amax, d_amax, 4, cudaMemcpyDeviceToHost));
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < N; t++) {
+            const uint16_t *row = got + ((size_t)b * N + t) * stride;
+            for (size_t col = 0; col < stride; col++) {
+                int h = (int)((col - offset) / D);
+                if (col < offset || col >= offset + (size_t)H * D) {
+                    overwritten += row[col] != 0xffff;
+                    continue;
+                }
+                int d = (int)((col - offset) % D);
+                uint16_t w = to_bf16(want[(((size_t)b * H + h) * N + t) * D + d]);
+                want_amax = fmaxf(want_amax, fabsf(from_bf16(w)));
+                if (row[col] == w && !isnan(from_bf16(w))) continue;
+                if (differing++ == 0)
+                    cr_expect_fail("%s: dv row %zu col %zu (b=%d h=%d t=%d d=%d) = %g (0x%04x), bf16 of the head-major "
+                                   "dv %g (0x%04x)", what, (size_t)b * N + t, col, b, h, t, d, from_bf16(row[col]),
+                                   row[col], from_bf16(w), w);
+            }
+        }
+    cr_expect(overwritten == 0, "%s: %zu poison values outside dv's columns overwritten", what, overwritten);
+    cr_expect(amax == want_amax, "%s: dv amax %.9g, the values' max %.9g", what, amax, want_amax);
+    free(got);
+    free(want);
+    return differing + overwritten + (amax != want_amax);
+}
+
 // lse, dq, dk, dv: fp32 `got` and `want` (device) in the same layout (B, H, N, D); D = 1 for lse.
 static inline size_t count_f32_differences(const float *got, const float *want, int B, int H, int N, int D,
                                            const char *what) {

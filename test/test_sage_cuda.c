@@ -691,8 +691,10 @@ Test(sage_cuda, sm90_forward_short_tail_block, .timeout = 60) {
 
 // ---- 8. the merged layout (sage_forward_merged_cuda, sage_backward_merged_cuda) -----------------
 // out and dout in (B, N, H, D), the layout of the projection around attention: the merged calls
-// must give bitwise the head-major calls' values (out transposed; lse, dq, dk, dv as they are;
-// dq in deterministic mode), each call with its own workspaces and NaN-poisoned outputs (dmalloc).
+// must give bitwise the head-major calls' values (out transposed; lse, dq, dk as they are, dq in
+// deterministic mode; dv rounded to bf16 into the v columns of a poisoned (B·N, 3·H·D) buffer, as
+// the model's qkv gradient, with its amax), each call with its own workspaces and NaN-poisoned
+// outputs (dmalloc).
 // B, H > 1 and N not a multiple of 64, so a batch/head swap, a token stride of D instead of H·D or
 // a missed tail lands on other values or on the poison.
 static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const char *dispatch) {
@@ -707,7 +709,11 @@ static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const cha
     void *bwd_ws_h = dmalloc(bwd_ws_bytes), *bwd_ws_m = dmalloc(bwd_ws_bytes);
     uint16_t *out_h = dmalloc(c.n * 2), *out_m = dmalloc(c.n * 2), *dout_m = merged_copy(c.ddout, B, H, N, D);
     float *lse_h = dmalloc(rows * 4), *lse_m = dmalloc(rows * 4);
-    float *grads_h = dmalloc(3 * c.n * 4), *grads_m = dmalloc(3 * c.n * 4);   // dq, dk, dv
+    float *grads_h = dmalloc(3 * c.n * 4), *grads_m = dmalloc(2 * c.n * 4);   // dq, dk, dv; dq, dk
+    size_t stride = 3 * (size_t)H * D;
+    uint16_t *dqkv = dmalloc((size_t)B * N * stride * 2);   // dv into its v columns
+    float *dv_amax = dmalloc(4);
+    CUDA_OK(cudaMemset(dv_amax, 0, 4));
 
     int rc = sage_forward_cuda(out_h, lse_h, fwd_ws_h, c.dq_, c.dk_, c.dv_, B, H, N, D, pv, 0, err);
     cr_assert_eq(rc, 0, "sage_forward_cuda: %s", err);
@@ -716,8 +722,8 @@ static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const cha
     rc = sage_backward_cuda(grads_h, grads_h + c.n, grads_h + 2 * c.n, bwd_ws_h, fwd_ws_h, c.ddout, c.dq_, c.dk_,
                             c.dv_, out_h, lse_h, NULL, B, H, N, D, pv, 0, err);
     cr_assert_eq(rc, 0, "sage_backward_cuda: %s", err);
-    rc = sage_backward_merged_cuda(grads_m, grads_m + c.n, grads_m + 2 * c.n, bwd_ws_m, fwd_ws_m, dout_m, c.dq_,
-                                   c.dk_, c.dv_, out_m, lse_m, NULL, B, H, N, D, pv, 0, err);
+    rc = sage_backward_merged_cuda(grads_m, grads_m + c.n, dqkv + 2 * H * D, stride, dv_amax, bwd_ws_m, fwd_ws_m,
+                                   dout_m, c.dq_, c.dk_, c.dv_, out_m, lse_m, NULL, B, H, N, D, pv, 0, err);
     cr_assert_eq(rc, 0, "sage_backward_merged_cuda: %s", err);
     CUDA_OK(cudaDeviceSynchronize());
 
@@ -727,15 +733,18 @@ static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const cha
     differing[0] = count_merged_bf16_differences(out_m, out_h, B, H, N, D, name);
     snprintf(name, sizeof name, "%s: lse", what);
     differing[1] = count_f32_differences(lse_m, lse_h, B, H, N, 1, name);
-    for (int t = 0; t < 3; t++) {
-        snprintf(name, sizeof name, "%s: d%c", what, "qkv"[t]);
+    for (int t = 0; t < 2; t++) {
+        snprintf(name, sizeof name, "%s: d%c", what, "qk"[t]);
         differing[2 + t] = count_f32_differences(grads_m + t * c.n, grads_h + t * c.n, B, H, N, D, name);
     }
+    snprintf(name, sizeof name, "%s: dv rows", what);
+    differing[4] = count_dv_rows_differences(dqkv, stride, 2 * (size_t)H * D, dv_amax, grads_h + 2 * c.n, B, H, N, D,
+                                             name);
     fprintf(stderr, "%s vs head-major: differing out %zu, lse %zu, dq %zu, dk %zu, dv %zu\n", what, differing[0],
             differing[1], differing[2], differing[3], differing[4]);
     cudaFree(fwd_ws_h); cudaFree(fwd_ws_m); cudaFree(bwd_ws_h); cudaFree(bwd_ws_m);
     cudaFree(out_h); cudaFree(out_m); cudaFree(dout_m); cudaFree(lse_h); cudaFree(lse_m);
-    cudaFree(grads_h); cudaFree(grads_m);
+    cudaFree(grads_h); cudaFree(grads_m); cudaFree(dqkv); cudaFree(dv_amax);
     free_case(&c);
 }
 
