@@ -185,3 +185,27 @@ static inline size_t count_f32_differences(const float *got, const float *want, 
     free(w);
     return differing;
 }
+
+// Every output of a merged-layout call pair (sage or flash) against the head-major pair's, each as
+// above: out (merged bf16), lse, dq and dk (grads_m: the merged backward's dq, dk; grads_h: the
+// head-major one's dq, dk, dv, n values each) and dv, written as bf16 rows at dv_rows (row
+// stride, column offset) with its amax. Logs the counts on stderr.
+static inline void expect_merged_like_head_major(const uint16_t *out_m, const uint16_t *out_h, const float *lse_m,
+                                                 const float *lse_h, const float *grads_m, const float *grads_h,
+                                                 size_t n, const uint16_t *dv_rows, size_t stride, size_t offset,
+                                                 const float *dv_amax, int B, int H, int N, int D, const char *what) {
+    char name[200];
+    size_t differing[5];
+    snprintf(name, sizeof name, "%s: out", what);
+    differing[0] = count_merged_bf16_differences(out_m, out_h, B, H, N, D, name);
+    snprintf(name, sizeof name, "%s: lse", what);
+    differing[1] = count_f32_differences(lse_m, lse_h, B, H, N, 1, name);
+    for (int t = 0; t < 2; t++) {
+        snprintf(name, sizeof name, "%s: d%c", what, "qk"[t]);
+        differing[2 + t] = count_f32_differences(grads_m + t * n, grads_h + t * n, B, H, N, D, name);
+    }
+    snprintf(name, sizeof name, "%s: dv rows", what);
+    differing[4] = count_dv_rows_differences(dv_rows, stride, offset, dv_amax, grads_h + 2 * n, B, H, N, D, name);
+    fprintf(stderr, "%s vs head-major: differing out %zu, lse %zu, dq %zu, dk %zu, dv %zu\n", what, differing[0],
+            differing[1], differing[2], differing[3], differing[4]);
+}
