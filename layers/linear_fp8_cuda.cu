@@ -347,12 +347,12 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
-int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return backward("linear_fp8_backward_cuda", dinp, 1.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
+    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dbias, dout, inp, weight, M, IC, OC,
                     grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 

@@ -34,7 +34,7 @@ __global__ void gated_residual_forward_kernel(bf16 *out, const bf16 *res, const 
     store_bf16x8(out + i0, r, count, vec);
 }
 
-// dres += dout; dh += gate_b[c]·dout (elementwise, VEC elements per thread as the forward).
+// dres += dout; dh = gate_b[c]·dout, written (elementwise, VEC elements per thread as the forward).
 // AMAX: *dh_amax = max(*dh_amax, max |dh|) of the values stored.
 template <bool AMAX>
 __global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, float *dh_amax, const bf16 *dout, const bf16 *gate,
@@ -51,8 +51,7 @@ __global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, float *dh_amax,
             for (int j = 0; j < VEC; j++) acc[j] += d[j];
             store_bf16x8(dres + i0, acc, count, vec);
         }
-        load_bf16x8(acc, dh + i0, count, vec);
-        for (int j = 0; j < VEC; j++) acc[j] += g[j] * d[j];
+        for (int j = 0; j < VEC; j++) acc[j] = g[j] * d[j];
         store_bf16x8(dh + i0, acc, count, vec);
         if (AMAX)
             for (int j = 0; j < count; j++) m = fmaxf(m, fabsf(bf16_rounded(acc[j])));

@@ -178,7 +178,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
@@ -190,9 +190,16 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     snprintf(name, sizeof name, "fp8 backward (%s) dbias M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_f32(d_db, OC), db, OC, TOL_F32, name);
 
+    // dinp_beta 0 writes dinp (poisoned first: NaN if it were read): the increment alone
+    CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
+    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+                                workspace_bytes, &ctx, 0, err));   // (d_dw is reset below)
+    snprintf(name, sizeof name, "fp8 backward (%s) dinp written (beta 0) M=%d IC=%d OC=%d", g, M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_dx, nx), dx_inc, nx, TOL_OUT, name);
+
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
@@ -291,14 +298,14 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
 
         CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
         CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-        OK(linear_backward_cuda(d_dx, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+        OK(linear_backward_cuda(d_dx, 1.0f, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
         float *dx_ref = download_bf16(d_dx, nx), *dw_ref = download_f32(d_dw, nw);
         for (int f = 0; f < 2; f++) {
             Fp8Format grad = f == 0 ? FP8_E5M2 : FP8_E4M3;
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
+            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
                                         workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
@@ -324,13 +331,13 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect(strstr(err, "workspace"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
                                           err), -1);
     cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need, NULL, 0, err), -1);
@@ -519,7 +526,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dx[k] = zeroed(nx * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
         db[k] = zeroed(OC * sizeof(float));
-        OK(linear_fp8_backward_cuda(dx[k], dw[k], db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
+        OK(linear_fp8_backward_cuda(dx[k], 1.0f, dw[k], db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
                                     k ? d_dy_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp with dout_amax");
