@@ -145,8 +145,8 @@ run() {
                     --linear fp8 --steps 11 --out $L/p > /dev/null 2>&1
                 awk -v what="$cfg $b" '{t += $1} /gelu_backward|dbias_partial|column_partials_finish/ {
                         k = $0; sub(/^[^ ]* [^ ]* (void )?/, "", k); sub(/\(.*/, "", k); s[k] += $1}
-                    END {line = what ":"; for (k in s) line = line sprintf(" %s %.3f", k, s[k] / 12e6);
-                         printf "%s | total %.3f\n", line, t / 12e6}' $O/k_${cfg}_$b.txt >> $S
+                    END {line = what ":"; for (k in s) line = line sprintf(" %s %.3f", k, s[k] / 11e6);
+                         printf "%s | total %.3f\n", line, t / 11e6}' $O/k_${cfg}_$b.txt >> $S
             done
         done
     fi
