@@ -5,7 +5,7 @@
 #   BIN=.devrun LOGS=/tmp/logs bash dev/gpu_suite.sh [tests|bench|all|multi]; tar czf $OUT/logs.tgz -C /tmp/logs .
 # (the device tool returns at most 8 files from $OUT: one archive of all the logs)
 set -euo pipefail
-make -j2 train_dit build/libditc.so $(ls test/test_*_cuda.c | sed 's#test/\(.*\)\.c#build/\1#')
+make -j2 train_dit build/libditc.so build/libditc.a
 NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
 FLAGS="-O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a"
 gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
@@ -22,10 +22,19 @@ CUDA_LINK="-lm -lpthread -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib6
 cc -O2 -std=c11 -Wall -Wextra -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA -I/usr/local/cuda/include \
     -o build/sanitize_attention dev/sanitize_attention.c build/libditc.a $CUDA_LINK
 rm -rf .devrun && mkdir -p .devrun .devlibs
-cp train_dit build/test_*_cuda build/sanitize_attention build/libsage_bench.so build/libflash_bench.so build/libkernel_times.so .devrun/
+cp train_dit build/sanitize_attention build/libsage_bench.so build/libflash_bench.so build/libkernel_times.so .devrun/
 cp build/libditc.so .devrun/libditc.so
-strip --strip-unneeded .devrun/*   # the device tool carries at most 64 MiB with the tree
-for b in build/test_*_cuda; do
+cp build/libditc.so .devrun/libditc.so.0   # its soname
+# The device tool carries at most 64 MiB with the tree: the GPU tests, each ~5 MB when linked
+# against libditc.a, are linked here against the one libditc.so beside them (rpath $ORIGIN).
+for t in test/test_*_cuda.c; do
+    name=$(basename "$t" .c)
+    cc -O2 -std=c11 -D_GNU_SOURCE -I. -fopenmp -DDIT_CUDA $([ -f /usr/local/cuda/include/nccl.h ] && echo -DDIT_NCCL) \
+        -I/usr/local/cuda/include -o .devrun/$name "$t" -L.devrun -l:libditc.so.0 -Wl,-rpath,'$ORIGIN' $CUDA_LINK \
+        -lcriterion
+done
+strip --strip-unneeded .devrun/*
+for b in .devrun/test_*_cuda; do
     cp -n $(ldd "$b" | awk '/criterion|git2|nanomsg|ffi|http_parser|mbed|ssh|pcre|gomp|krb5|k5crypto|com_err|keyutils|gssapi|crypto|libz/{print $3}') .devlibs/ 2>/dev/null || true
 done
 du -sh .devrun .devlibs
