@@ -147,6 +147,12 @@ int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);
 // d = GELU'(inp)·d in place (WRITTEN, not accumulated: the FP8 MLP's dGELU after its dinp GEMM).
 int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err);
+// The same on d (M, C), which is also the dout of a linear with a bias (the MLP's fc1): in the same
+// pass dbias (fp32, C) += Σ_m d of the bf16 values written, summed as linear_backward_cuda sums its
+// dbias (the same chunks of rows in the same order: bitwise its result), so that linear's backward
+// can skip its own dbias pass. Needs linear_backward_scratch_floats(M, C) of ctx->scratch.
+int gelu_backward_inplace_dbias_cuda(bf16 *d, const bf16 *inp, float *dbias, int M, int C, float *amax,
+                                     const LayersCuda *ctx, cudaStream_t stream, char *err);
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 int silu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);

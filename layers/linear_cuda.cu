@@ -43,10 +43,6 @@ int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err) {
     return 0;
 }
 
-// Row chunks of the bias gradient: cuda_common.cuh's column_splits of the M rows (one chunk, no
-// scratch, when M is small or OC wide enough to fill the GPU by itself).
-static int dbias_chunks(int M, int OC) { return column_splits(1, M, OC, 1, SIZE_MAX); }
-
 size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M, OC) * OC; }
 
 int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout_t layout_a, const void *b,

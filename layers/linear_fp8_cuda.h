@@ -84,10 +84,13 @@ int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float 
 // is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight, dbias
 // accumulate as in linear_fp8_backward_cuda (inp: the forward's saved copy of GELU(pre_gelu)).
 // dpre_amax: NULL, or a device float that the dGELU pass raises to max(*dpre_amax, max |dpre|).
+// dpre_dbias: NULL, or the bias gradient of the layer whose dout dpre is (the MLP's fc1): the dGELU
+// pass adds Σ_m dpre into it, bitwise as that layer's backward would (gelu_backward_inplace_dbias_cuda),
+// and that backward then takes dbias NULL.
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                                   float *dpre_amax, void *workspace, size_t workspace_bytes,
+                                   float *dpre_amax, float *dpre_dbias, void *workspace, size_t workspace_bytes,
                                    const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16

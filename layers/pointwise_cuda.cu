@@ -141,6 +141,41 @@ __global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, float *am
     if (AMAX) block_amax_update(amax, m);
 }
 
+// gelu_backward_inplace_kernel's work in dbias_partial_kernel's layout (layers/linear_cuda.cu): block
+// (column tile, chunk) computes d ∘= GELU'(inp) on the rows [chunk·chunk_rows, ...) of its columns
+// and sums the bf16 values it stores as dbias_partial_kernel would read and sum them (the same rows
+// per warp in the same order, then sum_over_warps): straight into dbias with one chunk, else into
+// partial[chunk·C + c] for column_partials_finish_kernel.
+template <bool AMAX>
+__global__ void gelu_backward_dbias_kernel(bf16 *d, const bf16 *inp, float *amax, float *dbias, float *partial,
+                                           int M, int C, int chunks, int chunk_rows, bool vec) {
+    __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int o = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - o);
+    int row_end = min(M, (int)(blockIdx.y + 1) * chunk_rows);
+    float sum[VEC] = {0}, most = 0.0f;
+    if (n > 0) {
+#pragma unroll 4
+        for (int m = blockIdx.y * chunk_rows + warp; m < row_end; m += COL_WARPS) {
+            size_t at = (size_t)m * C + o;
+            float x[VEC], v[VEC];
+            load_bf16x8(x, inp + at, n, vec);
+            load_bf16x8(v, d + at, n, vec);
+            for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(gelu_grad(x[j]) * v[j]);   // as stored
+            store_bf16x8(d + at, v, n, vec);
+            for (int j = 0; j < VEC; j++) sum[j] += v[j];
+            if (AMAX)
+                for (int j = 0; j < n; j++) most = fmaxf(most, fabsf(v[j]));
+        }
+    }
+    float total = sum_over_warps(sum, lanes);
+    if (AMAX) block_amax_update(amax, most);   // every thread of the block calls both
+    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
+    if (col >= C) return;
+    if (chunks == 1) dbias[col] += total;
+    else partial[(size_t)blockIdx.y * C + col] = total;
+}
+
 // SiLU(x) = x·σ(x).
 __global__ void silu_forward_kernel(bf16 *out, const bf16 *inp, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -267,6 +302,33 @@ int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
 
 int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err) {
     LAUNCH_VEC_AMAX(gelu_backward_inplace_kernel, d, inp, amax, n);
+}
+
+int gelu_backward_inplace_dbias_cuda(bf16 *d, const bf16 *inp, float *dbias, int M, int C, float *amax,
+                                     const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    const char *fn = "gelu_backward_inplace_dbias_cuda";
+    if (M <= 0 || C <= 0) {
+        dit_set_error(err, "%s: need positive M and C (M=%d C=%d)", fn, M, C);
+        return -1;
+    }
+    if (check_context(fn, ctx, err)) return -1;
+    if (linear_backward_scratch_floats(M, C) > ctx->scratch_floats) {
+        dit_set_error(err, "%s: M=%d C=%d needs %zu floats of scratch, the context has %zu", fn, M, C,
+                      linear_backward_scratch_floats(M, C), ctx->scratch_floats);
+        return -1;
+    }
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(d, 2), DEVICE_ARG(inp, 2), DEVICE_ARG(dbias, 4));
+    int chunks = dbias_chunks(M, C), chunk_rows = (M + chunks - 1) / chunks;
+    bool vec = C % VEC == 0 && aligned16(d) && aligned16(inp);
+    dim3 grid(blocks_for(C, COLS_PER_BLOCK), chunks);
+    (amax ? gelu_backward_dbias_kernel<true> : gelu_backward_dbias_kernel<false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
+        d, inp, amax, dbias, ctx->scratch, M, C, chunks, chunk_rows, vec);
+    LAUNCH_CHECK(err, "gelu_backward_dbias_kernel", "M=%d C=%d chunks=%d", M, C, chunks);
+    if (chunks == 1) return 0;
+    column_partials_finish_kernel<<<blocks_for(C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
+        dbias, NULL, ctx->scratch, 1, chunks, 1, C, C);
+    LAUNCH_CHECK(err, "column_partials_finish_kernel", "C=%d chunks=%d", C, chunks);
+    return 0;
 }
 
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {

@@ -1052,14 +1052,15 @@ static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, fl
 }
 
 // dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate; FP8: dpre_amax (or
-// NULL) gets max |dpre|
+// NULL) gets max |dpre|, and dpre_dbias (fc1's bias gradient) Σ_m dpre in the same pass (fc1's
+// backward then skips it: fc1_dbias)
 static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float *dbias, const bf16 *dout,
                                        const bf16 *inp, const Fp8Saved *saved, const bf16 *pre_gelu,
                                        const bf16 *weight, int M, int IC, int OC, const float *dout_amax,
-                                       float *dpre_amax, char *err) {
+                                       float *dpre_amax, float *dpre_dbias, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
-                                              FP8_GRAD_FORMAT, dout_amax, dpre_amax, m->fp8_workspace,
+                                              FP8_GRAD_FORMAT, dout_amax, dpre_amax, dpre_dbias, m->fp8_workspace,
                                               m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
                                       m->stream, err);
@@ -1232,11 +1233,14 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16)
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
                                          B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
+        // (FP8: fc1's bias gradient comes with the dGELU pass, which writes fc1's dout)
+        float *fc1_dbias = dw->fc1_b + (size_t)l * 4 * h;
+        int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
                                         g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
                                         w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
-                                        q8.dout_amax.fc1, err));
-        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
+                                        q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
+        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dbias_in_dgelu ? NULL : fc1_dbias,
                                   g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
                                   q8.dout_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,

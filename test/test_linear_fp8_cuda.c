@@ -13,7 +13,8 @@
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
 //   (dev/notes_linear_fp8.md: out 0.038, dinp/dW 0.059 with e5m2 gradients, 0.038 with e4m3);
 // - fc2 reading GELU(pre_gelu) recomputed by its quantization against a stored GELU output:
-//   bitwise the same out, saved inpᵀ and scale;
+//   bitwise the same out, saved inpᵀ and scale; fc1's dbias taken in the dGELU pass against a
+//   separate dbias pass: bitwise the same;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
 #include <criterion/criterion.h>
@@ -228,7 +229,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
     OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
-                                      grad_format, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+                                      grad_format, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
     dw = download_f32(d_dw, nw);
@@ -342,7 +343,7 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, ws,
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0,
@@ -557,8 +558,8 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dpre[k] = poisoned(ny * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
         OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], NULL, d_dy2, &s_act, pre[0], d_w2, M, OC, IC, FP8_E4M3,
-                                          k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, workspace, workspace_bytes,
-                                          &ctx, 0, err));
+                                          k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, NULL, workspace,
+                                          workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dpre[1], dpre[0], ny * sizeof(bf16), "dGELU backward's dpre with amax");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dGELU backward's dweight with dout_amax");
@@ -597,5 +598,35 @@ Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
         expect_same_bytes(s.qt, s_ref.qt, (size_t)IC * fp8_padded_rows(M), what);
         snprintf(what, sizeof what, "gelu input, %s: saved scale", how);
         expect_same_bytes(s.scale, s_ref.scale, sizeof(float), what);
+    }
+}
+
+// ---- fc1's bias gradient in the dGELU pass (gelu_backward_inplace_dbias_cuda) ------------------
+// The same d, amax and dbias bytes as gelu_backward_inplace_cuda followed by a linear backward's own
+// dbias pass over d (linear_backward_cuda with dinp NULL), dbias starting from the same random
+// values: at C with partial vectors (100), at one chunk of rows and at many (M = 16384, C = 512).
+Test(linear_fp8, dgelu_dbias_gives_the_bytes_of_a_separate_dbias) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 47);
+    const int shapes[][2] = {{111, 100}, {97, 2048}, {16384, 512}};
+    for (int s = 0; s < 3; s++) {
+        int M = shapes[s][0], C = shapes[s][1], IC = 16;
+        size_t n = (size_t)M * C;
+        float *pre = randn_bf16(&rng, n, 2.0f), *d = randn_bf16(&rng, n, 1.0f), *db0 = randn_bf16(&rng, C, 1.0f);
+        bf16 *d_pre = upload_bf16(pre, n), *d_ref = upload_bf16(d, n), *d_new = upload_bf16(d, n);
+        float *db_ref = upload_f32(db0, C), *db_new = upload_f32(db0, C), *amax_ref = zeroed_amax();
+        float *amax_new = zeroed_amax(), *dw_unused = zeroed((size_t)C * IC * sizeof(float));
+        bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
+        OK(gelu_backward_inplace_cuda(d_ref, d_pre, n, amax_ref, 0, err));
+        OK(linear_backward_cuda(NULL, dw_unused, db_ref, d_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(gelu_backward_inplace_dbias_cuda(d_new, d_pre, db_new, M, C, amax_new, &ctx, 0, err));
+        char what[96];
+        snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: d", M, C);
+        expect_same_bytes(d_new, d_ref, n * sizeof(bf16), what);
+        snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: dbias", M, C);
+        expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
+        snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: amax", M, C);
+        expect_same_bytes(amax_new, amax_ref, sizeof(float), what);
     }
 }
