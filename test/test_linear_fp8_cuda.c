@@ -619,7 +619,7 @@ Test(linear_fp8, dgelu_dbias_gives_the_bytes_of_a_separate_dbias) {
         float *amax_new = zeroed_amax(), *dw_unused = zeroed((size_t)C * IC * sizeof(float));
         bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
         OK(gelu_backward_inplace_cuda(d_ref, d_pre, n, amax_ref, 0, err));
-        OK(linear_backward_cuda(NULL, dw_unused, db_ref, d_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, db_ref, d_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
         OK(gelu_backward_inplace_dbias_cuda(d_new, d_pre, db_new, M, C, amax_new, &ctx, 0, err));
         char what[96];
         snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: d", M, C);
