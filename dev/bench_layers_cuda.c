@@ -94,7 +94,7 @@ static void op_gres_forward(Case *cs) {
 }
 static void op_gres_backward(Case *cs) {
     OK(gated_residual_backward_cuda(NULL, cs->dx, cs->dmod + 2 * cs->c->h, cs->dy, cs->x, cs->mod + 2 * cs->c->h, BTC(cs),
-                                    6 * cs->c->h, NULL, &ctx, 0, err));
+                                    6 * cs->c->h, NULL, NULL, &ctx, 0, err));
 }
 static void op_split_forward(Case *cs) { OK(split_heads_forward_cuda(cs->q, cs->k, cs->v, cs->qkv, HEADS(cs), 0, err)); }
 static void op_split_backward(Case *cs) { OK(split_heads_backward_cuda(cs->qkv, cs->q, cs->k, cs->v, HEADS(cs), 0, err)); }

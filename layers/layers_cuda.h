@@ -134,10 +134,13 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
 // dres (bf16, may be NULL) += dout; dh (bf16) = gate·dout, WRITTEN (not added: in a DiT block h
 // has no other consumer; the CPU's gated_residual_backward into a zeroed dh); dgate_b (fp32) +=
 // Σ_t dout·h (token sums split as in layernorm_modulate_backward_cuda, partials in ctx->scratch).
-// dres must not alias dout. dh_amax: NULL, or raised to max |dh| (as out_amax above).
+// dres must not alias dout. dh_amax: NULL, or raised to max |dh| (as out_amax above). dh_dbias:
+// NULL, or the bias gradient of the linear whose dout dh is (the block's proj and fc2): += Σ over
+// the B·T rows of dh, in the same pass and bitwise as that linear's backward would add it (which
+// then takes dbias NULL); needs linear_backward_scratch_floats(B·T, C) of ctx->scratch.
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride, float *dh_amax,
+                                 int B, int T, int C, int mod_stride, float *dh_amax, float *dh_dbias,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // ---- pointwise (bf16 in and out, fp32 math) -----------------------------------------------

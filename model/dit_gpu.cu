@@ -1230,13 +1230,14 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         // dout of sequence parallelism, into which merge_heads_backward adds
         if (!attention_merged(m)) TRY(zero_range(m, g->att, g->att + blk, err));
 
-        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16)
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16).
+        // The bias gradients come with the passes that write the douts: fc2's with the gated residual's,
+        // fc1's (FP8) with the dGELU; the linears' backwards then take dbias NULL.
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
-                                         B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
-        // (FP8: fc1's bias gradient comes with the dGELU pass, which writes fc1's dout)
+                                         B, T, h, stride, q8.dout_amax.fc2, dw->fc2_b + (size_t)l * h, ctx, s, err));
         float *fc1_dbias = dw->fc1_b + (size_t)l * 4 * h;
         int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
-        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
+        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, NULL,
                                         g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
                                         w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
                                         q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
@@ -1249,8 +1250,9 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
 
         // x_mid = x + gate_msa·proj(attention(...))
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
-                                         B, T, h, stride, q8.dout_amax.proj, ctx, s, err));
-        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
+                                         B, T, h, stride, q8.dout_amax.proj, dw->proj_b + (size_t)l * h, ctx, s,
+                                         err));
+        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, NULL,
                                   g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
                                   q8.dout_amax.proj, err));
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split

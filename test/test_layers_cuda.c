@@ -255,7 +255,7 @@ static void check_gated_residual(int B, int T, int C, uint64_t seed) {
     bf16 *d_dres = upload_bf16(dres0, n), *d_dh = poisoned(n * sizeof(bf16));
     float *d_dmod = upload_f32(dmod0, nmod);
     OK(gated_residual_backward_cuda(d_dres, d_dh, d_dmod + 4 * C, upload_bf16(dy, n), d_h, d_mod + 4 * C,
-                                    B, T, C, mod_stride, NULL, &ctx, 0, err));
+                                    B, T, C, mod_stride, NULL, NULL, &ctx, 0, err));
     snprintf(name, sizeof name, "gated_residual backward dres B=%d T=%d C=%d", B, T, C);
     EXPECT_CLOSE(download_bf16(d_dres, n), dres, n, TOL_BF16, name);
     snprintf(name, sizeof name, "gated_residual backward dh B=%d T=%d C=%d", B, T, C);
@@ -596,7 +596,7 @@ Test(cuda, token_reductions_are_deterministic) {
         OK(layernorm_modulate_backward_cuda(d_dx, d_dmod, d_dmod + C, d_dy, d_x, d_mean, d_rstd, d_mod + C,
                                             B, T, C, mod_stride, &ctx, 0, err));
         OK(gated_residual_backward_cuda(NULL, d_dh, d_dmod + 2 * C, d_dy, d_ln, d_mod + 2 * C, B, T, C, mod_stride, NULL,
-                                        &ctx, 0, err));
+                                        NULL, &ctx, 0, err));
         float *dmod = download_f32(d_dmod, nmod), *dx = download_bf16(d_dx, n), *dh = download_bf16(d_dh, n);
         if (run == 0) {
             first_dmod = dmod;

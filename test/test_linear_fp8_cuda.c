@@ -13,8 +13,8 @@
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
 //   (dev/notes_linear_fp8.md: out 0.038, dinp/dW 0.059 with e5m2 gradients, 0.038 with e4m3);
 // - fc2 reading GELU(pre_gelu) recomputed by its quantization against a stored GELU output:
-//   bitwise the same out, saved inpᵀ and scale; fc1's dbias taken in the dGELU pass against a
-//   separate dbias pass: bitwise the same;
+//   bitwise the same out, saved inpᵀ and scale; a bias gradient taken in the pass that writes the
+//   dout (the dGELU's, the gated residual's dh) against a separate dbias pass: bitwise the same;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
 #include <criterion/criterion.h>
@@ -461,8 +461,8 @@ Test(linear_fp8, gated_residual_backward_takes_the_amax_of_dh) {
         bf16 *d_dy = upload_bf16(dy, n), *d_h = upload_bf16(h, n), *d_gate = upload_bf16(gate, (size_t)B * stride);
         bf16 *ref = zeroed(n * sizeof(bf16)), *out = zeroed(n * sizeof(bf16));
         float *dgate = zeroed(2 * (size_t)B * stride * sizeof(float)), *amax = zeroed_amax();
-        OK(gated_residual_backward_cuda(NULL, ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, NULL, &ctx, 0, err));
-        OK(gated_residual_backward_cuda(NULL, out, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride, amax, &ctx,
+        OK(gated_residual_backward_cuda(NULL, ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, NULL, NULL, &ctx, 0, err));
+        OK(gated_residual_backward_cuda(NULL, out, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride, amax, NULL, &ctx,
                                         0, err));
         expect_same_bytes(out, ref, n * sizeof(bf16), "gated_residual_backward_cuda dh with amax");
         expect_same_bytes(dgate + B * stride, dgate, (size_t)B * stride * sizeof(float), "dgate with amax");
@@ -627,6 +627,46 @@ Test(linear_fp8, dgelu_dbias_gives_the_bytes_of_a_separate_dbias) {
         snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: dbias", M, C);
         expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
         snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: amax", M, C);
+        expect_same_bytes(amax_new, amax_ref, sizeof(float), what);
+    }
+}
+
+// The gated residual's dh with the next linear's bias gradient (gated_residual_backward_cuda's
+// dh_dbias): the same dh, dres, dgate, amax and dbias bytes as without it followed by a linear
+// backward's own dbias pass over dh; B = 3 samples with their own gates, C = 100 (partial vectors)
+// and 2048, and 16384 rows (many chunks).
+Test(linear_fp8, gated_dbias_gives_the_bytes_of_a_separate_dbias) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 48);
+    const int shapes[][3] = {{3, 37, 100}, {3, 37, 2048}, {2, 8192, 512}};
+    for (int s = 0; s < 3; s++) {
+        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], stride = 6 * C, M = B * T, IC = 16;
+        size_t n = (size_t)M * C;
+        float *dy = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f), *res = randn_bf16(&rng, n, 1.0f);
+        float *gate = randn_bf16(&rng, (size_t)B * stride, 0.5f), *db0 = randn_bf16(&rng, C, 1.0f);
+        bf16 *d_dy = upload_bf16(dy, n), *d_h = upload_bf16(h, n), *d_gate = upload_bf16(gate, (size_t)B * stride);
+        bf16 *res_ref = upload_bf16(res, n), *res_new = upload_bf16(res, n);
+        bf16 *dh_ref = poisoned(n * sizeof(bf16)), *dh_new = poisoned(n * sizeof(bf16));
+        float *dgate = zeroed(2 * (size_t)B * stride * sizeof(float)), *amax_ref = zeroed_amax();
+        float *amax_new = zeroed_amax(), *db_ref = upload_f32(db0, C), *db_new = upload_f32(db0, C);
+        float *dw_unused = zeroed((size_t)C * IC * sizeof(float));
+        bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
+        OK(gated_residual_backward_cuda(res_ref, dh_ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, amax_ref, NULL,
+                                        &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, db_ref, dh_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(gated_residual_backward_cuda(res_new, dh_new, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride,
+                                        amax_new, db_new, &ctx, 0, err));
+        char what[96];
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dh", B, T, C);
+        expect_same_bytes(dh_new, dh_ref, n * sizeof(bf16), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dres", B, T, C);
+        expect_same_bytes(res_new, res_ref, n * sizeof(bf16), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dgate", B, T, C);
+        expect_same_bytes(dgate + B * stride, dgate, (size_t)B * stride * sizeof(float), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dbias", B, T, C);
+        expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: amax", B, T, C);
         expect_same_bytes(amax_new, amax_ref, sizeof(float), what);
     }
 }
