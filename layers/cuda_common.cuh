@@ -232,6 +232,11 @@ static __global__ void column_partials_finish_kernel(float *out0, float *out1, c
     if (sums == 2) out1[(size_t)b * stride + c] += sum1;
 }
 
+// Row chunks of a bias gradient: column_splits of the M rows (one chunk, no scratch, when M is small
+// or OC wide enough to fill the GPU by itself). linear_dbias_accumulate and
+// gelu_backward_inplace_dbias_cuda sum over the same chunks in the same order.
+static inline int dbias_chunks(int M, int OC) { return column_splits(1, M, OC, 1, SIZE_MAX); }
+
 // dbias (OC) += Σ_m dout (M, OC) in a fixed order (layers/linear_cuda.cu; the bf16 and FP8 linear
 // backward share it). Needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
 int linear_dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,

@@ -94,9 +94,11 @@ int linear_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf
 int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
                              const bf16 *bias, int M, int IC, int OC,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
-// dinp (bf16) += dout·weight; dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout.
-// dinp, dweight and dbias may each be NULL. dbias needs linear_backward_scratch_floats(M, OC) of scratch.
-int linear_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+// dinp (bf16) = dinp_beta·dinp + dout·weight (1: accumulate, the CPU spec's +=; 0: write, dinp's
+// old values unread, for a dinp with no other contribution); dweight (fp32) += doutᵀ·inp; dbias
+// (fp32) += Σ_m dout. dinp, dweight and dbias may each be NULL. dbias needs
+// linear_backward_scratch_floats(M, OC) of scratch.
+int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
                          const bf16 *dout, const bf16 *inp, const bf16 *weight,
                          int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's second layer, whose input is GELU(pre_gelu): dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
@@ -129,12 +131,16 @@ int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
 // ---- gated residual: out = res + gate_b·h ------------------------------------------------
 int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const bf16 *gate,
                                 int B, int T, int C, int mod_stride, cudaStream_t stream, char *err);
-// dres (bf16, may be NULL) += dout; dh (bf16) += gate·dout; dgate_b (fp32) += Σ_t dout·h (token
-// sums split as in layernorm_modulate_backward_cuda, partials in ctx->scratch). dres must not
-// alias dout. dh_amax: NULL, or raised to max |dh| (as out_amax above).
+// dres (bf16, may be NULL) += dout; dh (bf16) = gate·dout, WRITTEN (not added: in a DiT block h
+// has no other consumer; the CPU's gated_residual_backward into a zeroed dh); dgate_b (fp32) +=
+// Σ_t dout·h (token sums split as in layernorm_modulate_backward_cuda, partials in ctx->scratch).
+// dres must not alias dout. dh_amax: NULL, or raised to max |dh| (as out_amax above). dh_dbias:
+// NULL, or the bias gradient of the linear whose dout dh is (the block's proj and fc2): += Σ over
+// the B·T rows of dh, in the same pass and bitwise as that linear's backward would add it (which
+// then takes dbias NULL); needs linear_backward_scratch_floats(B·T, C) of ctx->scratch.
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride, float *dh_amax,
+                                 int B, int T, int C, int mod_stride, float *dh_amax, float *dh_dbias,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // ---- pointwise (bf16 in and out, fp32 math) -----------------------------------------------
@@ -144,6 +150,12 @@ int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);
 // d = GELU'(inp)·d in place (WRITTEN, not accumulated: the FP8 MLP's dGELU after its dinp GEMM).
 int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err);
+// The same on d (M, C), which is also the dout of a linear with a bias (the MLP's fc1): in the same
+// pass dbias (fp32, C) += Σ_m d of the bf16 values written, summed as linear_backward_cuda sums its
+// dbias (the same chunks of rows in the same order: bitwise its result), so that linear's backward
+// can skip its own dbias pass. Needs linear_backward_scratch_floats(M, C) of ctx->scratch.
+int gelu_backward_inplace_dbias_cuda(bf16 *d, const bf16 *inp, float *dbias, int M, int C, float *amax,
+                                     const LayersCuda *ctx, cudaStream_t stream, char *err);
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err);
 int silu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
                        cudaStream_t stream, char *err);

@@ -43,10 +43,6 @@ int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err) {
     return 0;
 }
 
-// Row chunks of the bias gradient: cuda_common.cuh's column_splits of the M rows (one chunk, no
-// scratch, when M is small or OC wide enough to fill the GPU by itself).
-static int dbias_chunks(int M, int OC) { return column_splits(1, M, OC, 1, SIZE_MAX); }
-
 size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M, OC) * OC; }
 
 int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout_t layout_a, const void *b,
@@ -223,15 +219,15 @@ static int weight_bias_backward(float *dweight, float *dbias, const bf16 *dout, 
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
-int linear_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
                          const bf16 *dout, const bf16 *inp, const bf16 *weight,
                          int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     if (check_sizes("linear_backward_cuda", M, IC, OC, err)) return -1;
     if (dinp) {
-        // dinp (M, IC) += dout·weight (beta = 1 accumulates into the bf16 gradient)
+        // dinp (M, IC) = dinp_beta·dinp + dout·weight (beta 1 accumulates into the bf16 gradient)
         char what[128];
         snprintf(what, sizeof what, "linear backward dinp M=%d IC=%d OC=%d", M, IC, OC);
-        if (matmul(dinp, CUDA_R_16BF, weight, dout, IC, M, OC, false, false, 1.0f,
+        if (matmul(dinp, CUDA_R_16BF, weight, dout, IC, M, OC, false, false, dinp_beta,
                    CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
     }
     return weight_bias_backward(dweight, dbias, dout, inp, M, IC, OC, ctx, stream, err);

@@ -347,22 +347,25 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
-int linear_fp8_backward_cuda(bf16 *dinp, float *dweight, float *dbias,
+int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return backward("linear_fp8_backward_cuda", dinp, 1.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
+    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dbias, dout, inp, weight, M, IC, OC,
                     grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                                   float *dpre_amax, void *workspace, size_t workspace_bytes,
+                                   float *dpre_amax, float *dpre_dbias, void *workspace, size_t workspace_bytes,
                                    const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (and its amax)
+    // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (its amax, and the
+    // next layer's dbias in the same pass when asked)
     if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
                  grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
+    if (dpre_dbias)
+        return gelu_backward_inplace_dbias_cuda(dpre, pre_gelu, dpre_dbias, M, IC, dpre_amax, ctx, stream, err);
     return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, dpre_amax, stream, err);
 }

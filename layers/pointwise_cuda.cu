@@ -34,7 +34,7 @@ __global__ void gated_residual_forward_kernel(bf16 *out, const bf16 *res, const 
     store_bf16x8(out + i0, r, count, vec);
 }
 
-// dres += dout; dh += gate_b[c]·dout (elementwise, VEC elements per thread as the forward).
+// dres += dout; dh = gate_b[c]·dout, written (elementwise, VEC elements per thread as the forward).
 // AMAX: *dh_amax = max(*dh_amax, max |dh|) of the values stored.
 template <bool AMAX>
 __global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, float *dh_amax, const bf16 *dout, const bf16 *gate,
@@ -51,8 +51,7 @@ __global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, float *dh_amax,
             for (int j = 0; j < VEC; j++) acc[j] += d[j];
             store_bf16x8(dres + i0, acc, count, vec);
         }
-        load_bf16x8(acc, dh + i0, count, vec);
-        for (int j = 0; j < VEC; j++) acc[j] += g[j] * d[j];
+        for (int j = 0; j < VEC; j++) acc[j] = g[j] * d[j];
         store_bf16x8(dh + i0, acc, count, vec);
         if (AMAX)
             for (int j = 0; j < count; j++) m = fmaxf(m, fabsf(bf16_rounded(acc[j])));
@@ -142,6 +141,88 @@ __global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, float *am
     if (AMAX) block_amax_update(amax, m);
 }
 
+// The element-wise backward passes whose result is also the dout of a linear with a bias, in
+// dbias_partial_kernel's layout (layers/linear_cuda.cu): block (column tile, chunk of rows) computes
+// its elements on the rows [chunk·chunk_rows, ...) and sums the bf16 values it stores as
+// dbias_partial_kernel would read and sum them (the same rows per warp in the same order, then
+// sum_over_warps), so the bias gradient has the bits of a separate pass: straight into dbias with
+// one chunk, else into partial[chunk·C + c] for column_partials_finish_kernel.
+//   ROWS_DGELU: out ∘= GELU'(a) in place (out: the dGELU's d, a: the pre-activation);
+//   ROWS_GATE:  out = gate_b·a (a: the gated residual's dout, b = row / T; gate_b at
+//               b·mod_stride), and res += a when res is given.
+// AMAX: *amax = max(*amax, max |out|) of the values stored.
+enum { ROWS_DGELU, ROWS_GATE };
+template <int OP, bool AMAX>
+__global__ void rows_dbias_kernel(bf16 *out, bf16 *res, const bf16 *a, const bf16 *gate, float *amax, float *dbias,
+                                  float *partial, int M, int C, int T, int mod_stride, int chunks, int chunk_rows,
+                                  bool vec, bool gate_vec) {
+    __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int o = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - o);
+    int row_end = min(M, (int)(blockIdx.y + 1) * chunk_rows);
+    float sum[VEC] = {0}, most = 0.0f;
+    if (n > 0) {
+#pragma unroll 4
+        for (int m = blockIdx.y * chunk_rows + warp; m < row_end; m += COL_WARPS) {
+            size_t at = (size_t)m * C + o;
+            float x[VEC], v[VEC];
+            load_bf16x8(x, a + at, n, vec);
+            if (OP == ROWS_DGELU) {
+                load_bf16x8(v, out + at, n, vec);
+                for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(gelu_grad(x[j]) * v[j]);   // as stored
+            } else {
+                float g[VEC];
+                load_bf16x8(g, gate + (size_t)(m / T) * mod_stride + o, n, gate_vec);
+                for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(g[j] * x[j]);
+                if (res) {
+                    float r[VEC];
+                    load_bf16x8(r, res + at, n, vec);
+                    for (int j = 0; j < VEC; j++) r[j] += x[j];
+                    store_bf16x8(res + at, r, n, vec);
+                }
+            }
+            store_bf16x8(out + at, v, n, vec);
+            for (int j = 0; j < VEC; j++) sum[j] += v[j];
+            if (AMAX)
+                for (int j = 0; j < n; j++) most = fmaxf(most, fabsf(v[j]));
+        }
+    }
+    float total = sum_over_warps(sum, lanes);
+    if (AMAX) block_amax_update(amax, most);   // every thread of the block calls both
+    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
+    if (col >= C) return;
+    if (chunks == 1) dbias[col] += total;
+    else partial[(size_t)blockIdx.y * C + col] = total;
+}
+
+// rows_dbias_kernel over (M, C) with its bias-gradient pass (column_partials_finish_kernel when
+// the rows are split); ctx->scratch holds the partial sums (the caller checks its size).
+template <int OP>
+static int launch_rows_dbias(const char *fn, bf16 *out, bf16 *res, const bf16 *a, const bf16 *gate, float *amax,
+                             float *dbias, int M, int C, int T, int mod_stride, bool vec, bool gate_vec,
+                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    int chunks = dbias_chunks(M, C), chunk_rows = (M + chunks - 1) / chunks;
+    dim3 grid(blocks_for(C, COLS_PER_BLOCK), chunks);
+    (amax ? rows_dbias_kernel<OP, true> : rows_dbias_kernel<OP, false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
+        out, res, a, gate, amax, dbias, ctx->scratch, M, C, T, mod_stride, chunks, chunk_rows, vec, gate_vec);
+    LAUNCH_CHECK(err, "rows_dbias_kernel", "%s: M=%d C=%d chunks=%d", fn, M, C, chunks);
+    if (chunks == 1) return 0;
+    column_partials_finish_kernel<<<blocks_for(C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
+        dbias, NULL, ctx->scratch, 1, chunks, 1, C, C);
+    LAUNCH_CHECK(err, "column_partials_finish_kernel", "%s: C=%d chunks=%d", fn, C, chunks);
+    return 0;
+}
+
+// 0, or -1 unless ctx's scratch holds the partial sums of a bias gradient of (M, C).
+static int check_dbias_scratch(const char *fn, int M, int C, const LayersCuda *ctx, char *err) {
+    if (linear_backward_scratch_floats(M, C) > ctx->scratch_floats) {
+        dit_set_error(err, "%s: the bias gradient of M=%d C=%d needs %zu floats of scratch, the context has %zu",
+                      fn, M, C, linear_backward_scratch_floats(M, C), ctx->scratch_floats);
+        return -1;
+    }
+    return 0;
+}
+
 // SiLU(x) = x·σ(x).
 __global__ void silu_forward_kernel(bf16 *out, const bf16 *inp, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -210,11 +291,11 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
 
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
-                                 int B, int T, int C, int mod_stride, float *dh_amax,
+                                 int B, int T, int C, int mod_stride, float *dh_amax, float *dh_dbias,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    if (check_btc("gated_residual_backward_cuda", B, T, C, mod_stride, err) ||
-        check_product("gated_residual_backward_cuda", "grid.y B", B, 1, 65535, err) ||
-        check_context("gated_residual_backward_cuda", ctx, err)) return -1;
+    const char *fn = "gated_residual_backward_cuda";
+    if (check_btc(fn, B, T, C, mod_stride, err) || check_product(fn, "grid.y B", B, 1, 65535, err) ||
+        check_context(fn, ctx, err) || (dh_dbias && check_dbias_scratch(fn, B * T, C, ctx, err))) return -1;
     size_t n = (size_t)B * T * C;
     bool vec = C % VEC == 0 && aligned16(dout) && aligned16(h);
     int splits = column_splits(B, T, C, 1, ctx->scratch_floats), split_rows = (T + splits - 1) / splits;
@@ -227,6 +308,11 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
         column_partials_finish_kernel<<<blocks_for((size_t)B * C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
             dgate, NULL, partial, B, splits, 1, C, mod_stride);
         LAUNCH_CHECK(err, "column_partials_finish_kernel", "B=%d C=%d splits=%d", B, C, splits);
+    }
+    if (dh_dbias) {   // dh with the next linear's bias gradient, in dbias_partial_kernel's layout
+        bool rows_vec = vec && aligned16(dh) && (!dres || aligned16(dres));
+        return launch_rows_dbias<ROWS_GATE>(fn, dh, dres, dout, gate, dh_amax, dh_dbias, B * T, C, T, mod_stride,
+                                            rows_vec, mod_stride % VEC == 0 && aligned16(gate), ctx, stream, err);
     }
     vec = vec && mod_stride % VEC == 0 && aligned16(dh) && aligned16(gate) && (!dres || aligned16(dres));
     auto dinp_kernel = dh_amax ? gated_residual_dinp_kernel<true> : gated_residual_dinp_kernel<false>;
@@ -268,6 +354,20 @@ int gelu_backward_cuda(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n,
 
 int gelu_backward_inplace_cuda(bf16 *d, const bf16 *inp, size_t n, float *amax, cudaStream_t stream, char *err) {
     LAUNCH_VEC_AMAX(gelu_backward_inplace_kernel, d, inp, amax, n);
+}
+
+int gelu_backward_inplace_dbias_cuda(bf16 *d, const bf16 *inp, float *dbias, int M, int C, float *amax,
+                                     const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    const char *fn = "gelu_backward_inplace_dbias_cuda";
+    if (M <= 0 || C <= 0) {
+        dit_set_error(err, "%s: need positive M and C (M=%d C=%d)", fn, M, C);
+        return -1;
+    }
+    if (check_context(fn, ctx, err) || check_dbias_scratch(fn, M, C, ctx, err)) return -1;
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(d, 2), DEVICE_ARG(inp, 2), DEVICE_ARG(dbias, 4));
+    bool vec = C % VEC == 0 && aligned16(d) && aligned16(inp);
+    return launch_rows_dbias<ROWS_DGELU>(fn, d, NULL, inp, NULL, amax, dbias, M, C, 1, 0, vec, false, ctx, stream,
+                                         err);
 }
 
 int silu_forward_cuda(bf16 *out, const bf16 *inp, size_t n, cudaStream_t stream, char *err) {

@@ -123,8 +123,8 @@ static size_t activation_layout(DitGpu *m, char *base) {
     TAKE(ar, g->final_ada_bf16, B * 2 * h); TAKE(ar, g->ada_bf16, B * L * 6 * h);
     TAKE(ar, g->fc2, BT * h); TAKE(ar, g->ln2, BT * h); TAKE(ar, g->proj, BT * h);
     TAKE(ar, g->att_merged, BT * h);
-    // head-major dout, sequence parallel only; inside the range zeroed before each block's backward
-    // (fc2 .. ln1: merge_heads_backward accumulates into it)
+    // head-major dout, sequence parallel only (zeroed before each block's backward:
+    // merge_heads_backward adds into it)
     if (!attention_merged(m)) TAKE(ar, g->att, BT * h);
     TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
@@ -1038,27 +1038,29 @@ static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf1
     return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, err);
 }
 
-// dinp += dout·weight; dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
+// dinp = dout·weight (written: a block linear's input gradient has no other contribution);
+// dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
 // dout_amax: max |dout| from dout's producer, or NULL
 static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float *dbias, const bf16 *dout,
                                  const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M, int IC, int OC,
                                  const float *dout_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_backward_cuda(dinp, dweight, dbias, dout, saved, weight, M, IC, OC, FP8_GRAD_FORMAT,
+        return linear_fp8_backward_cuda(dinp, 0.0f, dweight, dbias, dout, saved, weight, M, IC, OC, FP8_GRAD_FORMAT,
                                         dout_amax, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream,
                                         err);
-    return linear_backward_cuda(dinp, dweight, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
+    return linear_backward_cuda(dinp, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
 }
 
 // dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate; FP8: dpre_amax (or
-// NULL) gets max |dpre|
+// NULL) gets max |dpre|, and dpre_dbias (fc1's bias gradient) Σ_m dpre in the same pass (fc1's
+// backward then skips it: fc1_dbias)
 static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float *dbias, const bf16 *dout,
                                        const bf16 *inp, const Fp8Saved *saved, const bf16 *pre_gelu,
                                        const bf16 *weight, int M, int IC, int OC, const float *dout_amax,
-                                       float *dpre_amax, char *err) {
+                                       float *dpre_amax, float *dpre_dbias, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
-                                              FP8_GRAD_FORMAT, dout_amax, dpre_amax, m->fp8_workspace,
+                                              FP8_GRAD_FORMAT, dout_amax, dpre_amax, dpre_dbias, m->fp8_workspace,
                                               m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
                                       m->stream, err);
@@ -1206,11 +1208,12 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     } else {
         TRY(unpatchify_backward_cuda(g->out_tokens, g->out, B, c->channels, c->image_size, c->patch, s, err));
     }
-    TRY(linear_backward_cuda(g->lnf, dw->final_w, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h, P, ctx, s, err));
+    TRY(linear_backward_cuda(g->lnf, 1.0f, dw->final_w, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h, P,
+                             ctx, s, err));
     TRY(layernorm_modulate_backward_cuda(g->residual, g->final_ada, g->final_ada + h, g->lnf, a->residual + L * blk,
                                          a->lnf_mean, a->lnf_rstd, a->final_ada + h, B, T, h, 2 * h, ctx, s, err));
     TRY(cast_float_to_bf16_cuda(g->final_ada_bf16, g->final_ada, (size_t)B * 2 * h, s, err));
-    TRY(linear_backward_cuda(g->c_silu, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
+    TRY(linear_backward_cuda(g->c_silu, 1.0f, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
                              w->final_ada_w, B, h, 2 * h, ctx, s, err));
 
     TRY(zero_fp8_amax(m, 1, err));
@@ -1223,16 +1226,22 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
         // FP8: the inputs the forward quantized, and the douts' amax (from the kernels writing them)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
-        TRY(zero_range(m, g->fc2, g->ln1 + blk, err));
+        // every activation gradient of the block is written by its one producer, except the head-major
+        // dout of sequence parallelism, into which merge_heads_backward adds
+        if (!attention_merged(m)) TRY(zero_range(m, g->att, g->att + blk, err));
 
-        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16)
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16).
+        // The bias gradients come with the passes that write the douts: fc2's with the gated residual's,
+        // fc1's (FP8) with the dGELU; the linears' backwards then take dbias NULL.
         TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
-                                         B, T, h, stride, q8.dout_amax.fc2, ctx, s, err));
-        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, dw->fc2_b + (size_t)l * h,
+                                         B, T, h, stride, q8.dout_amax.fc2, dw->fc2_b + (size_t)l * h, ctx, s, err));
+        float *fc1_dbias = dw->fc1_b + (size_t)l * 4 * h;
+        int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
+        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, NULL,
                                         g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
                                         w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
-                                        q8.dout_amax.fc1, err));
-        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dw->fc1_b + (size_t)l * 4 * h,
+                                        q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
+        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dbias_in_dgelu ? NULL : fc1_dbias,
                                   g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
                                   q8.dout_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
@@ -1241,8 +1250,9 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
 
         // x_mid = x + gate_msa·proj(attention(...))
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
-                                         B, T, h, stride, q8.dout_amax.proj, ctx, s, err));
-        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, dw->proj_b + (size_t)l * h,
+                                         B, T, h, stride, q8.dout_amax.proj, dw->proj_b + (size_t)l * h, ctx, s,
+                                         err));
+        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, NULL,
                                   g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
                                   q8.dout_amax.proj, err));
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split
@@ -1271,7 +1281,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         // stacked GEMM's rows l·6h .. (l + 1)·6h (dev/notes_sequence_parallel.md)
         if (m->sp.zero_overlap) {
             TRY(cast_float_to_bf16_rows_cuda(g->ada_bf16, dada, B, 6 * h, stride, s, err));
-            TRY(linear_backward_cuda(NULL, dw->ada_w + (size_t)l * 6 * h * h, dw->ada_b + (size_t)l * 6 * h,
+            TRY(linear_backward_cuda(NULL, 1.0f, dw->ada_w + (size_t)l * 6 * h * h, dw->ada_b + (size_t)l * 6 * h,
                                      g->ada_bf16, a->c_silu, NULL, B, h, 6 * h, ctx, s, err));
         }
         // block l's weight gradients are final: ZeRO-1 may reduce them now (model/zero.h)
@@ -1283,16 +1293,18 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     // c = t_emb + y_emb passes its gradient to both
     int stacked = !m->sp.zero_overlap;
     TRY(cast_float_to_bf16_cuda(g->ada_bf16, g->ada, (size_t)B * stride, s, err));
-    TRY(linear_backward_cuda(g->c_silu, stacked ? dw->ada_w : NULL, stacked ? dw->ada_b : NULL, g->ada_bf16,
+    TRY(linear_backward_cuda(g->c_silu, 1.0f, stacked ? dw->ada_w : NULL, stacked ? dw->ada_b : NULL, g->ada_bf16,
                              a->c_silu, w->ada_w, B, h, stride, ctx, s, err));
     TRY(silu_backward_cuda(g->c, a->c, g->c_silu, (size_t)B * h, s, err));
     TRY(embedding_backward_cuda(dw->y_table, g->c, a->labels, B, h, s, err));
-    TRY(linear_backward_cuda(g->t_h_silu, dw->t_w2, dw->t_b2, g->c, a->t_h_silu, w->t_w2, B, h, h, ctx, s, err));
+    TRY(linear_backward_cuda(g->t_h_silu, 1.0f, dw->t_w2, dw->t_b2, g->c, a->t_h_silu, w->t_w2, B, h, h, ctx, s, err));
     TRY(silu_backward_cuda(g->t_h, a->t_h, g->t_h_silu, (size_t)B * h, s, err));
-    TRY(linear_backward_cuda(NULL, dw->t_w1, dw->t_b1, g->t_h, a->t_freq, w->t_w1, B, TIMESTEP_FREQ_DIM, h, ctx, s, err));
+    TRY(linear_backward_cuda(NULL, 1.0f, dw->t_w1, dw->t_b1, g->t_h, a->t_freq, w->t_w1, B, TIMESTEP_FREQ_DIM, h,
+                             ctx, s, err));
 
     // patch embedding (the positions are fixed)
-    return linear_backward_cuda(NULL, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h, ctx, s, err);
+    return linear_backward_cuda(NULL, 1.0f, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h,
+                                ctx, s, err);
 }
 
 void dit_gpu_block_grad_ranges(const DitGpu *m, int first, int count, size_t *offsets, size_t *numels) {

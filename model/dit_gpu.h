@@ -109,9 +109,10 @@ typedef struct {
     bf16 *residual, *out_tokens, *lnf, *c_silu, *c, *t_h_silu, *t_h;
     float *final_ada, *ada;            // fp32 sums of dshift/dscale/dgate, (B, 2h), (B, depth·6h)
     bf16 *final_ada_bf16, *ada_bf16;   // their bf16 copies, the GEMMs' input
-    // one block: the accumulated ones (zeroed per block) are contiguous from fc2 to ln1
+    // one block, each written by its one producer (att: sequence parallel only, zeroed per block and
+    // accumulated into by merge_heads_backward)
     bf16 *fc2, *ln2, *proj, *att_merged, *att, *ln1;
-    bf16 *fc1, *qkv;                   // written, not accumulated
+    bf16 *fc1, *qkv;
     float *dq, *dk, *dv;               // (B, H, T, D) fp32 from the attention backward (dv: sequence parallel
                                        // only; without it dv goes as bf16 straight into qkv's v columns)
     void *att_workspace;               // the attention backward's workspace (Ulysses with head

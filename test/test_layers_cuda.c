@@ -98,13 +98,21 @@ static void check_linear(int M, int IC, int OC, uint64_t seed) {
     linear_backward(dx, dw, db, dy, x, w, M, IC, OC);
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_backward_cuda(d_dx, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    OK(linear_backward_cuda(d_dx, 1.0f, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
     snprintf(name, sizeof name, "linear backward dinp M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_BF16, name);
     snprintf(name, sizeof name, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_f32(d_dw, nw), dw, nw, TOL_GEMM_F32, name);
     snprintf(name, sizeof name, "linear backward dbias M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_f32(d_db, OC), db, OC, TOL_F32, name);
+
+    // dinp_beta 0 writes dinp: the CPU's into a zeroed dinp, the GPU's poisoned (NaN if it were read)
+    memset(dx, 0, nx * sizeof(float));
+    linear_backward(dx, dw, NULL, dy, x, w, M, IC, OC);   // (dweight: the CPU's needs one; unused here)
+    CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
+    OK(linear_backward_cuda(d_dx, 0.0f, NULL, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    snprintf(name, sizeof name, "linear backward dinp written (beta 0) M=%d IC=%d OC=%d", M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_BF16, name);
 }
 
 Test(cuda, linear_shapes) {
@@ -228,7 +236,7 @@ static void check_gated_residual(int B, int T, int C, uint64_t seed) {
     Rng rng;
     rng_seed(&rng, seed);
     float *res = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f), *mod = randn_bf16(&rng, nmod, 1.0f);
-    float *dy = randn_bf16(&rng, n, 1.0f), *dres0 = randn_bf16(&rng, n, 1.0f), *dh0 = randn_bf16(&rng, n, 1.0f);
+    float *dy = randn_bf16(&rng, n, 1.0f), *dres0 = randn_bf16(&rng, n, 1.0f);
     float *dmod0 = randn_bf16(&rng, nmod, 1.0f);
     const float *gate = mod + 4 * C;
     char name[128];
@@ -240,12 +248,14 @@ static void check_gated_residual(int B, int T, int C, uint64_t seed) {
     snprintf(name, sizeof name, "gated_residual forward B=%d T=%d C=%d", B, T, C);
     EXPECT_CLOSE(download_bf16(d_y, n), y, n, TOL_BF16, name);
 
-    float *dres = copy_floats(dres0, n), *dh = copy_floats(dh0, n), *dmod = copy_floats(dmod0, nmod);
+    // dh is written on the GPU: the CPU's from a zeroed dh, the GPU's poisoned
+    float *dres = copy_floats(dres0, n), *dh = host_floats(n), *dmod = copy_floats(dmod0, nmod);
+    memset(dh, 0, n * sizeof(float));
     gated_residual_backward(dres, dh, dmod + 4 * C, dy, h, gate, B, T, C, mod_stride);
-    bf16 *d_dres = upload_bf16(dres0, n), *d_dh = upload_bf16(dh0, n);
+    bf16 *d_dres = upload_bf16(dres0, n), *d_dh = poisoned(n * sizeof(bf16));
     float *d_dmod = upload_f32(dmod0, nmod);
     OK(gated_residual_backward_cuda(d_dres, d_dh, d_dmod + 4 * C, upload_bf16(dy, n), d_h, d_mod + 4 * C,
-                                    B, T, C, mod_stride, NULL, &ctx, 0, err));
+                                    B, T, C, mod_stride, NULL, NULL, &ctx, 0, err));
     snprintf(name, sizeof name, "gated_residual backward dres B=%d T=%d C=%d", B, T, C);
     EXPECT_CLOSE(download_bf16(d_dres, n), dres, n, TOL_BF16, name);
     snprintf(name, sizeof name, "gated_residual backward dh B=%d T=%d C=%d", B, T, C);
@@ -548,7 +558,7 @@ Test(cuda, reductions_are_deterministic) {
     for (int run = 0; run < 2; run++) {
         CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
         CK(cudaMemset(d_db, 0, OC * sizeof(float)));
-        OK(linear_backward_cuda(NULL, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
         OK(sum_squares_cuda(d_norm, d_dw, nw, &ctx, 0, err));
         OK(sqrt_cuda(d_norm, d_norm, 0, err));
         float *dw = download_f32(d_dw, nw), *db = download_f32(d_db, OC), *norm = download_f32(d_norm, 1);
@@ -575,24 +585,27 @@ Test(cuda, token_reductions_are_deterministic) {
     bf16 *d_x = upload_bf16(randn_bf16(&rng, n, 1.0f), n), *d_dy = upload_bf16(randn_bf16(&rng, n, 1.0f), n);
     bf16 *d_mod = upload_bf16(randn_bf16(&rng, nmod, 0.5f), nmod);
     bf16 *d_ln = device_alloc(n * sizeof(bf16)), *d_dx = device_alloc(n * sizeof(bf16));
+    bf16 *d_dh = device_alloc(n * sizeof(bf16));
     float *d_mean = device_alloc(T * sizeof(float)), *d_rstd = device_alloc(T * sizeof(float));
     float *d_dmod = device_alloc(nmod * sizeof(float));
     OK(layernorm_modulate_forward_cuda(d_ln, d_mean, d_rstd, d_x, d_mod, d_mod + C, B, T, C, mod_stride, NULL, 0, err));
-    float *first_dmod = NULL, *first_dx = NULL;
+    float *first_dmod = NULL, *first_dx = NULL, *first_dh = NULL;
     for (int run = 0; run < 2; run++) {
         CK(cudaMemset(d_dmod, 0, nmod * sizeof(float)));
         CK(cudaMemset(d_dx, 0, n * sizeof(bf16)));
         OK(layernorm_modulate_backward_cuda(d_dx, d_dmod, d_dmod + C, d_dy, d_x, d_mean, d_rstd, d_mod + C,
                                             B, T, C, mod_stride, &ctx, 0, err));
-        OK(gated_residual_backward_cuda(NULL, d_dx, d_dmod + 2 * C, d_dy, d_ln, d_mod + 2 * C, B, T, C, mod_stride, NULL,
-                                        &ctx, 0, err));
-        float *dmod = download_f32(d_dmod, nmod), *dx = download_bf16(d_dx, n);
+        OK(gated_residual_backward_cuda(NULL, d_dh, d_dmod + 2 * C, d_dy, d_ln, d_mod + 2 * C, B, T, C, mod_stride, NULL,
+                                        NULL, &ctx, 0, err));
+        float *dmod = download_f32(d_dmod, nmod), *dx = download_bf16(d_dx, n), *dh = download_bf16(d_dh, n);
         if (run == 0) {
             first_dmod = dmod;
             first_dx = dx;
+            first_dh = dh;
             continue;
         }
         cr_expect_eq(memcmp(dmod, first_dmod, nmod * sizeof(float)), 0, "dshift|dscale|dgate differ between runs");
         cr_expect_eq(memcmp(dx, first_dx, n * sizeof(float)), 0, "dinp differs between runs");
+        cr_expect_eq(memcmp(dh, first_dh, n * sizeof(float)), 0, "dh differs between runs");
     }
 }

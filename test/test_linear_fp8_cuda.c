@@ -13,7 +13,8 @@
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
 //   (dev/notes_linear_fp8.md: out 0.038, dinp/dW 0.059 with e5m2 gradients, 0.038 with e4m3);
 // - fc2 reading GELU(pre_gelu) recomputed by its quantization against a stored GELU output:
-//   bitwise the same out, saved inpᵀ and scale;
+//   bitwise the same out, saved inpᵀ and scale; a bias gradient taken in the pass that writes the
+//   dout (the dGELU's, the gated residual's dh) against a separate dbias pass: bitwise the same;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
 #include <criterion/criterion.h>
@@ -178,7 +179,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
@@ -190,9 +191,16 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     snprintf(name, sizeof name, "fp8 backward (%s) dbias M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_f32(d_db, OC), db, OC, TOL_F32, name);
 
+    // dinp_beta 0 writes dinp (poisoned first: NaN if it were read): the increment alone
+    CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
+    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+                                workspace_bytes, &ctx, 0, err));   // (d_dw is reset below)
+    snprintf(name, sizeof name, "fp8 backward (%s) dinp written (beta 0) M=%d IC=%d OC=%d", g, M, IC, OC);
+    EXPECT_CLOSE(download_bf16(d_dx, nx), dx_inc, nx, TOL_OUT, name);
+
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
@@ -221,7 +229,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
     OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
-                                      grad_format, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+                                      grad_format, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
     dw = download_f32(d_dw, nw);
@@ -291,14 +299,14 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
 
         CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
         CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-        OK(linear_backward_cuda(d_dx, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+        OK(linear_backward_cuda(d_dx, 1.0f, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
         float *dx_ref = download_bf16(d_dx, nx), *dw_ref = download_f32(d_dw, nw);
         for (int f = 0; f < 2; f++) {
             Fp8Format grad = f == 0 ? FP8_E5M2 : FP8_E4M3;
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
+            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
                                         workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
@@ -324,18 +332,18 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect(strstr(err, "workspace"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
                                           err), -1);
     cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, ws,
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0,
@@ -453,8 +461,8 @@ Test(linear_fp8, gated_residual_backward_takes_the_amax_of_dh) {
         bf16 *d_dy = upload_bf16(dy, n), *d_h = upload_bf16(h, n), *d_gate = upload_bf16(gate, (size_t)B * stride);
         bf16 *ref = zeroed(n * sizeof(bf16)), *out = zeroed(n * sizeof(bf16));
         float *dgate = zeroed(2 * (size_t)B * stride * sizeof(float)), *amax = zeroed_amax();
-        OK(gated_residual_backward_cuda(NULL, ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, NULL, &ctx, 0, err));
-        OK(gated_residual_backward_cuda(NULL, out, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride, amax, &ctx,
+        OK(gated_residual_backward_cuda(NULL, ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, NULL, NULL, &ctx, 0, err));
+        OK(gated_residual_backward_cuda(NULL, out, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride, amax, NULL, &ctx,
                                         0, err));
         expect_same_bytes(out, ref, n * sizeof(bf16), "gated_residual_backward_cuda dh with amax");
         expect_same_bytes(dgate + B * stride, dgate, (size_t)B * stride * sizeof(float), "dgate with amax");
@@ -519,7 +527,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dx[k] = zeroed(nx * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
         db[k] = zeroed(OC * sizeof(float));
-        OK(linear_fp8_backward_cuda(dx[k], dw[k], db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
+        OK(linear_fp8_backward_cuda(dx[k], 1.0f, dw[k], db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
                                     k ? d_dy_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp with dout_amax");
@@ -550,8 +558,8 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dpre[k] = poisoned(ny * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
         OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], NULL, d_dy2, &s_act, pre[0], d_w2, M, OC, IC, FP8_E4M3,
-                                          k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, workspace, workspace_bytes,
-                                          &ctx, 0, err));
+                                          k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, NULL, workspace,
+                                          workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dpre[1], dpre[0], ny * sizeof(bf16), "dGELU backward's dpre with amax");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dGELU backward's dweight with dout_amax");
@@ -590,5 +598,75 @@ Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
         expect_same_bytes(s.qt, s_ref.qt, (size_t)IC * fp8_padded_rows(M), what);
         snprintf(what, sizeof what, "gelu input, %s: saved scale", how);
         expect_same_bytes(s.scale, s_ref.scale, sizeof(float), what);
+    }
+}
+
+// ---- fc1's bias gradient in the dGELU pass (gelu_backward_inplace_dbias_cuda) ------------------
+// The same d, amax and dbias bytes as gelu_backward_inplace_cuda followed by a linear backward's own
+// dbias pass over d (linear_backward_cuda with dinp NULL), dbias starting from the same random
+// values: at C with partial vectors (100), at one chunk of rows and at many (M = 16384, C = 512).
+Test(linear_fp8, dgelu_dbias_gives_the_bytes_of_a_separate_dbias) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 47);
+    const int shapes[][2] = {{111, 100}, {97, 2048}, {16384, 512}};
+    for (int s = 0; s < 3; s++) {
+        int M = shapes[s][0], C = shapes[s][1], IC = 16;
+        size_t n = (size_t)M * C;
+        float *pre = randn_bf16(&rng, n, 2.0f), *d = randn_bf16(&rng, n, 1.0f), *db0 = randn_bf16(&rng, C, 1.0f);
+        bf16 *d_pre = upload_bf16(pre, n), *d_ref = upload_bf16(d, n), *d_new = upload_bf16(d, n);
+        float *db_ref = upload_f32(db0, C), *db_new = upload_f32(db0, C), *amax_ref = zeroed_amax();
+        float *amax_new = zeroed_amax(), *dw_unused = zeroed((size_t)C * IC * sizeof(float));
+        bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
+        OK(gelu_backward_inplace_cuda(d_ref, d_pre, n, amax_ref, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, db_ref, d_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(gelu_backward_inplace_dbias_cuda(d_new, d_pre, db_new, M, C, amax_new, &ctx, 0, err));
+        char what[96];
+        snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: d", M, C);
+        expect_same_bytes(d_new, d_ref, n * sizeof(bf16), what);
+        snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: dbias", M, C);
+        expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
+        snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: amax", M, C);
+        expect_same_bytes(amax_new, amax_ref, sizeof(float), what);
+    }
+}
+
+// The gated residual's dh with the next linear's bias gradient (gated_residual_backward_cuda's
+// dh_dbias): the same dh, dres, dgate, amax and dbias bytes as without it followed by a linear
+// backward's own dbias pass over dh; B = 3 samples with their own gates, C = 100 (partial vectors)
+// and 2048, and 16384 rows (many chunks).
+Test(linear_fp8, gated_dbias_gives_the_bytes_of_a_separate_dbias) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 48);
+    const int shapes[][3] = {{3, 37, 100}, {3, 37, 2048}, {2, 8192, 512}};
+    for (int s = 0; s < 3; s++) {
+        int B = shapes[s][0], T = shapes[s][1], C = shapes[s][2], stride = 6 * C, M = B * T, IC = 16;
+        size_t n = (size_t)M * C;
+        float *dy = randn_bf16(&rng, n, 1.0f), *h = randn_bf16(&rng, n, 1.0f), *res = randn_bf16(&rng, n, 1.0f);
+        float *gate = randn_bf16(&rng, (size_t)B * stride, 0.5f), *db0 = randn_bf16(&rng, C, 1.0f);
+        bf16 *d_dy = upload_bf16(dy, n), *d_h = upload_bf16(h, n), *d_gate = upload_bf16(gate, (size_t)B * stride);
+        bf16 *res_ref = upload_bf16(res, n), *res_new = upload_bf16(res, n);
+        bf16 *dh_ref = poisoned(n * sizeof(bf16)), *dh_new = poisoned(n * sizeof(bf16));
+        float *dgate = zeroed(2 * (size_t)B * stride * sizeof(float)), *amax_ref = zeroed_amax();
+        float *amax_new = zeroed_amax(), *db_ref = upload_f32(db0, C), *db_new = upload_f32(db0, C);
+        float *dw_unused = zeroed((size_t)C * IC * sizeof(float));
+        bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
+        OK(gated_residual_backward_cuda(res_ref, dh_ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, amax_ref, NULL,
+                                        &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, db_ref, dh_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(gated_residual_backward_cuda(res_new, dh_new, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride,
+                                        amax_new, db_new, &ctx, 0, err));
+        char what[96];
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dh", B, T, C);
+        expect_same_bytes(dh_new, dh_ref, n * sizeof(bf16), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dres", B, T, C);
+        expect_same_bytes(res_new, res_ref, n * sizeof(bf16), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dgate", B, T, C);
+        expect_same_bytes(dgate + B * stride, dgate, (size_t)B * stride * sizeof(float), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: dbias", B, T, C);
+        expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
+        snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: amax", B, T, C);
+        expect_same_bytes(amax_new, amax_ref, sizeof(float), what);
     }
 }
