@@ -765,15 +765,17 @@ template <int D>
 __global__ void split_qkv_kernel(bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int T, int H, bool rotate,
                                  float norm, size_t rows) {
     constexpr int L = D / HADAMARD_VALUES_PER_LANE;
-    const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    // 32-bit index arithmetic (split_qkv checks rows·L < 2^32): the 64-bit divisions cost more issue
+    // slots than the row's 16 bytes take to move
+    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / L;
     const bool valid = row < rows;   // whole warps: the transform's shuffles need all 32 lanes
-    const size_t r = valid ? row : 0;
-    const int h = r % H, which = (r / H) % 3, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
-    const size_t bt = r / (3 * H), b = bt / T, t = bt % T;
+    const unsigned r = valid ? row : 0, h = r % H, which = (r / H) % 3, bt = r / (3 * H), b = bt / T, t = bt % T;
+    const int c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
     float x[HADAMARD_VALUES_PER_LANE];
-    load_bf16x8(x, qkv + r * D + c, VEC, true);
+    load_bf16x8(x, qkv + (size_t)r * D + c, VEC, true);
     if (rotate) rotate_if<D>(x, which < 2, norm);
-    if (valid) store_bf16x8((which == 0 ? q : which == 1 ? k : v) + ((b * H + h) * T + t) * D + c, x, VEC, true);
+    if (valid)
+        store_bf16x8((which == 0 ? q : which == 1 ? k : v) + ((size_t)(b * H + h) * T + t) * D + c, x, VEC, true);
 }
 
 // One row's 8 values of lane l (channels 8l .. 8l + 7) as fp32, from fp32 or bf16 gradients.
@@ -791,15 +793,15 @@ template <int D, bool AMAX, typename G>
 __global__ void merge_qkv_grad_kernel(bf16 *dqkv, float *amax, const G *dq, const G *dk, const G *dv, int T, int H,
                                       int parts, bool rotate, float norm, size_t rows) {
     constexpr int L = D / HADAMARD_VALUES_PER_LANE;
-    const size_t row = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / L;
+    const unsigned row = (blockIdx.x * blockDim.x + threadIdx.x) / L;   // 32-bit, as split_qkv_kernel
     const bool valid = row < rows;
-    const size_t r = valid ? row : 0;
-    const int h = r % H, which = (r / H) % parts, c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
-    const size_t bt = r / (parts * H), b = bt / T, t = bt % T;
+    const unsigned r = valid ? row : 0, h = r % H, which = (r / H) % parts, bt = r / (parts * H), b = bt / T,
+                   t = bt % T;
+    const int c = (threadIdx.x % L) * HADAMARD_VALUES_PER_LANE;
     float x[HADAMARD_VALUES_PER_LANE];
-    load_grad8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((b * H + h) * T + t) * D + c);
+    load_grad8(x, (which == 0 ? dq : which == 1 ? dk : dv) + ((size_t)(b * H + h) * T + t) * D + c);
     if (rotate) rotate_if<D>(x, which < 2, norm);
-    if (valid) store_bf16x8(dqkv + ((bt * 3 + which) * H + h) * D + c, x, VEC, true);
+    if (valid) store_bf16x8(dqkv + ((size_t)(bt * 3 + which) * H + h) * D + c, x, VEC, true);
     if (AMAX) {   // every thread of the block is here (rows past the end hold m = 0)
         float m = 0.0f;
         for (int j = 0; j < VEC && valid; j++) m = fmaxf(m, fabsf(bf16_rounded(x[j])));
@@ -841,6 +843,10 @@ static bool sage_rotates(const DitGpu *m) { return m->attention == DIT_ATTN_SAGE
 static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, char *err) {
     int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
     size_t rows = (size_t)B * T * 3 * H;
+    if (rows * (D / HADAMARD_VALUES_PER_LANE) >= ((size_t)1 << 32)) {
+        dit_set_error(err, "split_qkv: B·T·3·H = %zu rows of D = %d exceed the kernel's 32-bit indices", rows, D);
+        return -1;
+    }
     LAUNCH_HEAD_ROWS(split_qkv_kernel, D, rows, m->stream, q, k, v, qkv, T, H, sage_rotates(m), 1.0f / sqrtf((float)D));
     LAUNCH_CHECK(err, "split_qkv_kernel", "B·T=%d H=%d D=%d", B * T, H, D);
     return 0;
@@ -854,6 +860,11 @@ static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk,
                           float *amax, int B, char *err) {
     int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H, parts = dv ? 3 : 2;
     size_t rows = (size_t)B * T * parts * H;
+    if ((size_t)B * T * 3 * H * (D / HADAMARD_VALUES_PER_LANE) >= ((size_t)1 << 32)) {
+        dit_set_error(err, "merge_qkv_grad: B·T·3·H = %zu rows of D = %d exceed the kernel's 32-bit indices",
+                      (size_t)B * T * 3 * H, D);
+        return -1;
+    }
     // the grid of LAUNCH_HEAD_ROWS; the instance picked by D and by amax
     size_t rows_per_block = 256 / (D / HADAMARD_VALUES_PER_LANE);
     unsigned blocks = (unsigned)((rows + rows_per_block - 1) / rows_per_block);
