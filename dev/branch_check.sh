@@ -6,6 +6,7 @@
 #   bc_step NAME SECONDS LOG COMMAND...           # one line per step into $S: rc and last log line
 #   bc_ckpt NAME ARGS...                          # 6 deterministic DiT-S steps, checkpoints compared
 #   bc_losses NAME ARGS...                        # 4 deterministic steps: step, loss, grad norm compared
+#                                                 # (when they differ: the largest relative loss difference)
 #   bc_timed NAME ARGS...                         # 12 steps, new then main (interleave calls for rounds)
 #   bc_times NAME...                              # median ms of steps 4-12 of timed runs, main - new
 #   bc_peak NAME                                  # peak memory of timed run NAME, new then main
@@ -74,7 +75,11 @@ bc_losses() {
         cmp -s <(cut -d, -f1-3 "$L/d_${name}_new/train_log.csv") <(cut -d, -f1-3 "$L/d_${name}_base/train_log.csv"); then
         echo "losses_${name}: EQUAL ($(wc -l < "$L/d_${name}_new/train_log.csv") lines)" >> "$S"
     else
-        echo "losses_${name}: DIFFERENT (or missing)" >> "$S"
+        echo "losses_${name}: DIFFERENT (or missing); largest relative loss difference:" \
+            "$(paste -d, <(cut -d, -f2 "$L/d_${name}_new/train_log.csv" 2>/dev/null) \
+                         <(cut -d, -f2 "$L/d_${name}_base/train_log.csv" 2>/dev/null) |
+               awk -F, 'NR > 1 && $2 != 0 {d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > m) m = d}
+                        END {printf "%.2e over %d steps\n", m, NR - 1}')" >> "$S"
     fi
 }
 
