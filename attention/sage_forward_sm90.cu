@@ -20,6 +20,11 @@
 //     the tile's Q̂ (3 × 64 rows), then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared
 //     stages, each with a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer
 //     is done with it); the next tile's Q̂ once every consumer's last S of the tile has completed.
+//   When the last round would leave at least half of the SMs idle (c: 1376 tiles on 132 SMs, 56
+//   in the 11th round), each of its tiles runs as two units on two CTAs: query blocks 0 and 1
+//   (consumers 0 and 1; consumer 2 only releases the stages) and query block 2 (consumer 2 alone).
+//   Every row is computed by the same instructions in the same order: the results are bitwise
+//   those of whole tiles, and the round takes as long as two consumers instead of three.
 //   3 consumer warpgroups (three warps per scheduler, so that one's softmax overlaps another's
 //     wgmmas), 64 query rows each, 160 registers: Q̂ stays in shared memory (S wgmma with both
 //     operands there) and P·V runs as two m64n64 halves of D (blk holds 32 columns). Per key block
@@ -31,6 +36,8 @@
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
 //   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other.
 #include <limits.h>
+#include <stdlib.h>
+#include <string.h>
 #include "attention/sage_cuda.h"
 #include "attention/attention_rows.cuh"
 #include "attention/sage_mma.cuh"
@@ -202,20 +209,30 @@ __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const
     }
 }
 
+// Unit u of the schedule: units below `whole` are tiles; from `whole` on, units come in pairs,
+// the two halves of tile whole + (u − whole) / 2: half 0 its query blocks 0 and 1, half 1 block 2.
+__device__ __forceinline__ int unit_tile(int u, int whole) { return u < whole ? u : whole + (u - whole) / 2; }
+// Whether consumer wg computes in unit u (the others only release the unit's stages).
+__device__ __forceinline__ bool unit_consumer_busy(int u, int whole, int wg) {
+    return u < whole || ((u - whole) % 2 == 0 ? wg < 2 : wg == 2);
+}
+
 // The producer thread's whole life: for each tile of this CTA, Q̂ (once every S wgmma of the
 // consumers' previous tile has completed), then every key block through the stages. `it` counts key
 // blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
 template <int D>
 __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
-                        const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq, int ntiles) {
+                        const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq, int whole,
+                        int units) {
     using S = Sm90Smem<D>;
     int it = 0, round_q = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, round_q++) {
-        int bh = tile / ntq, qt = tile % ntq;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
+        int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
         if (round_q > 0) mbar_wait(&bar->q_empty, (round_q - 1) & 1);
         int nq = min(S::CONSUMERS, nblk - qt * S::CONSUMERS);   // query blocks in this tile
-        mbar_expect_bytes(&bar->q_full, nq * S::Q_BYTES);
-        for (int w = 0; w < nq; w++)
+        int w0 = u < whole || (u - whole) % 2 == 0 ? 0 : 2, w1 = u < whole || (u - whole) % 2 ? nq : min(nq, 2);
+        mbar_expect_bytes(&bar->q_full, max(w1 - w0, 0) * S::Q_BYTES);
+        for (int w = w0; w < w1; w++)
             tma_load_2d(sQ + w * S::Q_BYTES, map_q, &bar->q_full, 0, bh * N + qt * S::TILE_Q + w * SAGE_CUDA_BLOCK);
         for (int kb = 0; kb < nblk; kb++, it++) {
             int stage = it % SM90_STAGES;
@@ -230,14 +247,28 @@ __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV
 template <int D>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
                         __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int merged_heads, int nblk,
-                        int ntq, int ntiles, int wg) {
+                        int ntq, int whole, int units, int wg) {
     static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
     using S = Sm90Smem<D>;
     constexpr int BN = SAGE_CUDA_BLOCK;
     int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
     int it = 0, round_q = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, round_q++) {
-        int bh = tile / ntq, qt = tile % ntq;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
+        // (the shuffle tells the compiler what holds anyway, that the branch is uniform per warp:
+        // otherwise the loop's stage counter leaves the uniform registers and the loop spills)
+        if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, whole, wg), 0)) {   // release the stages
+            mbar_wait(&bar->q_full, round_q & 1);
+            for (int kb = 0; kb < nblk; kb++, it++) {
+                int stage = it % SM90_STAGES;
+                mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&bar->kv_empty[stage]);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&bar->q_empty);
+            continue;
+        }
+        int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
         // this warpgroup's 64 query rows are quantization block qb (past the last block in the
         // last tile when nblk is not a multiple of 3: computed on stale Q̂ with a valid scale and
         // not stored)
@@ -327,13 +358,14 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 
 // map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
 // B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/192)
-// tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2),
-// Sm90Smem<D>::THREADS threads, Sm90Smem<D>::TOTAL bytes.
+// tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2) as `units`
+// units (unit_tile: the last round's tiles from `whole` on split in two), Sm90Smem<D>::THREADS
+// threads, Sm90Smem<D>::TOTAL bytes.
 template <int D>
 __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
-                             SageCudaQuant qv, int N, int BH, int merged_heads) {
+                             SageCudaQuant qv, int N, int merged_heads, int whole, int units) {
 #ifdef SAGE_SM90_DEVICE
     using S = Sm90Smem<D>;
     extern __shared__ uint8_t smem_raw[];
@@ -341,7 +373,7 @@ __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
     uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     uint8_t *sK = sQ + S::CONSUMERS * S::Q_BYTES, *sV = sK + SM90_STAGES * S::K_BYTES;
     int nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK, ntq = (nblk + S::CONSUMERS - 1) / S::CONSUMERS;
-    int ntiles = BH * ntq, wg = threadIdx.x / 128;
+    int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(&bar.q_full, 1);
@@ -356,10 +388,10 @@ __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
     if (wg == S::CONSUMERS) {   // the producer warpgroup: one thread issues every TMA load
         setmaxnreg_dec<SM90_PRODUCER_REGS>();
         if (threadIdx.x == S::CONSUMERS * 128)
-            produce<D>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, ntiles);
+            produce<D>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
     } else {
         setmaxnreg_inc<S::CONSUMER_REGS>();
-        consume<D>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, ntiles, wg);
+        consume<D>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -473,11 +505,19 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
     SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
     SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), err,
                     "cudaDeviceGetAttribute(multiprocessor count)");
-    long long tiles = (long long)BH * ((nblk + S::CONSUMERS - 1) / S::CONSUMERS);
-    int grid = (int)(tiles < sms ? tiles : sms);
+    // the schedule: rounds of one tile per CTA; a last round that would leave at least half of
+    // the CTAs idle runs its tiles as two units each (unit_tile; DIT_SAGE_FWD_SPLIT=0: never)
+    int tiles = BH * ((nblk + S::CONSUMERS - 1) / S::CONSUMERS), grid = tiles < sms ? tiles : sms;
+    int last = tiles - (tiles - 1) / grid * grid, whole = tiles, units = tiles;
+    const char *split = getenv("DIT_SAGE_FWD_SPLIT");
+    if ((!split || strcmp(split, "0") != 0) && 2 * last <= sms) {
+        whole = tiles - last;
+        units = tiles + last;
+        grid = units < sms ? units : sms;
+    }
     sage_forward_sm90_kernel<D><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                     (__nv_bfloat16 *)out, lse, *qv, N, BH,
-                                                                     merged_heads);
+                                                                     (__nv_bfloat16 *)out, lse, *qv, N,
+                                                                     merged_heads, whole, units);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
 }

@@ -537,6 +537,45 @@ Test(sage_cuda, sm90_forward_matches_mma_sync_long, .timeout = 120) {
     unsetenv("DIT_SAGE_MMA_SYNC");
 }
 
+// The last round's tiles as two units each (query blocks 0 and 1 on one CTA, block 2 on another):
+// bitwise the results of whole tiles (DIT_SAGE_FWD_SPLIT=0), out (poisoned first) and lse. Shapes:
+// a split round after ten of whole tiles (c's attention: 16 heads × 16K; 8 heads × 32K), every
+// tile split in the only round (2 heads × 4K), and short heads with a tail block whose last tile
+// has one query block (N = 1000: 16 blocks) or two (N = 700: 11 blocks). The test also says how many tiles
+// the schedule split on this GPU, so that a run where none was split shows.
+Test(sage_cuda, sm90_forward_split_rounds_are_bitwise_whole_tiles, .timeout = 120) {
+    SKIP_WITHOUT_SM90();
+    int dev, sms;
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int D = 128, configs[5][3] = {{1, 16, 16384}, {1, 8, 32768}, {1, 2, 4096}, {2, 3, 1000}, {1, 5, 700}};
+    int split_somewhere = 0;
+    for (int ci = 0; ci < 5; ci++) {
+        int B = configs[ci][0], H = configs[ci][1], N = configs[ci][2];
+        int tiles = B * H * (((N + 63) / 64 + 2) / 3), grid = tiles < sms ? tiles : sms;
+        int last = tiles - (tiles - 1) / grid * grid, split = 2 * last <= sms ? last : 0;
+        split_somewhere |= split > 0;
+        Case c = make_case(B, H, N, D, ci % 2 ? OUTLIERS : GAUSSIAN, 9200 + ci);
+        unsetenv("DIT_SAGE_FWD_SPLIT");
+        Fwd fs = gpu_forward_sm90(&c);
+        setenv("DIT_SAGE_FWD_SPLIT", "0", 1);
+        Fwd fw = gpu_forward_sm90(&c);
+        unsetenv("DIT_SAGE_FWD_SPLIT");
+        size_t rows = (size_t)B * H * N, out_diff = 0, lse_diff = 0;
+        for (size_t i = 0; i < c.n; i++) out_diff += memcmp(&fs.out[i], &fw.out[i], 4) != 0;
+        for (size_t i = 0; i < rows; i++) lse_diff += memcmp(&fs.lse[i], &fw.lse[i], 4) != 0;
+        fprintf(stderr, "sm90 split rounds B=%d H=%d N=%d on %d SMs: %d tiles, %d of them split; out values "
+                        "differing from whole tiles %zu of %zu, lse %zu of %zu\n", B, H, N, sms, tiles, split,
+                out_diff, c.n, lse_diff, rows);
+        cr_expect_eq(out_diff, 0, "B=%d H=%d N=%d: out differs from whole tiles in %zu values", B, H, N, out_diff);
+        cr_expect_eq(lse_diff, 0, "B=%d H=%d N=%d: lse differs from whole tiles in %zu rows", B, H, N, lse_diff);
+        free_fwd(&fs);
+        free_fwd(&fw);
+        free_case(&c);
+    }
+    cr_expect(split_somewhere, "no shape had a split round on this GPU (%d SMs): the test showed nothing", sms);
+}
+
 // The backward runs on the sm90 forward's workspace, out and lse (same quantized tensors).
 Test(sage_cuda, sm90_forward_then_backward_matches_definition, .timeout = 120) {
     SKIP_WITHOUT_SM90();
