@@ -230,7 +230,9 @@ __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV
         int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
         if (round_q > 0) mbar_wait(&bar->q_empty, (round_q - 1) & 1);
         int nq = min(S::CONSUMERS, nblk - qt * S::CONSUMERS);   // query blocks in this tile
-        int w0 = u < whole || (u - whole) % 2 == 0 ? 0 : 2, w1 = u < whole || (u - whole) % 2 ? nq : min(nq, 2);
+        int w0 = 0, w1 = nq;   // the query blocks whose Q̂ the unit needs (unit_consumer_busy)
+        if (u >= whole && (u - whole) % 2 == 0) w1 = min(nq, 2);
+        if (u >= whole && (u - whole) % 2 == 1) w0 = 2;
         mbar_expect_bytes(&bar->q_full, max(w1 - w0, 0) * S::Q_BYTES);
         for (int w = w0; w < w1; w++)
             tma_load_2d(sQ + w * S::Q_BYTES, map_q, &bar->q_full, 0, bh * N + qt * S::TILE_Q + w * SAGE_CUDA_BLOCK);
