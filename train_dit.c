@@ -505,8 +505,8 @@ static void queue_step(Trainer *tr, const TrainArgs *a, StepSlot *s) {
             rc = dit_gpu_train_step_graph(g, B, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip, ema_decay,
                                           s->step, err);
         else if (!rc)
-            rc = dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) || dit_gpu_zero_grad(g, err) ||
-                 dit_gpu_backward(g, B, err) ||
+            rc = dit_gpu_forward(g, &g->weights, B, err) || dit_gpu_loss(g, B, err) ||
+                 dit_gpu_backward_fresh(g, B, err) ||
                  zero_step_queue(tr->dist, g, tr->zero_overlap ? ZERO_BUCKET_FLOATS : 0, 1.0f / tr->mesh.dp,
                                  1.0f / tr->mesh.world, s->lr, 0.9f, 0.999f, 1e-8f, a->weight_decay, a->grad_clip,
                                  ema_decay, s->step, err);

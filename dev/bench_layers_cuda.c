@@ -102,10 +102,10 @@ static void op_merge_forward(Case *cs) { OK(merge_heads_forward_cuda(cs->y, cs->
 static void op_merge_backward(Case *cs) { OK(merge_heads_backward_cuda(cs->q, cs->y, HEADS(cs), 0, err)); }
 // linear backward with IC = 8: the dweight GEMM is small, the difference with/without dbias is the dbias
 static void op_linear_dbias(Case *cs) {
-    OK(linear_backward_cuda(NULL, 1.0f, cs->dw, cs->db, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
+    OK(linear_backward_cuda(NULL, 1.0f, cs->dw, 1.0f, cs->db, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
 }
 static void op_linear_nobias(Case *cs) {
-    OK(linear_backward_cuda(NULL, 1.0f, cs->dw, NULL, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
+    OK(linear_backward_cuda(NULL, 1.0f, cs->dw, 1.0f, NULL, cs->dy, cs->x, cs->w, cs->c->B * cs->c->T, 8, cs->oc, &ctx, 0, err));
 }
 static void op_adamw(Case *cs) {
     OK(adamw_update_cuda(cs->f0, cs->pbf, cs->f1, cs->f2, cs->f3, NULL, cs->nparams, cs->step, 0.9f, 0.95f, 1e-8f, 0.0f,

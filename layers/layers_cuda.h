@@ -95,17 +95,17 @@ int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const b
                              const bf16 *bias, int M, int IC, int OC,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) = dinp_beta·dinp + dout·weight (1: accumulate, the CPU spec's +=; 0: write, dinp's
-// old values unread, for a dinp with no other contribution); dweight (fp32) += doutᵀ·inp; dbias
-// (fp32) += Σ_m dout. dinp, dweight and dbias may each be NULL. dbias needs
-// linear_backward_scratch_floats(M, OC) of scratch.
-int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
+// old values unread, for a dinp with no other contribution); dweight (fp32) = dweight_beta·dweight
+// + doutᵀ·inp (likewise); dbias (fp32) += Σ_m dout. dinp, dweight and dbias may each be NULL. dbias
+// needs linear_backward_scratch_floats(M, OC) of scratch.
+int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                          const bf16 *dout, const bf16 *inp, const bf16 *weight,
                          int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's second layer, whose input is GELU(pre_gelu): dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
-// is WRITTEN (the DGELU epilogue; the pre-activation has one consumer); dweight, dbias accumulate
-// as in linear_backward_cuda. Equals linear_backward into a zeroed dinp, then gelu_backward.
-// IC must be a multiple of 8.
-int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+// is WRITTEN (the DGELU epilogue; the pre-activation has one consumer); dweight (with dweight_beta)
+// and dbias as in linear_backward_cuda. Equals linear_backward into a zeroed dinp, then
+// gelu_backward. IC must be a multiple of 8.
+int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu,
                                const bf16 *weight, int M, int IC, int OC,
                                const LayersCuda *ctx, cudaStream_t stream, char *err);

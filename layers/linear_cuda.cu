@@ -210,16 +210,16 @@ int linear_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const b
 }
 
 // dweight (OC, IC) += doutᵀ·inp in fp32 (beta = 1); then dbias (each skipped when NULL).
-static int weight_bias_backward(float *dweight, float *dbias, const bf16 *dout, const bf16 *inp,
+static int weight_bias_backward(float *dweight, float dweight_beta, float *dbias, const bf16 *dout, const bf16 *inp,
                                 int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     char what[128];
     snprintf(what, sizeof what, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
-    if (dweight && matmul(dweight, CUDA_R_32F, inp, dout, IC, OC, M, false, true, 1.0f,
+    if (dweight && matmul(dweight, CUDA_R_32F, inp, dout, IC, OC, M, false, true, dweight_beta,
                           CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
-int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
+int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                          const bf16 *dout, const bf16 *inp, const bf16 *weight,
                          int M, int IC, int OC, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     if (check_sizes("linear_backward_cuda", M, IC, OC, err)) return -1;
@@ -230,10 +230,10 @@ int linear_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbi
         if (matmul(dinp, CUDA_R_16BF, weight, dout, IC, M, OC, false, false, dinp_beta,
                    CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, what, ctx, stream, err)) return -1;
     }
-    return weight_bias_backward(dweight, dbias, dout, inp, M, IC, OC, ctx, stream, err);
+    return weight_bias_backward(dweight, dweight_beta, dbias, dout, inp, M, IC, OC, ctx, stream, err);
 }
 
-int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                const bf16 *dout, const bf16 *inp, const bf16 *pre_gelu,
                                const bf16 *weight, int M, int IC, int OC,
                                const LayersCuda *ctx, cudaStream_t stream, char *err) {
@@ -247,5 +247,5 @@ int linear_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
     snprintf(what, sizeof what, "linear backward dinp+DGELU M=%d IC=%d OC=%d", M, IC, OC);
     if (matmul(dpre, CUDA_R_16BF, weight, dout, IC, M, OC, false, false, 0.0f,
                CUBLASLT_EPILOGUE_DGELU, NULL, pre_gelu, what, ctx, stream, err)) return -1;
-    return weight_bias_backward(dweight, dbias, dout, inp, M, IC, OC, ctx, stream, err);
+    return weight_bias_backward(dweight, dweight_beta, dbias, dout, inp, M, IC, OC, ctx, stream, err);
 }

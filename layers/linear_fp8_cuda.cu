@@ -310,11 +310,13 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
 }
 
-// dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight += doutᵀ·inp (inp: the
-// forward's saved inpᵀ and scale); dbias += Σ_m dout. dout_amax: max |dout| or NULL (computed here).
-static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float *dbias, const bf16 *dout,
-                    const Fp8Saved *inp, const bf16 *weight, int M, int IC, int OC, Fp8Format grad_format,
-                    const float *dout_amax, void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+// dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight = dweight_beta·dweight +
+// doutᵀ·inp (inp: the forward's saved inpᵀ and scale); dbias += Σ_m dout. dout_amax: max |dout| or
+// NULL (computed here).
+static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
+                    const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, int M, int IC, int OC,
+                    Fp8Format grad_format, const float *dout_amax, void *workspace, size_t workspace_bytes,
+                    const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
         dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
@@ -340,31 +342,31 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
                        ws.scale + T_DOUT, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
     }
-    // dWᵀ (IC, OC) += scale_inp·scale_dout·inp_qt·dout_qtᵀ in fp32 (beta = 1), k = Mp (the pad is zero)
+    // dWᵀ (IC, OC) = scale_inp·scale_dout·inp_qt·dout_qtᵀ + dweight_beta·dWᵀ in fp32, k = Mp (the pad is zero)
     snprintf(what, sizeof what, "%s: dweight M=%d (Mp=%d) IC=%d OC=%d", fn, M, Mp, IC, OC);
     if (fp8_matmul(dweight, CUDA_R_32F, inp->qt, CUDA_R_8F_E4M3, inp->scale, dout_qt, grad_type,
-                   ws.scale + T_DOUT, IC, OC, Mp, 1.0f, NULL, what, ctx, stream, err)) return -1;
+                   ws.scale + T_DOUT, IC, OC, Mp, dweight_beta, NULL, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
-int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
+int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dbias, dout, inp, weight, M, IC, OC,
-                    grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err);
+    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, inp, weight, M,
+                    IC, OC, grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
-int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                                    float *dpre_amax, float *dpre_dbias, void *workspace, size_t workspace_bytes,
                                    const LayersCuda *ctx, cudaStream_t stream, char *err) {
     // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (its amax, and the
     // next layer's dbias in the same pass when asked)
-    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC,
-                 grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
+    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, inp, weight, M,
+                 IC, OC, grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
     if (dpre_dbias)
         return gelu_backward_inplace_dbias_cuda(dpre, pre_gelu, dpre_dbias, M, IC, dpre_amax, ctx, stream, err);
     return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, dpre_amax, stream, err);

@@ -68,26 +68,26 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
                                  float *out_amax, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) = dinp_beta·dinp + dout·weight (1: accumulate; 0: write, as linear_backward_cuda);
-// dweight (fp32) += doutᵀ·inp; dbias (fp32) += Σ_m dout (from the bf16
+// dweight (fp32) = dweight_beta·dweight + doutᵀ·inp (likewise); dbias (fp32) += Σ_m dout (from the bf16
 // dout, as linear_backward_cuda). inp: what the forward of the same inp and M saved (its e4m3
 // copy is the dweight GEMM's operand, as if quantized here). dout is quantized to grad_format
 // (FP8_E5M2 as Transformer Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and
 // dbias may be NULL; dbias needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
 // dout_amax: NULL, or a device float holding max |dout|.
-int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float *dbias,
+int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The MLP's second layer as linear_dgelu_backward_cuda: dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
-// is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight, dbias
-// accumulate as in linear_fp8_backward_cuda (inp: the forward's saved copy of GELU(pre_gelu)).
+// is WRITTEN (the FP8 dinp GEMM with beta = 0, then gelu_backward_inplace_cuda); dweight (with
+// dweight_beta) and dbias as in linear_fp8_backward_cuda (inp: the forward's saved copy of GELU(pre_gelu)).
 // dpre_amax: NULL, or a device float that the dGELU pass raises to max(*dpre_amax, max |dpre|).
 // dpre_dbias: NULL, or the bias gradient of the layer whose dout dpre is (the MLP's fc1): the dGELU
 // pass adds Σ_m dpre into it, bitwise as that layer's backward would (gelu_backward_inplace_dbias_cuda),
 // and that backward then takes dbias NULL.
-int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float *dbias,
+int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                                    float *dpre_amax, float *dpre_dbias, void *workspace, size_t workspace_bytes,

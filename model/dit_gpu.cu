@@ -1050,30 +1050,30 @@ static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf1
 }
 
 // dinp = dout·weight (written: a block linear's input gradient has no other contribution);
-// dweight += doutᵀ·inp (FP8: from the forward's saved copy); dbias += Σ dout;
-// dout_amax: max |dout| from dout's producer, or NULL
-static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float *dbias, const bf16 *dout,
-                                 const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M, int IC, int OC,
-                                 const float *dout_amax, char *err) {
+// dweight = wb·dweight + doutᵀ·inp (FP8: from the forward's saved copy; wb 1 accumulates, 0 writes);
+// dbias += Σ dout; dout_amax: max |dout| from dout's producer, or NULL
+static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float wb, float *dbias,
+                                 const bf16 *dout, const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M,
+                                 int IC, int OC, const float *dout_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_backward_cuda(dinp, 0.0f, dweight, dbias, dout, saved, weight, M, IC, OC, FP8_GRAD_FORMAT,
-                                        dout_amax, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream,
-                                        err);
-    return linear_backward_cuda(dinp, 0.0f, dweight, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
+        return linear_fp8_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, saved, weight, M, IC, OC,
+                                        FP8_GRAD_FORMAT, dout_amax, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
+                                        m->stream, err);
+    return linear_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
 }
 
-// dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight, dbias accumulate; FP8: dpre_amax (or
-// NULL) gets max |dpre|, and dpre_dbias (fc1's bias gradient) Σ_m dpre in the same pass (fc1's
-// backward then skips it: fc1_dbias)
-static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float *dbias, const bf16 *dout,
-                                       const bf16 *inp, const Fp8Saved *saved, const bf16 *pre_gelu,
-                                       const bf16 *weight, int M, int IC, int OC, const float *dout_amax,
-                                       float *dpre_amax, float *dpre_dbias, char *err) {
+// dpre = (dout·weight)∘GELU'(pre_gelu) (written); dweight with wb and dbias as above; FP8:
+// dpre_amax (or NULL) gets max |dpre|, and dpre_dbias (fc1's bias gradient) Σ_m dpre in the same
+// pass (fc1's backward then skips it: fc1_dbias)
+static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float wb, float *dbias,
+                                       const bf16 *dout, const bf16 *inp, const Fp8Saved *saved,
+                                       const bf16 *pre_gelu, const bf16 *weight, int M, int IC, int OC,
+                                       const float *dout_amax, float *dpre_amax, float *dpre_dbias, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_dgelu_backward_cuda(dpre, dweight, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
+        return linear_fp8_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
                                               FP8_GRAD_FORMAT, dout_amax, dpre_amax, dpre_dbias, m->fp8_workspace,
                                               m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return linear_dgelu_backward_cuda(dpre, dweight, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
+    return linear_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
                                       m->stream, err);
 }
 
@@ -1186,6 +1186,21 @@ int dit_gpu_zero_grad(DitGpu *m, char *err) {
     return 0;
 }
 
+// dit_gpu_backward_fresh's zeroing: every parameter gradient but the weight stacks of the blocks'
+// linears and of the adaLN projection (buffer order: dit_gpu_block_grad_ranges), which their
+// GEMMs write whole (93% of the parameters at hidden 2048).
+static int zero_accumulated_grads(DitGpu *m, char *err) {
+    size_t offsets[DIT_BLOCK_GRAD_RANGES], numels[DIT_BLOCK_GRAD_RANGES], from = 0;
+    dit_gpu_block_grad_ranges(m, 0, m->cfg.depth, offsets, numels);
+    for (int k = 0; k <= DIT_BLOCK_GRAD_RANGES; k += 2) {   // the weight stacks: ranges 0, 2, 4, 6, 8
+        size_t to = k < DIT_BLOCK_GRAD_RANGES ? offsets[k] : m->num_params;
+        CUDA_CHECK(err, cudaMemsetAsync(m->grads_memory + from, 0, (to - from) * sizeof(float), m->stream),
+                   "zeroing %zu parameter gradients", to - from);
+        if (k < DIT_BLOCK_GRAD_RANGES) from = offsets[k] + numels[k];
+    }
+    return 0;
+}
+
 // Zeroes the activation gradients from `first` up to (not including) `end`: buffers that the
 // backward accumulates into (every CUDA backward adds, as the CPU ones).
 static int zero_range(DitGpu *m, const void *first, const void *end, char *err) {
@@ -1194,8 +1209,11 @@ static int zero_range(DitGpu *m, const void *first, const void *end, char *err) 
     return 0;
 }
 
-int dit_gpu_backward(DitGpu *m, int B, char *err) {
-    TRY(check_batch(m, B, "dit_gpu_backward", err));
+// dit_gpu_backward (fresh 0) and dit_gpu_backward_fresh (1): wb, the weight stacks' GEMM beta.
+static int backward(DitGpu *m, int B, int fresh, char *err) {
+    TRY(check_batch(m, B, fresh ? "dit_gpu_backward_fresh" : "dit_gpu_backward", err));
+    if (fresh) TRY(zero_accumulated_grads(m, err));
+    const float wb = fresh ? 0.0f : 1.0f;
     const DitConfig *c = &m->cfg;
     const DitGpuActivations *a = &m->acts;
     DitGpuGradActs *g = &m->grad_acts;
@@ -1219,12 +1237,12 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     } else {
         TRY(unpatchify_backward_cuda(g->out_tokens, g->out, B, c->channels, c->image_size, c->patch, s, err));
     }
-    TRY(linear_backward_cuda(g->lnf, 1.0f, dw->final_w, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h, P,
-                             ctx, s, err));
+    TRY(linear_backward_cuda(g->lnf, 1.0f, dw->final_w, 1.0f, dw->final_b, g->out_tokens, a->lnf, w->final_w, BT, h,
+                             P, ctx, s, err));
     TRY(layernorm_modulate_backward_cuda(g->residual, g->final_ada, g->final_ada + h, g->lnf, a->residual + L * blk,
                                          a->lnf_mean, a->lnf_rstd, a->final_ada + h, B, T, h, 2 * h, ctx, s, err));
     TRY(cast_float_to_bf16_cuda(g->final_ada_bf16, g->final_ada, (size_t)B * 2 * h, s, err));
-    TRY(linear_backward_cuda(g->c_silu, 1.0f, dw->final_ada_w, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
+    TRY(linear_backward_cuda(g->c_silu, 1.0f, dw->final_ada_w, 1.0f, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
                              w->final_ada_w, B, h, 2 * h, ctx, s, err));
 
     TRY(zero_fp8_amax(m, 1, err));
@@ -1248,11 +1266,11 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
                                          B, T, h, stride, q8.dout_amax.fc2, dw->fc2_b + (size_t)l * h, ctx, s, err));
         float *fc1_dbias = dw->fc1_b + (size_t)l * 4 * h;
         int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
-        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, NULL,
+        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, wb, NULL,
                                         g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
                                         w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
                                         q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
-        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, dbias_in_dgelu ? NULL : fc1_dbias,
+        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, wb, dbias_in_dgelu ? NULL : fc1_dbias,
                                   g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
                                   q8.dout_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
@@ -1263,7 +1281,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
                                          B, T, h, stride, q8.dout_amax.proj, dw->proj_b + (size_t)l * h, ctx, s,
                                          err));
-        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, NULL,
+        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, wb, NULL,
                                   g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
                                   q8.dout_amax.proj, err));
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split
@@ -1280,7 +1298,7 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
             TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, attention_merged(m) ? NULL : g->dv, sage_rotates(m),
                                q8.dout_amax.qkv, B, err));
         }
-        TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, dw->qkv_b + (size_t)l * 3 * h,
+        TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, wb, dw->qkv_b + (size_t)l * 3 * h,
                                   g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
                                   q8.dout_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
@@ -1292,8 +1310,9 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
         // stacked GEMM's rows l·6h .. (l + 1)·6h (dev/notes_sequence_parallel.md)
         if (m->sp.zero_overlap) {
             TRY(cast_float_to_bf16_rows_cuda(g->ada_bf16, dada, B, 6 * h, stride, s, err));
-            TRY(linear_backward_cuda(NULL, 1.0f, dw->ada_w + (size_t)l * 6 * h * h, dw->ada_b + (size_t)l * 6 * h,
-                                     g->ada_bf16, a->c_silu, NULL, B, h, 6 * h, ctx, s, err));
+            TRY(linear_backward_cuda(NULL, 1.0f, dw->ada_w + (size_t)l * 6 * h * h, wb,
+                                     dw->ada_b + (size_t)l * 6 * h, g->ada_bf16, a->c_silu, NULL, B, h, 6 * h, ctx,
+                                     s, err));
         }
         // block l's weight gradients are final: ZeRO-1 may reduce them now (model/zero.h)
         if (m->block_grads_done)
@@ -1304,19 +1323,23 @@ int dit_gpu_backward(DitGpu *m, int B, char *err) {
     // c = t_emb + y_emb passes its gradient to both
     int stacked = !m->sp.zero_overlap;
     TRY(cast_float_to_bf16_cuda(g->ada_bf16, g->ada, (size_t)B * stride, s, err));
-    TRY(linear_backward_cuda(g->c_silu, 1.0f, stacked ? dw->ada_w : NULL, stacked ? dw->ada_b : NULL, g->ada_bf16,
-                             a->c_silu, w->ada_w, B, h, stride, ctx, s, err));
+    TRY(linear_backward_cuda(g->c_silu, 1.0f, stacked ? dw->ada_w : NULL, wb, stacked ? dw->ada_b : NULL,
+                             g->ada_bf16, a->c_silu, w->ada_w, B, h, stride, ctx, s, err));
     TRY(silu_backward_cuda(g->c, a->c, g->c_silu, (size_t)B * h, s, err));
     TRY(embedding_backward_cuda(dw->y_table, g->c, a->labels, B, h, s, err));
-    TRY(linear_backward_cuda(g->t_h_silu, 1.0f, dw->t_w2, dw->t_b2, g->c, a->t_h_silu, w->t_w2, B, h, h, ctx, s, err));
+    TRY(linear_backward_cuda(g->t_h_silu, 1.0f, dw->t_w2, 1.0f, dw->t_b2, g->c, a->t_h_silu, w->t_w2, B, h, h, ctx,
+                             s, err));
     TRY(silu_backward_cuda(g->t_h, a->t_h, g->t_h_silu, (size_t)B * h, s, err));
-    TRY(linear_backward_cuda(NULL, 1.0f, dw->t_w1, dw->t_b1, g->t_h, a->t_freq, w->t_w1, B, TIMESTEP_FREQ_DIM, h,
-                             ctx, s, err));
+    TRY(linear_backward_cuda(NULL, 1.0f, dw->t_w1, 1.0f, dw->t_b1, g->t_h, a->t_freq, w->t_w1, B, TIMESTEP_FREQ_DIM,
+                             h, ctx, s, err));
 
     // patch embedding (the positions are fixed)
-    return linear_backward_cuda(NULL, 1.0f, dw->patch_w, dw->patch_b, g->residual, a->patches, w->patch_w, BT, P, h,
-                                ctx, s, err);
+    return linear_backward_cuda(NULL, 1.0f, dw->patch_w, 1.0f, dw->patch_b, g->residual, a->patches, w->patch_w, BT,
+                                P, h, ctx, s, err);
 }
+
+int dit_gpu_backward(DitGpu *m, int B, char *err) { return backward(m, B, 0, err); }
+int dit_gpu_backward_fresh(DitGpu *m, int B, char *err) { return backward(m, B, 1, err); }
 
 void dit_gpu_block_grad_ranges(const DitGpu *m, int first, int count, size_t *offsets, size_t *numels) {
     size_t h = m->cfg.hidden;
@@ -1412,8 +1435,8 @@ int dit_gpu_update(DitGpu *m, float lr, float beta1, float beta2, float eps, flo
 // What the graph holds: train_dit's eager calls from the forward to the update, without the
 // copy of the step constants (dit_gpu_set_step, before the launch).
 static int queue_train_step(DitGpu *m, int B, const DitGpuStepKey *k, char *err) {
-    return (dit_gpu_forward(m, &m->weights, B, err) || dit_gpu_loss(m, B, err) || dit_gpu_zero_grad(m, err) ||
-            dit_gpu_backward(m, B, err) || dit_gpu_grad_sumsq(m, err) ||
+    return (dit_gpu_forward(m, &m->weights, B, err) || dit_gpu_loss(m, B, err) || dit_gpu_backward_fresh(m, B, err) ||
+            dit_gpu_grad_sumsq(m, err) ||
             queue_optimizer(m, k->beta1, k->beta2, k->eps, k->weight_decay, k->grad_clip, err)) ? -1 : 0;
 }
 

@@ -238,7 +238,7 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
                  err, "multiple of 8", "OC=12");
     EXPECT_ERROR(linear_gelu_forward_cuda(NULL, NULL, NULL, NULL, NULL, 4, 8, 16, &ctx, 0, err), err,
                  "needs a bias");
-    EXPECT_ERROR(linear_dgelu_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, 4, 12, 8, &ctx, 0, err),
+    EXPECT_ERROR(linear_dgelu_backward_cuda(NULL, NULL, 1.0f, NULL, NULL, NULL, NULL, NULL, 4, 12, 8, &ctx, 0, err),
                  err, "IC=12");
     EXPECT_ERROR(layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 8, 4, NULL, 0, err), err,
                  "mod_stride >= C", "mod_stride=4");

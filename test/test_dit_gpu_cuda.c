@@ -264,6 +264,68 @@ Test(dit_gpu, per_block_adaln_gradients_equal_the_stacked_gemm) {
     dit_free(&cpu);
 }
 
+// dit_gpu_backward_fresh leaves the weight stacks of the block linears and of the adaLN projection
+// to their GEMMs (beta 0) instead of zeroing them first: it must give the bytes of dit_gpu_zero_grad
+// then dit_gpu_backward. The gradient buffer is poisoned (NaN) before the fresh backward, so a
+// gradient that nothing writes shows. bf16 and FP8 block linears (FP8 where the GPU has it), and
+// the adaLN weight gradients from one GEMM after the loop and per block (sp.zero_overlap).
+Test(dit_gpu, backward_fresh_gives_the_bytes_of_zero_grad_then_backward) {
+    REQUIRE_GPU();
+    char err[DIT_ERR_LEN];
+    const DitConfig *c = &small_config;
+    int B = 3;
+    Dit cpu;
+    OK(dit_create(&cpu, c, B, DIT_ATTN_SAGE, 17, err));
+    randomize_params(&cpu, 17);
+    sage_backward_set_deterministic(1);
+    Batch b = batch_new(c, B);
+    batch_fill(&b, c, 17, 1);
+    size_t n = cpu.num_params;
+    float *zeroed = malloc(n * sizeof(float)), *fresh = malloc(n * sizeof(float));
+    cr_assert(zeroed && fresh);
+    const struct { DitLinear linear; int overlap; const char *name; } runs[3] = {
+        {DIT_LINEAR_BF16, 0, "bf16 linears"}, {DIT_LINEAR_BF16, 1, "bf16 linears, per-block adaLN"},
+        {DIT_LINEAR_FP8, 0, "FP8 linears"}};
+    for (int r = 0; r < 3; r++) {
+        DitGpu m;
+        DitGpuSeqParallel sp = {.ulysses = 1, .ring = 1, .zero_overlap = runs[r].overlap};
+        if (dit_gpu_create_sp(&m, c, B, DIT_ATTN_SAGE, runs[r].linear, &sp, err) != 0) {
+            cr_expect(runs[r].linear == DIT_LINEAR_FP8, "%s: %s", runs[r].name, err);
+            fprintf(stderr, "backward_fresh: %s skipped (%s)\n", runs[r].name, err);
+            continue;
+        }
+        OK(dit_gpu_upload(&m, &cpu, err));
+        OK(dit_gpu_set_flow_batch(&m, b.x0, b.noise, b.t, b.labels, B, err));
+        for (int fresh_run = 0; fresh_run < 2; fresh_run++) {
+            OK(dit_gpu_forward(&m, &m.weights, B, err));
+            OK(dit_gpu_loss(&m, B, err));
+            if (fresh_run) {
+                CK(cudaMemset(m.grads_memory, 0xFF, n * sizeof(float)));
+                OK(dit_gpu_backward_fresh(&m, B, err));
+            } else {
+                OK(dit_gpu_zero_grad(&m, err));
+                OK(dit_gpu_backward(&m, B, err));
+            }
+            OK(dit_gpu_download_grads(&m, fresh_run ? fresh : zeroed, err));
+        }
+        size_t differ = 0, nonfinite = 0;
+        for (size_t i = 0; i < n; i++) {
+            differ += memcmp(&fresh[i], &zeroed[i], sizeof(float)) != 0;
+            nonfinite += !isfinite(zeroed[i]);
+        }
+        fprintf(stderr, "backward_fresh (%s): %zu of %zu gradients differ from zero_grad + backward\n",
+                runs[r].name, differ, n);
+        cr_expect_eq(nonfinite, 0, "%s: zero_grad + backward gave %zu non-finite gradients", runs[r].name, nonfinite);
+        cr_expect_eq(differ, 0, "%s: %zu gradients differ from zero_grad + backward", runs[r].name, differ);
+        cr_expect(global_norm(zeroed, n) > 0, "%s: every gradient is zero: the test would show nothing", runs[r].name);
+        dit_gpu_free(&m);
+    }
+    sage_backward_set_deterministic(0);
+    free(zeroed); free(fresh);
+    batch_free(&b);
+    dit_free(&cpu);
+}
+
 Test(dit_gpu, ten_adamw_steps_follow_the_cpu_losses) {
     REQUIRE_GPU();
     char err[DIT_ERR_LEN];

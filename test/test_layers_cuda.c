@@ -98,7 +98,7 @@ static void check_linear(int M, int IC, int OC, uint64_t seed) {
     linear_backward(dx, dw, db, dy, x, w, M, IC, OC);
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_backward_cuda(d_dx, 1.0f, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    OK(linear_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
     snprintf(name, sizeof name, "linear backward dinp M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_BF16, name);
     snprintf(name, sizeof name, "linear backward dweight M=%d IC=%d OC=%d", M, IC, OC);
@@ -110,9 +110,20 @@ static void check_linear(int M, int IC, int OC, uint64_t seed) {
     memset(dx, 0, nx * sizeof(float));
     linear_backward(dx, dw, NULL, dy, x, w, M, IC, OC);   // (dweight: the CPU's needs one; unused here)
     CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
-    OK(linear_backward_cuda(d_dx, 0.0f, NULL, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    OK(linear_backward_cuda(d_dx, 0.0f, NULL, 1.0f, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
     snprintf(name, sizeof name, "linear backward dinp written (beta 0) M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_BF16, name);
+
+    // dweight_beta 0 writes dweight: bitwise the sum into zeros (the written one poisoned first)
+    CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
+    OK(linear_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    float *into_zeros = download_f32(d_dw, nw);
+    CK(cudaMemset(d_dw, 0xFF, nw * sizeof(float)));
+    OK(linear_backward_cuda(NULL, 1.0f, d_dw, 0.0f, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    float *written = download_f32(d_dw, nw);
+    cr_expect_eq(memcmp(written, into_zeros, nw * sizeof(float)), 0,
+                 "linear backward dweight written (beta 0) M=%d IC=%d OC=%d: not bitwise the sum into zeros", M, IC,
+                 OC);
 }
 
 Test(cuda, linear_shapes) {
@@ -160,7 +171,7 @@ Test(cuda, linear_dgelu_backward) {
     gelu_backward(dpre, pre, dh, nx);
     bf16 *d_dpre = poisoned(nx * sizeof(bf16));
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_dgelu_backward_cuda(d_dpre, d_dw, d_db, upload_bf16(dy, ny), upload_bf16(h, nx), upload_bf16(pre, nx),
+    OK(linear_dgelu_backward_cuda(d_dpre, d_dw, 1.0f, d_db, upload_bf16(dy, ny), upload_bf16(h, nx), upload_bf16(pre, nx),
                                   upload_bf16(w, nw), M, IC, OC, &ctx, 0, err));
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre, nx, TOL_BF16, "linear+DGELU backward dpre");
     EXPECT_CLOSE(download_f32(d_dw, nw), dw, nw, TOL_GEMM_F32, "linear+DGELU backward dweight");
@@ -558,7 +569,7 @@ Test(cuda, reductions_are_deterministic) {
     for (int run = 0; run < 2; run++) {
         CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
         CK(cudaMemset(d_db, 0, OC * sizeof(float)));
-        OK(linear_backward_cuda(NULL, 1.0f, d_dw, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, d_dw, 1.0f, d_db, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
         OK(sum_squares_cuda(d_norm, d_dw, nw, &ctx, 0, err));
         OK(sqrt_cuda(d_norm, d_norm, 0, err));
         float *dw = download_f32(d_dw, nw), *db = download_f32(d_db, OC), *norm = download_f32(d_norm, 1);

@@ -179,7 +179,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
@@ -193,19 +193,31 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // dinp_beta 0 writes dinp (poisoned first: NaN if it were read): the increment alone
     CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
-    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));   // (d_dw is reset below)
     snprintf(name, sizeof name, "fp8 backward (%s) dinp written (beta 0) M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx_inc, nx, TOL_OUT, name);
 
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
     snprintf(name, sizeof name, "fp8 backward (%s, dweight only) M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(dw, dw_inc, nw, TOL_GEMM_F32, name);
+
+    // dweight_beta 0 writes dweight: bitwise the sum into zeros (the written one poisoned first)
+    CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+                                workspace_bytes, &ctx, 0, err));
+    float *into_zeros = download_f32(d_dw, nw);
+    CK(cudaMemset(d_dw, 0xFF, nw * sizeof(float)));
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 0.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+                                workspace_bytes, &ctx, 0, err));
+    cr_expect_eq(memcmp(download_f32(d_dw, nw), into_zeros, nw * sizeof(float)), 0,
+                 "fp8 backward (%s) dweight written (beta 0) M=%d IC=%d OC=%d: not bitwise the sum into zeros", g, M,
+                 IC, OC);
 
     // the MLP's layers: forward with GELU (pre_gelu and inp's copy kept), backward with dGELU (dpre
     // written over poison) against the CPU definition followed by gelu_forward / gelu_backward
@@ -228,7 +240,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     bf16 *d_dpre = poisoned(nx * sizeof(bf16));
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
+    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, 1.0f, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
                                       grad_format, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
@@ -299,14 +311,14 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
 
         CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
         CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-        OK(linear_backward_cuda(d_dx, 1.0f, d_dw, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
+        OK(linear_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
         float *dx_ref = download_bf16(d_dx, nx), *dw_ref = download_f32(d_dw, nw);
         for (int f = 0; f < 2; f++) {
             Fp8Format grad = f == 0 ? FP8_E5M2 : FP8_E4M3;
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
+            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
                                         workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
@@ -332,18 +344,18 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect(strstr(err, "workspace"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
                                           err), -1);
     cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, ws,
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, 1.0f, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
     cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0,
@@ -527,7 +539,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dx[k] = zeroed(nx * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
         db[k] = zeroed(OC * sizeof(float));
-        OK(linear_fp8_backward_cuda(dx[k], 1.0f, dw[k], db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
+        OK(linear_fp8_backward_cuda(dx[k], 1.0f, dw[k], 1.0f, db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
                                     k ? d_dy_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp with dout_amax");
@@ -557,7 +569,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     for (int k = 0; k < 2; k++) {
         dpre[k] = poisoned(ny * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
-        OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], NULL, d_dy2, &s_act, pre[0], d_w2, M, OC, IC, FP8_E4M3,
+        OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], 1.0f, NULL, d_dy2, &s_act, pre[0], d_w2, M, OC, IC, FP8_E4M3,
                                           k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, NULL, workspace,
                                           workspace_bytes, &ctx, 0, err));
     }
@@ -619,7 +631,7 @@ Test(linear_fp8, dgelu_dbias_gives_the_bytes_of_a_separate_dbias) {
         float *amax_new = zeroed_amax(), *dw_unused = zeroed((size_t)C * IC * sizeof(float));
         bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
         OK(gelu_backward_inplace_cuda(d_ref, d_pre, n, amax_ref, 0, err));
-        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, db_ref, d_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, 1.0f, db_ref, d_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
         OK(gelu_backward_inplace_dbias_cuda(d_new, d_pre, db_new, M, C, amax_new, &ctx, 0, err));
         char what[96];
         snprintf(what, sizeof what, "dGELU + dbias M=%d C=%d: d", M, C);
@@ -654,7 +666,7 @@ Test(linear_fp8, gated_dbias_gives_the_bytes_of_a_separate_dbias) {
         bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
         OK(gated_residual_backward_cuda(res_ref, dh_ref, dgate, d_dy, d_h, d_gate, B, T, C, stride, amax_ref, NULL,
                                         &ctx, 0, err));
-        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, db_ref, dh_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+        OK(linear_backward_cuda(NULL, 1.0f, dw_unused, 1.0f, db_ref, dh_ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
         OK(gated_residual_backward_cuda(res_new, dh_new, dgate + B * stride, d_dy, d_h, d_gate, B, T, C, stride,
                                         amax_new, db_new, &ctx, 0, err));
         char what[96];
