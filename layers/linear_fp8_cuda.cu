@@ -24,7 +24,6 @@
 #include "layers/linear_fp8_cuda.h"
 
 #define AMAX_BLOCKS 1024   // grid of the amax reduction (grid-stride; the max is order-free)
-#define QTILE 64           // the quantize kernel's tile: QTILE × QTILE elements per block
 
 // ---- the input: x, or GELU(x) recomputed ----------------------------------------------------
 // The VEC values at x, or (GELU) the bf16 values gelu_forward_cuda would store for them.
@@ -53,39 +52,72 @@ __global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
 // ---- quantize ------------------------------------------------------------------------------
 // x (R, C) bf16 (or GELU of it) -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e =
 // fp8_scale_exponent(*amax), Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e
-// (written by block (0, 0)). One block per QTILE × QTILE tile: each thread converts 8 consecutive
-// elements of a row (one 16-byte load, one 8-byte store into q); for qt the tile goes through
-// shared memory (rows R.. as zeros) and each thread stores 16 consecutive rows of one column (4
-// threads cover 64 contiguous bytes of a qt row). C a multiple of 16.
+// (written by block (0, 0)). One block per QTILE_R × QTILE_C tile. Each thread converts 4 rows ×
+// 8 columns (four 16-byte loads, four 8-byte stores into q), transposes the 4 × 8 bytes in
+// registers into 8 words (one column's 4 rows each) and puts them into the shared tile by column;
+// then each thread stores two 16-row pieces of one column (16 bytes each; 4 threads cover 64
+// contiguous bytes of a qt row). Rows R.. are zeros (qt's pad). C a multiple of 16.
+#define QTILE_R 128        // rows of a tile: 32 groups of 4
+#define QTILE_C 64         // columns of a tile: 8 vectors of VEC
+#define QTILE_WORDS (QTILE_R / 4 + 1)   // words per tile column (4 rows each), + 1 against bank conflicts
+static_assert((QTILE_R / 4) * (QTILE_C / VEC) == BLOCK_SIZE && QTILE_C * 4 == BLOCK_SIZE,
+              "one thread per 4 × VEC piece, and 4 per tile column");
+
+// the 4 × 4 bytes r0..r3 (byte k of r_i: row i, column k) as 4 words by column (byte i of col[k]: row i)
+__device__ inline void transpose_4x4_bytes(uint32_t col[4], uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);   // r0,r1 interleaved
+    uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);   // r2,r3 interleaved
+    col[0] = __byte_perm(t0, t2, 0x5410);
+    col[1] = __byte_perm(t0, t2, 0x7632);
+    col[2] = __byte_perm(t1, t3, 0x5410);
+    col[3] = __byte_perm(t1, t3, 0x7632);
+}
+
 template <bool GELU>
 __global__ void fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax,
                                     int R, int C, Fp8Format format) {
-    __shared__ uint8_t tile[QTILE][QTILE + 4];
+    __shared__ uint32_t tile[QTILE_C][QTILE_WORDS];
     __nv_fp8_interpretation_t kind = format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
     int e = fp8_scale_exponent(*amax, format), Rp = fp8_padded_rows(R);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale = ldexpf(1.0f, e);
     float down = ldexpf(1.0f, -e);
-    int r0 = blockIdx.y * QTILE, c0 = blockIdx.x * QTILE, cc = (threadIdx.x % 8) * VEC;
-    for (int rr = threadIdx.x / 8; rr < QTILE; rr += BLOCK_SIZE / 8) {
-        int r = r0 + rr, c = c0 + cc;
-        if (c >= C) continue;             // C % 16 == 0: a vector is whole or absent
-        union { uint2 raw; uint8_t b[VEC]; } u = {};   // rows R..: qt's zero pad
-        if (r < R) {
-            float v[VEC];
-            load_input<GELU>(v, x + (size_t)r * C + c);
-            for (int j = 0; j < VEC; j++) u.b[j] = __nv_cvt_float_to_fp8(v[j] * down, __NV_SATFINITE, kind);
-            if (q) *(uint2 *)(q + (size_t)r * C + c) = u.raw;
+    int r0 = blockIdx.y * QTILE_R, c0 = blockIdx.x * QTILE_C;
+    int group = threadIdx.x / 8, cc = (threadIdx.x % 8) * VEC, c = c0 + cc;
+    if (c < C) {                          // C % 16 == 0: a vector is whole or absent
+        int r = r0 + 4 * group;
+        bool whole = r + 3 < R;           // all four rows inside: the four loads unconditional
+        float v[4][VEC];                  // rows R..: zeros, qt's pad
+        for (int i = 0; i < 4; i++) {
+            if (whole || r + i < R) load_input<GELU>(v[i], x + (size_t)(r + i) * C + c);
+            else for (int j = 0; j < VEC; j++) v[i][j] = 0.0f;
         }
-        if (qt)
-            for (int j = 0; j < VEC; j++) tile[rr][cc + j] = u.b[j];
+        uint32_t lo[4], hi[4];            // row i's columns cc..cc+3 and cc+4..cc+7
+        for (int i = 0; i < 4; i++) {
+            uint16_t b[VEC / 2];
+            for (int j = 0; j < VEC / 2; j++)
+                b[j] = __nv_cvt_float2_to_fp8x2(make_float2(v[i][2 * j] * down, v[i][2 * j + 1] * down),
+                                                __NV_SATFINITE, kind);
+            lo[i] = b[0] | (uint32_t)b[1] << 16;
+            hi[i] = b[2] | (uint32_t)b[3] << 16;
+            if (q && r + i < R) *(uint2 *)(q + (size_t)(r + i) * C + c) = make_uint2(lo[i], hi[i]);
+        }
+        if (qt) {
+            uint32_t col[VEC];
+            transpose_4x4_bytes(col, lo[0], lo[1], lo[2], lo[3]);
+            transpose_4x4_bytes(col + 4, hi[0], hi[1], hi[2], hi[3]);
+            for (int j = 0; j < VEC; j++) tile[cc + j][group] = col[j];
+        }
     }
     if (!qt) return;
     __syncthreads();
-    int cl = threadIdx.x / 4, rs = (threadIdx.x % 4) * 16, c = c0 + cl, r = r0 + rs;
-    if (c >= C || r >= Rp) return;        // Rp % 16 == 0: 16 rows are whole or absent
-    union { uint4 raw; uint8_t b[16]; } u;
-    for (int j = 0; j < 16; j++) u.b[j] = tile[rs + j][cl];
-    *(uint4 *)(qt + (size_t)c * Rp + r) = u.raw;
+    int cl = threadIdx.x / 4;             // the tile column; its rows 16k.. and 64 + 16k..
+    c = c0 + cl;
+    if (c >= C) return;
+    for (int half = 0; half < 2; half++) {
+        int w = half * (QTILE_R / 8) + (threadIdx.x % 4) * 4, r = r0 + 4 * w;
+        if (r >= Rp) break;               // Rp % 16 == 0: 16 rows are whole or absent
+        *(uint4 *)(qt + (size_t)c * Rp + r) = make_uint4(tile[cl][w], tile[cl][w + 1], tile[cl][w + 2], tile[cl][w + 3]);
+    }
 }
 
 static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *qt, const bf16 *x, int R, int C,
@@ -116,7 +148,7 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool g
         LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d gelu=%d", R, C, (int)gelu);
         amax = amax_scratch;
     }
-    dim3 grid(blocks_for(C, QTILE), blocks_for(fp8_padded_rows(R), QTILE));
+    dim3 grid(blocks_for(C, QTILE_C), blocks_for(fp8_padded_rows(R), QTILE_R));
     (gelu ? fp8_quantize_kernel<true> : fp8_quantize_kernel<false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
         q, qt, scale, x, amax, R, C, format);
     LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d gelu=%d", R, C, (int)format, (int)gelu);

@@ -122,6 +122,9 @@ static void check_quantize(int R, int C, Fp8Format format, float amax, uint64_t 
     float *d_scale = poisoned(sizeof(float)), *d_amax = poisoned(sizeof(float));
     OK(fp8_quantize_cuda(d_q, d_qt, d_scale, upload_bf16(x, n), R, C, format, d_amax, 0, err));
     expect_quantized(d_q, d_qt, d_scale, x, R, C, format, "fp8_quantize_cuda");
+    uint8_t *d_qt_only = poisoned((size_t)C * fp8_padded_rows(R));   // the transposed copy alone
+    OK(fp8_quantize_cuda(NULL, d_qt_only, d_scale, upload_bf16(x, n), R, C, format, d_amax, 0, err));
+    expect_quantized(NULL, d_qt_only, d_scale, x, R, C, format, "fp8_quantize_cuda (qt only)");
 }
 
 Test(linear_fp8, quantize_matches_cpu) {
@@ -134,6 +137,8 @@ Test(linear_fp8, quantize_matches_cpu) {
     check_quantize(45, 80, FP8_E4M3, 3.0f, 6);       // rows not a multiple of 16: qt (80, 48), 3 pad columns
     check_quantize(131, 32, FP8_E5M2, 3.0f, 7);      // 13 pad columns, in a third row tile
     check_quantize(1, 16, FP8_E4M3, 3.0f, 8);        // one row: 15 pad columns
+    check_quantize(300, 208, FP8_E4M3, 5.0f, 9);     // three 128-row tiles (the last with 44 rows), 16 columns in the last
+    check_quantize(129, 64, FP8_E5M2, 0.7f, 10);     // one row in a second tile: 15 pad columns there
 }
 
 // ---- against the CPU FP8 definition --------------------------------------------------------
