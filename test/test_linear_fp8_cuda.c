@@ -538,7 +538,7 @@ Test(linear_fp8, merge_heads_takes_the_amax_of_its_output) {
 // writes when it takes the amax itself: the saved inpᵀ and scale, out, dinp, dweight, dbias, and the
 // GELU variants' outputs, whose own amax (out_amax, dpre_amax) is exact. A given amax larger than
 // the true one sets the scale (the layer uses it rather than computing its own): inp's, seen in the
-// saved scale, and the weight's, seen in out.
+// saved scale, and the weight's, seen in out (a factor 1024: the weights' small values lose bits).
 Test(linear_fp8, given_amax_gives_the_same_bytes) {
     REQUIRE_GPU();
     Rng rng;
@@ -549,7 +549,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     float *dy = randn_bf16(&rng, ny, 0.01f);
     bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_b = upload_bf16(b, OC), *d_dy = upload_bf16(dy, ny);
     float x_amax = host_amax(x, nx), dy_amax = host_amax(dy, ny), w_amax = host_amax(w, nw), big = 4 * x_amax;
-    float w_big = 4 * w_amax;
+    float w_big = 1024 * w_amax;   // (4x would only shift the exponents: the same products)
     float *d_x_amax = upload_f32(&x_amax, 1), *d_dy_amax = upload_f32(&dy_amax, 1), *d_big = upload_f32(&big, 1);
     float *d_w_amax = upload_f32(&w_amax, 1), *d_w_big = upload_f32(&w_big, 1);
     Fp8Saved s[4] = {poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC)};
@@ -571,7 +571,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
               "a given amax %g must set the scale: got %g, want %g", big, scale_big,
               ldexpf(1.0f, fp8_scale_exponent(big, FP8_E4M3)));
     cr_expect(memcmp(download_bf16(y[3], ny), download_bf16(y[0], ny), ny * sizeof(bf16)) != 0,
-              "a given weight amax 4x the true one must change the weight's quantization (out the same)");
+              "a given weight amax 1024x the true one must change the weight's quantization (out the same)");
 
     // backward from the same saved copy, with and without dout_amax
     bf16 *dx[2];
