@@ -35,18 +35,41 @@ __device__ inline void load_input(float v[VEC], const bf16 *x) {
 }
 
 // ---- amax ----------------------------------------------------------------------------------
-// *amax = max(*amax, max_i |x_i|) over n bf16 (or GELU of them; n a multiple of VEC, x 16-byte
-// aligned): exact and order-free (block_amax_update, layers/cuda_common.cuh). NaNs are skipped
-// here (they reach the GEMM as fp8 NaN).
+// amax[y·stride] = max(amax[y·stride], max_i |x_i|) over the n bf16 x[y·n ..] (or GELU of them; n a
+// multiple of VEC, x 16-byte aligned) for each y = blockIdx.y: one tensor, or a stack of them
+// (fp8_amax_stacked_cuda). Exact and order-free (block_amax_update, layers/cuda_common.cuh). NaNs
+// are skipped here (they reach the GEMM as fp8 NaN).
 template <bool GELU>
-__global__ void fp8_amax_kernel(float *amax, const bf16 *x, size_t n) {
+__global__ void fp8_amax_kernel(float *amax, size_t stride, const bf16 *x, size_t n) {
+    x += blockIdx.y * n;
     float m = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * BLOCK_SIZE + threadIdx.x) * VEC; i < n; i += (size_t)gridDim.x * BLOCK_SIZE * VEC) {
         float v[VEC];
         load_input<GELU>(v, x + i);
         for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[j]));
     }
-    block_amax_update(amax, m);
+    block_amax_update(amax + blockIdx.y * stride, m);
+}
+
+// The amax kernel over count tensors of n elements each, at most AMAX_BLOCKS blocks in all.
+static int launch_amax(float *amax, size_t stride, const bf16 *x, bool gelu, int count, size_t n,
+                       cudaStream_t stream, char *err) {
+    unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE), cap = AMAX_BLOCKS / count > 0 ? AMAX_BLOCKS / count : 1;
+    if (blocks > cap) blocks = cap;
+    (gelu ? fp8_amax_kernel<true> : fp8_amax_kernel<false>)<<<dim3(blocks, count), BLOCK_SIZE, 0, stream>>>(
+        amax, stride, x, n);
+    LAUNCH_CHECK(err, "fp8_amax_kernel", "%d tensor(s) of %zu, gelu=%d", count, n, (int)gelu);
+    return 0;
+}
+
+int fp8_amax_stacked_cuda(float *amax, size_t amax_stride, const bf16 *x, int count, size_t n,
+                          cudaStream_t stream, char *err) {
+    if (count < 1 || count > 65535 || n == 0 || n % VEC || !aligned16(x) || (uintptr_t)amax % 4) {
+        dit_set_error(err, "fp8_amax_stacked_cuda: need 1 <= count <= 65535, n a positive multiple of %d, x 16-byte "
+                      "and amax 4-byte aligned (count=%d n=%zu)", VEC, count, n);
+        return -1;
+    }
+    return launch_amax(amax, amax_stride, x, false, count, n, stream, err);
 }
 
 // ---- quantize ------------------------------------------------------------------------------
@@ -140,12 +163,8 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool g
                     const float *given_amax, float *amax_scratch, cudaStream_t stream, char *err) {
     const float *amax = given_amax;
     if (!amax) {
-        size_t n = (size_t)R * C;
         CUDA_CHECK(err, cudaMemsetAsync(amax_scratch, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
-        unsigned int blocks = blocks_for(n / VEC, BLOCK_SIZE);
-        if (blocks > AMAX_BLOCKS) blocks = AMAX_BLOCKS;
-        (gelu ? fp8_amax_kernel<true> : fp8_amax_kernel<false>)<<<blocks, BLOCK_SIZE, 0, stream>>>(amax_scratch, x, n);
-        LAUNCH_CHECK(err, "fp8_amax_kernel", "R=%d C=%d gelu=%d", R, C, (int)gelu);
+        if (launch_amax(amax_scratch, 0, x, gelu, 1, (size_t)R * C, stream, err)) return -1;
         amax = amax_scratch;
     }
     dim3 grid(blocks_for(C, QTILE_C), blocks_for(fp8_padded_rows(R), QTILE_R));
@@ -294,8 +313,8 @@ cleanup:
 // ---- the layer -----------------------------------------------------------------------------
 // The forward of inp, or (gelu) of GELU(inp).
 static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const bf16 *weight, const bf16 *bias, int M,
-                   int IC, int OC, const Fp8Saved *save, const float *inp_amax, void *workspace,
-                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                   int IC, int OC, const Fp8Saved *save, const float *inp_amax, const float *weight_amax,
+                   void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (check_args(fn, gelu ? "pre_gelu" : "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
         check_saved(fn, "save", save, false, M, IC, err))
@@ -306,8 +325,8 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
     if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, gelu, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP,
                  stream, err))
         return -1;
-    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT, stream,
-                 err))
+    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, weight_amax, ws.amax + T_WEIGHT,
+                 stream, err))
         return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
@@ -318,37 +337,37 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
 
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                             int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                            void *workspace, size_t workspace_bytes,
+                            const float *weight_amax, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_amax, workspace,
-                   workspace_bytes, ctx, stream, err);
+    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_amax, weight_amax,
+                   workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
                                        int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                       void *workspace, size_t workspace_bytes,
+                                       const float *weight_amax, void *workspace, size_t workspace_bytes,
                                        const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return forward("linear_fp8_forward_gelu_input_cuda", out, pre_gelu, true, weight, bias, M, IC, OC, save,
-                   inp_amax, workspace, workspace_bytes, ctx, stream, err);
+                   inp_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                                  int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                 float *out_amax, void *workspace, size_t workspace_bytes,
+                                 const float *weight_amax, float *out_amax, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, workspace, workspace_bytes,
-                                ctx, stream, err))
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax, workspace,
+                                workspace_bytes, ctx, stream, err))
         return -1;
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
 }
 
 // dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight = dweight_beta·dweight +
 // doutᵀ·inp (inp: the forward's saved inpᵀ and scale); dbias += Σ_m dout. dout_amax: max |dout| or
-// NULL (computed here).
+// NULL (computed here); weight_amax likewise.
 static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                     const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, int M, int IC, int OC,
-                    Fp8Format grad_format, const float *dout_amax, void *workspace, size_t workspace_bytes,
-                    const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                    Fp8Format grad_format, const float *dout_amax, const float *weight_amax, void *workspace,
+                    size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
         dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
@@ -367,8 +386,8 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
-        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, NULL, ws.amax + T_WEIGHT,
-                     stream, err))
+        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, weight_amax,
+                     ws.amax + T_WEIGHT, stream, err))
             return -1;
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
@@ -384,21 +403,21 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
 int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                             void *workspace, size_t workspace_bytes,
+                             const float *weight_amax, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, inp, weight, M,
-                    IC, OC, grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err);
+                    IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                                   float *dpre_amax, float *dpre_dbias, void *workspace, size_t workspace_bytes,
-                                   const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                                   const float *weight_amax, float *dpre_amax, float *dpre_dbias, void *workspace,
+                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (its amax, and the
     // next layer's dbias in the same pass when asked)
     if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, inp, weight, M,
-                 IC, OC, grad_format, dout_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
+                 IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
     if (dpre_dbias)
         return gelu_backward_inplace_dbias_cuda(dpre, pre_gelu, dpre_dbias, M, IC, dpre_amax, ctx, stream, err);
     return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, dpre_amax, stream, err);

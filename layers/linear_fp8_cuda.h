@@ -10,8 +10,10 @@
 // forward can also keep its quantized input for the backward (Fp8Saved), which then reads that
 // copy instead of quantizing inp again. A caller whose kernel wrote inp (or dout) can take its
 // amax on the way (layers/cuda_common.cuh, amax_update) and pass it (inp_amax, dout_amax): the
-// call then skips its own amax pass; the scale, the bytes and the result are the same. NULL: the
-// call computes the amax itself.
+// call then skips its own amax pass; the scale, the bytes and the result are the same. Likewise
+// weight_amax: a caller that keeps the weights' amax (a model takes all of its weight stacks' in
+// one fp8_amax_stacked_cuda per step, for the forward and the backward) saves the call's memset
+// and amax pass. NULL: the call computes the amax itself (a one-float memset, then the reduction).
 // ±inf saturates to ±FP8_MAX (as round_to_e4m3 / round_to_e5m2); NaN stays NaN.
 // Requirements: M >= 1 (any M: the dweight GEMM reduces over M, and its transposed operands have
 // Mp = fp8_padded_rows(M) columns, the pad columns zero), IC and OC multiples of 16 (cuBLASLt FP8
@@ -45,10 +47,11 @@ size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 // out (M, OC) = inp (M, IC)·weightᵀ (OC, IC) + bias (OC); bias (bf16, may be NULL) in the epilogue.
 // save: NULL, or where to keep inp's quantized transposed copy and scale for the backward (the
 // same quantization pass writes both copies: 1 byte more per element than without).
-// inp_amax: NULL, or a device float holding max |inp| (exactly: it sets the scale).
+// inp_amax: NULL, or a device float holding max |inp| (exactly: it sets the scale); weight_amax:
+// NULL, or one holding max |weight|.
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                             int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                            void *workspace, size_t workspace_bytes,
+                            const float *weight_amax, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's second layer reading GELU(pre_gelu) (M, IC) without it being stored: the same as
 // gelu_forward_cuda into a buffer and linear_fp8_forward_cuda from it, bit for bit, but the
@@ -56,7 +59,7 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
 // max |GELU(pre_gelu)|.
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
                                        int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                       void *workspace, size_t workspace_bytes,
+                                       const float *weight_amax, void *workspace, size_t workspace_bytes,
                                        const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
@@ -65,7 +68,7 @@ int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf
 // raises to max(*out_amax, max |out|) (for the next FP8 linear, which reads out).
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                                  int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                 float *out_amax, void *workspace, size_t workspace_bytes,
+                                 const float *weight_amax, float *out_amax, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) = dinp_beta·dinp + dout·weight (1: accumulate; 0: write, as linear_backward_cuda);
 // dweight (fp32) = dweight_beta·dweight + doutᵀ·inp (likewise); dbias (fp32) += Σ_m dout (from the bf16
@@ -73,11 +76,11 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
 // copy is the dweight GEMM's operand, as if quantized here). dout is quantized to grad_format
 // (FP8_E5M2 as Transformer Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and
 // dbias may be NULL; dbias needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
-// dout_amax: NULL, or a device float holding max |dout|.
+// dout_amax: NULL, or a device float holding max |dout|; weight_amax: NULL, or max |weight|.
 int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
                              const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                             void *workspace, size_t workspace_bytes,
+                             const float *weight_amax, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The MLP's second layer as linear_dgelu_backward_cuda: dpre (M, IC) = (dout·weight)∘GELU'(pre_gelu)
@@ -90,7 +93,8 @@ int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
                                    int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                                   float *dpre_amax, float *dpre_dbias, void *workspace, size_t workspace_bytes,
+                                   const float *weight_amax, float *dpre_amax, float *dpre_dbias, void *workspace,
+                                   size_t workspace_bytes,
                                    const LayersCuda *ctx, cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
@@ -100,6 +104,13 @@ int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_bet
 // amax_scratch: one device float of scratch.
 int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err);
+
+// amax[i·amax_stride] = max(amax[i·amax_stride], max |x[i·n .. (i+1)·n)|) for i < count: the amax
+// of count tensors of n bf16 each, stored one after another (a stack of per-block weights), in one
+// launch. It raises what is there: the caller zeroes the slots first (one memset for many), and the
+// result is exact (the max is order-free). n a multiple of 8, x 16-byte aligned, count <= 65535.
+int fp8_amax_stacked_cuda(float *amax, size_t amax_stride, const bf16 *x, int count, size_t n,
+                          cudaStream_t stream, char *err);
 
 #ifdef __cplusplus
 }

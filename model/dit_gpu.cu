@@ -138,7 +138,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
         TAKE(ar, a->ln1_fp8t, L * h * Mp); TAKE(ar, a->att_merged_fp8t, L * h * Mp);
         TAKE(ar, a->ln2_fp8t, L * h * Mp); TAKE(ar, a->gelu_fp8t, L * 4 * h * Mp);
         TAKE(ar, a->fp8_scales, L * 4 * FP8_SCALE_SLOT);
-        TAKE(ar, a->fp8_amax, 2 * L * 4);
+        TAKE(ar, a->fp8_amax, 3 * L * 4);
         m->fp8_saved_bytes = arena.used - first;
     }
     // sequence parallelism
@@ -970,15 +970,21 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 #define FP8_GRAD_FORMAT FP8_E4M3
 
 // Block l's FP8 inputs saved by the forward for the backward (m->acts: ln1_fp8t .. fp8_scales):
-// (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear; and where the
-// kernels that write the linears' inputs and douts leave their amax (acts.fp8_amax). bf16, or
-// fp8_fused_inputs off: the amax pointers NULL (the producers run without it, the linears take
-// their own); bf16: the saved copies NULL too, unused.
+// (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear; and the amax slots
+// (acts.fp8_amax) of the linears' inputs, weights and douts. bf16, or fp8_fused_inputs off: the amax
+// pointers NULL (the producers run without it, the linears take their own); bf16: the saved
+// copies NULL too, unused.
 typedef struct { float *qkv, *proj, *fc1, *fc2; } Fp8Amax;
 typedef struct {
     Fp8Saved qkv, proj, fc1, fc2;
-    Fp8Amax inp_amax, dout_amax;
+    Fp8Amax inp_amax, weight_amax, dout_amax;
 } BlockFp8Inputs;
+
+// The amax slots of block l's linears: their inputs (which = 0), weights (1) or douts (2).
+static Fp8Amax fp8_amax_slots(const DitGpu *m, int which, int l) {
+    float *at = m->acts.fp8_amax + ((size_t)which * m->cfg.depth + l) * 4;
+    return (Fp8Amax){at, at + 1, at + 2, at + 3};
+}
 
 static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     BlockFp8Inputs in = {};
@@ -991,31 +997,45 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     in.fc1 = (Fp8Saved){a->ln2_fp8t + stride, scales + 2 * FP8_SCALE_SLOT};
     in.fc2 = (Fp8Saved){a->gelu_fp8t + 4 * stride, scales + 3 * FP8_SCALE_SLOT};
     if (m->fp8_fused_inputs) {
-        float *fwd = a->fp8_amax + (size_t)l * 4, *bwd = a->fp8_amax + (size_t)(m->cfg.depth + l) * 4;
-        in.inp_amax = (Fp8Amax){fwd, fwd + 1, fwd + 2, fwd + 3};
-        in.dout_amax = (Fp8Amax){bwd, bwd + 1, bwd + 2, bwd + 3};
+        in.inp_amax = fp8_amax_slots(m, 0, l);
+        in.weight_amax = fp8_amax_slots(m, 1, l);
+        in.dout_amax = fp8_amax_slots(m, 2, l);
     }
     return in;
 }
 
-// Zeroes the forward's (which = 0) or the backward's (1) amax slots of every block (FP8 with
-// fp8_fused_inputs; else nothing).
-static int zero_fp8_amax(const DitGpu *m, int which, char *err) {
+// The forward's amax slots (inputs and weights) of every block zeroed, then the weights' amax
+// taken, one pass per weight stack (fp8_amax_stacked_cuda); or (backward) the douts' slots zeroed.
+// FP8 with fp8_fused_inputs; else nothing.
+static int forward_fp8_amax(const DitGpu *m, const DitGpuWeights *w, char *err) {
     if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
-    size_t count = (size_t)m->cfg.depth * 4;
-    CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax + which * count, 0, count * sizeof(float), m->stream),
-               "zeroing %zu FP8 amax slots", count);
+    int L = m->cfg.depth;
+    size_t h = m->cfg.hidden;
+    Fp8Amax wa = fp8_amax_slots(m, 1, 0);
+    CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax, 0, (size_t)2 * L * 4 * sizeof(float), m->stream),
+               "zeroing %d FP8 amax slots", 2 * L * 4);
+    TRY(fp8_amax_stacked_cuda(wa.qkv, 4, w->qkv_w, L, 3 * h * h, m->stream, err));
+    TRY(fp8_amax_stacked_cuda(wa.proj, 4, w->proj_w, L, h * h, m->stream, err));
+    TRY(fp8_amax_stacked_cuda(wa.fc1, 4, w->fc1_w, L, 4 * h * h, m->stream, err));
+    return fp8_amax_stacked_cuda(wa.fc2, 4, w->fc2_w, L, 4 * h * h, m->stream, err);
+}
+
+static int backward_fp8_amax(const DitGpu *m, char *err) {
+    if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
+    CUDA_CHECK(err, cudaMemsetAsync(fp8_amax_slots(m, 2, 0).qkv, 0, (size_t)m->cfg.depth * 4 * sizeof(float),
+                                    m->stream), "zeroing %d FP8 amax slots", m->cfg.depth * 4);
     return 0;
 }
 
 // out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
 // (also by the sampling forwards: harmless, every training step runs its own forward first);
-// inp_amax: max |inp| from inp's producer, or NULL
+// inp_amax: max |inp| from inp's producer, or NULL; weight_amax: max |weight| (forward_fp8_amax), or NULL
 static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax, char *err) {
+                                int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
+                                const float *weight_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, m->fp8_workspace,
-                                       m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax,
+                                       m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
@@ -1029,12 +1049,12 @@ static bf16 *gelu_block(const DitGpu *m, int l, size_t blk) {
 // recomputes it from pre_gelu: block_linear_gelu_input_forward)
 static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
                                      const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
-                                     const float *inp_amax, char *err) {
+                                     const float *inp_amax, const float *weight_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
-        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, err);
+        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax, err);
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, NULL,
-                                            m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax,
+                                            NULL, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
@@ -1042,23 +1062,24 @@ static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu,
 // inputs) from pre_gelu, its quantization recomputing GELU
 static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf16 *gelu, const bf16 *pre_gelu,
                                            const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
-                                           const Fp8Saved *save, char *err) {
+                                           const Fp8Saved *save, const float *weight_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
-        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, NULL,
+        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, NULL, weight_amax,
                                                   m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, err);
+    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, weight_amax, err);
 }
 
 // dinp = dout·weight (written: a block linear's input gradient has no other contribution);
 // dweight = wb·dweight + doutᵀ·inp (FP8: from the forward's saved copy; wb 1 accumulates, 0 writes);
-// dbias += Σ dout; dout_amax: max |dout| from dout's producer, or NULL
+// dbias += Σ dout; dout_amax: max |dout| from dout's producer, or NULL; weight_amax: the forward's
+// max |weight|, or NULL
 static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float wb, float *dbias,
                                  const bf16 *dout, const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M,
-                                 int IC, int OC, const float *dout_amax, char *err) {
+                                 int IC, int OC, const float *dout_amax, const float *weight_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, saved, weight, M, IC, OC,
-                                        FP8_GRAD_FORMAT, dout_amax, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
-                                        m->stream, err);
+                                        FP8_GRAD_FORMAT, dout_amax, weight_amax, m->fp8_workspace,
+                                        m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
 }
 
@@ -1068,11 +1089,12 @@ static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, fl
 static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float wb, float *dbias,
                                        const bf16 *dout, const bf16 *inp, const Fp8Saved *saved,
                                        const bf16 *pre_gelu, const bf16 *weight, int M, int IC, int OC,
-                                       const float *dout_amax, float *dpre_amax, float *dpre_dbias, char *err) {
+                                       const float *dout_amax, const float *weight_amax, float *dpre_amax,
+                                       float *dpre_dbias, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
-                                              FP8_GRAD_FORMAT, dout_amax, dpre_amax, dpre_dbias, m->fp8_workspace,
-                                              m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+                                              FP8_GRAD_FORMAT, dout_amax, weight_amax, dpre_amax, dpre_dbias,
+                                              m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
                                       m->stream, err);
 }
@@ -1115,7 +1137,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     // the modulations of all blocks in one GEMM: (B, depth·6h)
     TRY(linear_forward_cuda(a->ada, a->c_silu, w->ada_w, w->ada_b, B, h, stride, ctx, s, err));
 
-    TRY(zero_fp8_amax(m, 0, err));
+    TRY(forward_fp8_amax(m, w, err));
     for (int l = 0; l < L; l++) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
@@ -1130,10 +1152,10 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
                                             B, T, h, stride, q8.inp_amax.qkv, s, err));
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
-                                 BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, err));
+                                 BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, q8.weight_amax.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
-        // output in att_merged: written there by the attention itself (attention_merged; the FP8
-        // projection then takes the amax of its input itself), or merged from the heads
+        // output in att_merged: written there by the attention itself (attention_merged; its amax then
+        // by a pass of its own), or merged from the heads (with the amax)
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
         } else {
@@ -1143,8 +1165,10 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         if (!attention_merged(m))
             TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : a->att + l * blk, B, T, H, D,
                                          q8.inp_amax.proj, s, err));
+        if (attention_merged(m) && q8.inp_amax.proj)
+            TRY(fp8_amax_stacked_cuda(q8.inp_amax.proj, 0, att_merged, 1, blk, s, err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                 BT, h, h, &q8.proj, attention_merged(m) ? NULL : q8.inp_amax.proj, err));
+                                 BT, h, h, &q8.proj, q8.inp_amax.proj, q8.weight_amax.proj, err));
         TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
 
         // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
@@ -1153,9 +1177,10 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
                                             ada + 3 * h, ada + 4 * h, B, T, h, stride, q8.inp_amax.fc1, s, err));
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1, err));
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1,
+                                      q8.weight_amax.fc1, err));
         TRY(block_linear_gelu_input_forward(m, fc2, gelu, fc1, w->fc2_w + (size_t)l * 4 * h * h,
-                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, err));
+                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, q8.weight_amax.fc2, err));
         TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
     }
 
@@ -1245,7 +1270,7 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
     TRY(linear_backward_cuda(g->c_silu, 1.0f, dw->final_ada_w, 1.0f, dw->final_ada_b, g->final_ada_bf16, a->c_silu,
                              w->final_ada_w, B, h, 2 * h, ctx, s, err));
 
-    TRY(zero_fp8_amax(m, 1, err));
+    TRY(backward_fp8_amax(m, err));
     // The blocks. g->residual holds dL/dx_next on entry and dL/dx on exit: the residual adds of
     // x_next = x_mid + … and x_mid = x + … pass the gradient through unchanged (dres = NULL),
     // and the LayerNorm backwards add their part into it.
@@ -1269,10 +1294,10 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, wb, NULL,
                                         g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
                                         w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
-                                        q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
+                                        q8.weight_amax.fc2, q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, wb, dbias_in_dgelu ? NULL : fc1_dbias,
                                   g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
-                                  q8.dout_amax.fc1, err));
+                                  q8.dout_amax.fc1, q8.weight_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
                                              ctx, s, err));
@@ -1283,7 +1308,7 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
                                          err));
         TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, wb, NULL,
                                   g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
-                                  q8.dout_amax.proj, err));
+                                  q8.dout_amax.proj, q8.weight_amax.proj, err));
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split
         // into heads
         if (!attention_merged(m)) TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
@@ -1300,7 +1325,7 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, wb, dw->qkv_b + (size_t)l * 3 * h,
                                   g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
-                                  q8.dout_amax.qkv, err));
+                                  q8.dout_amax.qkv, q8.weight_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));

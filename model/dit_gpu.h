@@ -91,10 +91,12 @@ typedef struct {
     // gelu (fc2); their scales (depth, 4 linears), each float alone in a 256-byte slot
     uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
     float *fp8_scales;
-    // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (2, depth, 4 linears: qkv,
+    // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (3, depth, 4 linears: qkv,
     // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2; fc2's slot unused: fc2 takes the
-    // amax of GELU(fc1) itself), [1] their douts; taken by the kernels that write those tensors
-    // (zeroed at the start of each forward / backward)
+    // amax of GELU(fc1) itself), taken by the kernels that write them (att_merged's by a pass of
+    // its own when the attention writes it); [1] their weights, taken at the start of the forward
+    // and read by the backward too; [2] their douts, taken by the kernels that write them.
+    // [0] and [1] are zeroed at the start of each forward, [2] of each backward
     float *fp8_amax;
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
@@ -175,7 +177,8 @@ typedef struct {
     size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_amax)
     int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs fused with
                                        // their producers: the kernels that write them take their amax
-                                       // (acts.fp8_amax), and GELU(fc1) is not stored at all (fc2's
+                                       // (acts.fp8_amax; the weights' too, one pass per weight stack
+                                       // and step), and GELU(fc1) is not stored at all (fc2's
                                        // quantization recomputes it). 0: each linear reads a stored bf16
                                        // input and takes its amax in a pass of its own (bitwise the same
                                        // results: test_dit_fp8_cuda compares the two)

@@ -165,12 +165,12 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     float *y_ref = host_floats(ny);
     linear_fp8_forward(y_ref, x, w, b, M, IC, OC);
     bf16 *d_y = poisoned(ny * sizeof(bf16));
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
     expect_quantized(NULL, saved.qt, saved.scale, x, M, IC, FP8_E4M3, "the forward's saved inp");
     linear_fp8_forward(y_ref, x, w, NULL, M, IC, OC);
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward (no bias) M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
 
@@ -184,7 +184,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, d_db, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
@@ -198,14 +198,14 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // dinp_beta 0 writes dinp (poisoned first: NaN if it were read): the increment alone
     CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
-    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));   // (d_dw is reset below)
     snprintf(name, sizeof name, "fp8 backward (%s) dinp written (beta 0) M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx_inc, nx, TOL_OUT, name);
 
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
@@ -214,11 +214,11 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // dweight_beta 0 writes dweight: bitwise the sum into zeros (the written one poisoned first)
     CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     float *into_zeros = download_f32(d_dw, nw);
     CK(cudaMemset(d_dw, 0xFF, nw * sizeof(float)));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 0.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, workspace,
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 0.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad_format, NULL, NULL, workspace,
                                 workspace_bytes, &ctx, 0, err));
     cr_expect_eq(memcmp(download_f32(d_dw, nw), into_zeros, nw * sizeof(float)), 0,
                  "fp8 backward (%s) dweight written (beta 0) M=%d IC=%d OC=%d: not bitwise the sum into zeros", g, M,
@@ -232,7 +232,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     bf16 *d_act = poisoned(ny * sizeof(bf16));
     CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
     Fp8Saved saved_gelu = poisoned_saved(M, IC);
-    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, NULL, NULL, workspace, workspace_bytes,
+    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, NULL, NULL, NULL, workspace, workspace_bytes,
                                     &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward+GELU pre-activation M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
@@ -246,7 +246,7 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
     OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, 1.0f, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, M, IC, OC,
-                                      grad_format, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+                                      grad_format, NULL, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
     dw = download_f32(d_dw, nw);
@@ -310,7 +310,7 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
         OK(linear_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &ctx, 0, err));
         float *y_ref = download_bf16(d_y, ny);
         CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
-        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, workspace, workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
         snprintf(name, sizeof name, "%s out (M=%d IC=%d OC=%d)", layers[l].name, M, IC, OC);
         expect_near_bf16(download_bf16(d_y, ny), y_ref, ny, 0.06, name);
 
@@ -323,7 +323,7 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, workspace,
+            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, M, IC, OC, grad, NULL, NULL, workspace,
                                         workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
@@ -341,29 +341,29 @@ Test(linear_fp8, rejects_bad_arguments) {
     void *ws = (void *)8192;
     Fp8Saved saved = {(uint8_t *)4096, (float *)4352}, misaligned = {(uint8_t *)4104, (float *)4352};
     size_t need = linear_fp8_workspace_bytes(64, 64, 64);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_cuda") && strstr(err, "multiples of 16"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "M >= 1"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need - 1, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, NULL, ws, need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "workspace"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p + 1, &saved, p, 64, 64, 64, FP8_E5M2, NULL, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, ws, need, &fake, 0,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, NULL, p, 64, 64, 64, FP8_E5M2, NULL, NULL, ws, need, &fake, 0,
                                           err), -1);
     cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, ws, need,
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, &saved, p, 64, 64, 64, (Fp8Format)7, NULL, NULL, ws, need,
                                           &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, ws, need, NULL, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, NULL, ws, need, NULL, 0, err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, 1.0f, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, ws,
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, 1.0f, NULL, p, &saved, p, p, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, NULL, ws,
                                                 need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, ws, need, &fake, 0,
+    cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, NULL, ws, need, &fake, 0,
                                                     err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_gelu_input_cuda: pre_gelu and weight"), "message: %s", err);
 }
@@ -412,6 +412,34 @@ static void expect_amax_of(const float *d_amax, const bf16 *d_x, size_t n, float
     float got = download_f32(d_amax, 1)[0], want = host_amax(download_bf16(d_x, n), n);
     cr_expect(memcmp(&got, &want, sizeof got) == 0, "%s: amax %.9g, the output's is %.9g", name, got, want);
     cr_expect(want == outlier, "%s: the planted largest value %.9g is not the amax %.9g", name, outlier, want);
+}
+
+// fp8_amax_stacked_cuda: each of three stacked tensors' amax into its slot (stride 4; the slots
+// between untouched), raising what is there: slot 1 starts above its tensor's amax and keeps its
+// value. Each tensor's largest value is planted at a different place (first, middle, last
+// element), the stack's global max in tensor 2.
+Test(linear_fp8, stacked_amax_raises_each_slot) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 48);
+    const int count = 3;
+    const size_t n = 40000;            // a multiple of 8, not of the block's 2048
+    float *x = randn_bf16(&rng, count * n, 1.0f);
+    x[0] = -9.0f;                      // tensor 0: its first element, negative
+    x[n + n / 2] = 7.5f;               // tensor 1: the middle
+    x[3 * n - 1] = 12.0f;              // tensor 2: its last element
+    float slots[4 * count];
+    for (int i = 0; i < 4 * count; i++) slots[i] = -1.0f;
+    slots[0] = 0.0f, slots[4] = 100.0f, slots[8] = 0.0f;
+    float *d_slots = upload_f32(slots, 4 * count);
+    OK(fp8_amax_stacked_cuda(d_slots, 4, upload_bf16(x, count * n), count, n, 0, err));
+    float *got = download_f32(d_slots, 4 * count), want[3] = {9.0f, 100.0f, 12.0f};
+    for (int t = 0; t < count; t++) {
+        cr_expect(got[4 * t] == want[t], "tensor %d: amax slot %g, want %g", t, got[4 * t], want[t]);
+        for (int j = 1; j < 4; j++) cr_expect(got[4 * t + j] == -1.0f, "slot %d between the strided ones changed", 4 * t + j);
+    }
+    cr_expect_eq(fp8_amax_stacked_cuda(d_slots, 4, upload_bf16(x, n), 1, 100, 0, err), -1);   // 100 % 8 != 0
+    cr_expect(strstr(err, "fp8_amax_stacked_cuda") && strstr(err, "multiple of 8"), "message: %s", err);
 }
 
 Test(linear_fp8, gelu_takes_the_amax_of_its_output) {
@@ -506,10 +534,11 @@ Test(linear_fp8, merge_heads_takes_the_amax_of_its_output) {
     }
 }
 
-// The layer given the amax (the exact one) writes the bytes it writes when it takes the amax
-// itself: the saved inpᵀ and scale, out, dinp, dweight, dbias, and the GELU variants' outputs,
-// whose own amax (out_amax, dpre_amax) is exact. A given amax larger than the true one sets the
-// scale (the layer uses it rather than computing its own).
+// The layer given the amax (the exact one: inp's or dout's, and the weight's) writes the bytes it
+// writes when it takes the amax itself: the saved inpᵀ and scale, out, dinp, dweight, dbias, and the
+// GELU variants' outputs, whose own amax (out_amax, dpre_amax) is exact. A given amax larger than
+// the true one sets the scale (the layer uses it rather than computing its own): inp's, seen in the
+// saved scale, and the weight's, seen in out (a factor 1024: the weights' small values lose bits).
 Test(linear_fp8, given_amax_gives_the_same_bytes) {
     REQUIRE_GPU();
     Rng rng;
@@ -519,16 +548,21 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     float *x = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.05f), *b = randn_bf16(&rng, OC, 0.1f);
     float *dy = randn_bf16(&rng, ny, 0.01f);
     bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_b = upload_bf16(b, OC), *d_dy = upload_bf16(dy, ny);
-    float x_amax = host_amax(x, nx), dy_amax = host_amax(dy, ny), big = 4 * x_amax;
+    float x_amax = host_amax(x, nx), dy_amax = host_amax(dy, ny), w_amax = host_amax(w, nw), big = 4 * x_amax;
+    float w_big = 1024 * w_amax;   // (4x would only shift the exponents: the same products)
     float *d_x_amax = upload_f32(&x_amax, 1), *d_dy_amax = upload_f32(&dy_amax, 1), *d_big = upload_f32(&big, 1);
-    Fp8Saved s[3] = {poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC)};
-    bf16 *y[3];
-    for (int k = 0; k < 3; k++) y[k] = poisoned(ny * sizeof(bf16));
-    OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, workspace, workspace_bytes, &ctx, 0, err));
-    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], d_x_amax, workspace, workspace_bytes, &ctx, 0,
+    float *d_w_amax = upload_f32(&w_amax, 1), *d_w_big = upload_f32(&w_big, 1);
+    Fp8Saved s[4] = {poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC)};
+    bf16 *y[4];
+    for (int k = 0; k < 4; k++) y[k] = poisoned(ny * sizeof(bf16));
+    OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, NULL, workspace, workspace_bytes, &ctx, 0,
                                err));
-    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], d_big, workspace, workspace_bytes, &ctx, 0,
+    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], d_x_amax, d_w_amax, workspace, workspace_bytes,
+                               &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], d_big, NULL, workspace, workspace_bytes, &ctx, 0,
                                err));
+    OK(linear_fp8_forward_cuda(y[3], d_x, d_w, d_b, M, IC, OC, &s[3], NULL, d_w_big, workspace, workspace_bytes, &ctx,
+                               0, err));
     expect_same_bytes(s[1].qt, s[0].qt, (size_t)IC * Mp, "forward's saved inpᵀ with inp_amax");
     expect_same_bytes(s[1].scale, s[0].scale, sizeof(float), "forward's saved scale with inp_amax");
     expect_same_bytes(y[1], y[0], ny * sizeof(bf16), "forward's out with inp_amax");
@@ -536,6 +570,8 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     cr_expect(scale_big == ldexpf(1.0f, fp8_scale_exponent(big, FP8_E4M3)),
               "a given amax %g must set the scale: got %g, want %g", big, scale_big,
               ldexpf(1.0f, fp8_scale_exponent(big, FP8_E4M3)));
+    cr_expect(memcmp(download_bf16(y[3], ny), download_bf16(y[0], ny), ny * sizeof(bf16)) != 0,
+              "a given weight amax 1024x the true one must change the weight's quantization (out the same)");
 
     // backward from the same saved copy, with and without dout_amax
     bf16 *dx[2];
@@ -545,7 +581,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dw[k] = zeroed(nw * sizeof(float));
         db[k] = zeroed(OC * sizeof(float));
         OK(linear_fp8_backward_cuda(dx[k], 1.0f, dw[k], 1.0f, db[k], d_dy, &s[0], d_w, M, IC, OC, FP8_E4M3,
-                                    k ? d_dy_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
+                                    k ? d_dy_amax : NULL, k ? d_w_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp with dout_amax");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dweight with dout_amax");
@@ -558,7 +594,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         act[k] = poisoned(ny * sizeof(bf16));
         pre[k] = poisoned(ny * sizeof(bf16));
         OK(linear_fp8_gelu_forward_cuda(act[k], pre[k], d_x, d_w, d_b, M, IC, OC, &s[0], k ? d_x_amax : NULL,
-                                        k ? act_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
+                                        k ? d_w_amax : NULL, k ? act_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(act[1], act[0], ny * sizeof(bf16), "GELU forward's out with amax");
     expect_same_bytes(pre[1], pre[0], ny * sizeof(bf16), "GELU forward's pre-activation with amax");
@@ -569,13 +605,13 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     float *dy2 = randn_bf16(&rng, nx, 0.01f), dy2_amax = host_amax(dy2, nx);
     bf16 *d_dy2 = upload_bf16(dy2, nx), *d_w2 = upload_bf16(w, nw);
     float *d_dy2_amax = upload_f32(&dy2_amax, 1);
-    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, act_amax, workspace, workspace_bytes, &ctx,
+    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, act_amax, NULL, workspace, workspace_bytes, &ctx,
                                0, err));
     for (int k = 0; k < 2; k++) {
         dpre[k] = poisoned(ny * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
         OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], 1.0f, NULL, d_dy2, &s_act, pre[0], d_w2, M, OC, IC, FP8_E4M3,
-                                          k ? d_dy2_amax : NULL, k ? dpre_amax : NULL, NULL, workspace,
+                                          k ? d_dy2_amax : NULL, k ? d_w_amax : NULL, k ? dpre_amax : NULL, NULL, workspace,
                                           workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dpre[1], dpre[0], ny * sizeof(bf16), "dGELU backward's dpre with amax");
@@ -600,13 +636,16 @@ Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
     float *act_amax = zeroed_amax();
     Fp8Saved s_ref = poisoned_saved(M, IC);
     OK(gelu_forward_cuda(act, d_pre, n, act_amax, 0, err));
-    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, workspace, workspace_bytes, &ctx, 0,
+    float *w_amax = zeroed_amax();
+    OK(fp8_amax_stacked_cuda(w_amax, 0, d_w, 1, (size_t)OC * IC, 0, err));
+    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, NULL, workspace, workspace_bytes, &ctx, 0,
                                err));
     for (int k = 0; k < 2; k++) {
         bf16 *y = poisoned(ny * sizeof(bf16));
         Fp8Saved s = poisoned_saved(M, IC);
-        OK(linear_fp8_forward_gelu_input_cuda(y, d_pre, d_w, d_b, M, IC, OC, &s, k ? act_amax : NULL, workspace,
-                                              workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_forward_gelu_input_cuda(y, d_pre, d_w, d_b, M, IC, OC, &s, k ? act_amax : NULL,
+                                              k ? w_amax : NULL, workspace, workspace_bytes,
+                                              &ctx, 0, err));
         const char *how = k ? "amax given" : "own amax";
         char what[96];
         snprintf(what, sizeof what, "gelu input, %s: out", how);
