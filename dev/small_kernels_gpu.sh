@@ -66,7 +66,7 @@ run() {
     bc_times c_fp8_1 a_fp8_1
     bc_done
     # the step table (dev/bench_step.py: train_dit sage / bf16 / sage fp8, PyTorch eager and compile)
-    timeout 420 python3 dev/bench_step.py --configs c,a --compile --fp8 --rounds 2 --train-dit "$D/train_dit" \
+    timeout 400 python3 dev/bench_step.py --configs c,a --compile --fp8 --rounds 1 --train-dit "$D/train_dit" \
         > "$O/bench_step.txt" 2>&1
     echo "bench_step rc=$?"; tail -25 "$O/bench_step.txt"
 }
