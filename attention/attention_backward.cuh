@@ -140,17 +140,18 @@ static inline size_t attention_backward_workspace_bytes(int B, int H, int N) {
 static __global__ void attention_delta_kernel(float *delta, float *dq, int *turn, const __nv_bfloat16 *dout,
                                               const __nv_bfloat16 *out, size_t rows, int N, int D,
                                               int merged_heads) {
-    size_t row = (size_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= rows) return;
-    int lane = threadIdx.x % 32, q = (int)(row % N);
-    size_t at = attn_row_offset((int)(row / N), q, N, D, merged_heads);
+    // rows < 2^31 (attention_backward_prepare): 32-bit index arithmetic, no 64-bit divisions
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= (int)rows) return;
+    int lane = threadIdx.x % 32, q = row % N;
+    size_t at = attn_row_offset(row / N, q, N, D, merged_heads);
     float s = 0.0f;
     for (int d = lane * 2; d < D; d += 64) {
         float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)(dout + at + d));
         float2 b = __bfloat1622float2(*(const __nv_bfloat162 *)(out + at + d));
         s += a.x * b.x + a.y * b.y;
     }
-    for (int d = lane * 4; d < D; d += 128) *(float4 *)(dq + row * D + d) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int d = lane * 4; d < D; d += 128) *(float4 *)(dq + (size_t)row * D + d) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) delta[row] = s;
     if (turn && lane == 0 && q % BWD_BLOCK_M == 0)
@@ -165,6 +166,10 @@ static inline int attention_backward_prepare(AttnBwdArgs *a, void *workspace, co
                                              int deterministic, cudaStream_t stream, char *err) {
     int N = a->N;
     size_t rows = (size_t)BH * N;
+    if (rows >= (1ull << 31)) {
+        dit_set_error(err, "attention backward: need B·H·N < 2^31 rows (got B·H=%d N=%d)", BH, N);
+        return -1;
+    }
     a->dq_turn = deterministic ? (int *)((uint8_t *)workspace + attention_backward_turns_offset(BH, 1, N)) : NULL;
     if (a->delta) {
         SAGE_CUDA_CHECK(cudaMemsetAsync(a->dq, 0, rows * D * sizeof(float), stream), err, "cudaMemsetAsync(dq)");
