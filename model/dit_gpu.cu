@@ -1004,9 +1004,9 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
     return in;
 }
 
-// The forward's amax slots (inputs and weights) of every block zeroed, then the weights' amax
-// taken, one pass per weight stack (fp8_amax_stacked_cuda); or (backward) the douts' slots zeroed.
-// FP8 with fp8_fused_inputs; else nothing.
+// FP8 with fp8_fused_inputs (else nothing): the forward's amax slots (inputs and weights) of every
+// block zeroed, then the weights' amax taken, one pass per weight stack (fp8_amax_stacked_cuda). The
+// backward reads the weights' slots as they are (the weights do not change in between).
 static int forward_fp8_amax(const DitGpu *m, const DitGpuWeights *w, char *err) {
     if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
     int L = m->cfg.depth;
@@ -1020,6 +1020,8 @@ static int forward_fp8_amax(const DitGpu *m, const DitGpuWeights *w, char *err) 
     return fp8_amax_stacked_cuda(wa.fc2, 4, w->fc2_w, L, 4 * h * h, m->stream, err);
 }
 
+// FP8 with fp8_fused_inputs (else nothing): the douts' amax slots of every block zeroed, for the
+// kernels that write the douts.
 static int backward_fp8_amax(const DitGpu *m, char *err) {
     if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
     CUDA_CHECK(err, cudaMemsetAsync(fp8_amax_slots(m, 2, 0).qkv, 0, (size_t)m->cfg.depth * 4 * sizeof(float),
