@@ -134,6 +134,25 @@ __device__ inline void unpack_bf16x8(float x[VEC], Bf16x8 u) {
     }
 }
 
+// bf16(x[j]) packed as load_bf16x8_raw packs (round to nearest even, as store_bf16x8 rounds).
+__device__ inline Bf16x8 pack_bf16x8(const float x[VEC]) {
+    union { uint4 raw; __nv_bfloat162 pair[VEC / 2]; } u;
+    for (int j = 0; j < VEC / 2; j++) u.pair[j] = __floats2bfloat162_rn(x[2 * j], x[2 * j + 1]);
+    Bf16x8 packed;
+    packed.raw = u.raw;
+    return packed;
+}
+
+// p[j] = element j of u for j < n (n <= VEC): the raw twin of store_bf16x8.
+__device__ inline void store_bf16x8_raw(bf16 *p, Bf16x8 u, int n, bool vec) {
+    if (vec && n == VEC) {
+        *(uint4 *)p = u.raw;
+        return;
+    }
+    uint32_t w[VEC / 2] = {u.raw.x, u.raw.y, u.raw.z, u.raw.w};
+    for (int j = 0; j < n; j++) p[j] = __ushort_as_bfloat16((unsigned short)(w[j / 2] >> (16 * (j % 2))));
+}
+
 // p[j] = bf16(x[j]) for j < n (n <= VEC).
 __device__ inline void store_bf16x8(bf16 *p, const float x[VEC], int n, bool vec) {
     if (vec && n == VEC) {

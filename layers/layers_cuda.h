@@ -118,6 +118,16 @@ int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                                     const bf16 *inp, const bf16 *shift, const bf16 *scale,
                                     int B, int T, int C, int mod_stride, float *out_amax,
                                     cudaStream_t stream, char *err);
+// A gated residual and the LayerNorm-modulate of its result, in one pass over the rows (a DiT
+// block's x_mid = x + gate_msa·proj, then norm2(x_mid)): x_new (bf16) = res + gate_b·h, as
+// gated_residual_forward_cuda stores it; then out, mean, rstd (and out_amax) of
+// layernorm_modulate_forward_cuda on that x_new. Bitwise the two calls. gate: sample b at
+// b·gate_stride; shift, scale at b·mod_stride (C <= 4096, as above).
+int gated_residual_layernorm_modulate_forward_cuda(bf16 *x_new, bf16 *out, float *mean, float *rstd,
+                                                   const bf16 *res, const bf16 *h, const bf16 *gate,
+                                                   const bf16 *shift, const bf16 *scale, int B, int T, int C,
+                                                   int gate_stride, int mod_stride, float *out_amax,
+                                                   cudaStream_t stream, char *err);
 // dinp (bf16, may be NULL) += rstd·(dx̂ - mean_c(dx̂) - x̂·mean_c(dx̂·x̂)); dshift_b, dscale_b
 // (fp32, sample b at b·mod_stride) += Σ_t dout, Σ_t dout·x̂. The token sums are split over
 // blocks of rows whose partial sums go to ctx->scratch (as many splits as it holds, so the

@@ -1,6 +1,7 @@
 // LayerNorm without affine parameters fused with DiT's adaLN modulation (bf16 in and out,
-// statistics and reductions in fp32). Rows are read as 16-byte vectors of VEC bf16 where the
-// sizes and pointers allow (layers/cuda_common.cuh), element by element otherwise.
+// statistics and reductions in fp32), alone or after the gated residual that writes its input.
+// Rows are read as 16-byte vectors of VEC bf16 where the sizes and pointers allow
+// (layers/cuda_common.cuh), element by element otherwise.
 #include "layers/cuda_common.cuh"
 #include "layers/cuda_args.h"
 
@@ -11,32 +12,21 @@
 // Rows of up to LAYERNORM_MAX_C channels: one warp per row, lane l owns the vectors l, l + 32, ...
 // (VPL of them, the template's compile-time count: 1, 2, 4, 8 or 16) and keeps them in registers
 // between the passes, so each row is read from memory once, all its loads issued at once
-// (ptxas, sm_90a: forward 126 and dinp 168 registers at VPL 8, no spill; dinp at VPL 16, C > 2048,
-// spills 648 bytes).
+// (ptxas, sm_90a: forward 126, gated residual + forward 128 and dinp 168 registers at VPL 8, no
+// spill; dinp at VPL 16, C > 2048, spills 648 bytes).
 #define LAYERNORM_MAX_C (32 * VEC * 16)
 
+// One row, by the whole warp (rows leave by whole warps), its lane's vectors already in registers:
+// x (0 beyond C) and the sample's shift and scale; y is the row of out.
 // mean = Σx/C; rstd = 1/sqrt(Σ(x - mean)²/C + eps); x̂ = (x - mean)·rstd;
 // out = x̂·(1 + scale_b) + shift_b, sample b = row / T.
 // AMAX: *out_amax = max(*out_amax, max |out|) of the values stored (one update per row).
 template <bool AMAX, int VPL>
-__global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd, float *out_amax,
-                                                  const bf16 *inp, const bf16 *shift, const bf16 *scale,
-                                                  int rows, int T, int C, int mod_stride, bool vec) {
-    int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;   // whole warps leave together
-    const bf16 *x = inp + (size_t)row * C;
-    const bf16 *sh = shift + (size_t)(row / T) * mod_stride, *sc = scale + (size_t)(row / T) * mod_stride;
-    Bf16x8 xr[VPL], shr[VPL], scr[VPL];   // every load of the row issued at once
+__device__ __forceinline__ void layernorm_modulate_row(bf16 *y, float *mean, float *rstd, float *out_amax,
+                                                       const Bf16x8 (&xr)[VPL], const Bf16x8 (&shr)[VPL],
+                                                       const Bf16x8 (&scr)[VPL], int row, int lane, int C,
+                                                       bool vec) {
     float v[VEC], sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < VPL; k++) {
-        int c = (lane + 32 * k) * VEC;
-        if (c < C) {
-            xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
-            shr[k] = load_bf16x8_raw(sh + c, min(VEC, C - c), vec);
-            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
-        }
-    }
 #pragma unroll
     for (int k = 0; k < VPL; k++) {
         if ((lane + 32 * k) * VEC >= C) break;
@@ -53,7 +43,6 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
             if (c + j < C) sq += (v[j] - m) * (v[j] - m);
     }
     float s = rsqrtf(warp_sum(sq) / C + LAYERNORM_EPS);
-    bf16 *y = out + (size_t)row * C;
     float vmax = 0.0f;
 #pragma unroll
     for (int k = 0; k < VPL; k++) {
@@ -76,6 +65,75 @@ __global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float 
         rstd[row] = s;
         if (AMAX) amax_update(out_amax, vmax);
     }
+}
+
+// One warp per row: the row of inp, shift_b and scale_b loaded, then layernorm_modulate_row.
+template <bool AMAX, int VPL>
+__global__ void layernorm_modulate_forward_kernel(bf16 *out, float *mean, float *rstd, float *out_amax,
+                                                  const bf16 *inp, const bf16 *shift, const bf16 *scale,
+                                                  int rows, int T, int C, int mod_stride, bool vec) {
+    int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;   // whole warps leave together
+    const bf16 *x = inp + (size_t)row * C;
+    const bf16 *sh = shift + (size_t)(row / T) * mod_stride, *sc = scale + (size_t)(row / T) * mod_stride;
+    Bf16x8 xr[VPL], shr[VPL], scr[VPL];   // every load of the row issued at once
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {
+        int c = (lane + 32 * k) * VEC;
+        if (c < C) {
+            xr[k] = load_bf16x8_raw(x + c, min(VEC, C - c), vec);
+            shr[k] = load_bf16x8_raw(sh + c, min(VEC, C - c), vec);
+            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
+        }
+    }
+    layernorm_modulate_row<AMAX, VPL>(out + (size_t)row * C, mean, rstd, out_amax, xr, shr, scr, row, lane, C, vec);
+}
+
+// The gated residual and the LayerNorm-modulate of its result in one pass, one warp per row:
+// x_new = res + gate_b·h with gated_residual_forward_kernel's float ops and its one rounding to bf16,
+// stored; then layernorm_modulate_row on those bf16 values (the x_new a separate LayerNorm kernel
+// would read back): x_new, out, mean, rstd and the amax bitwise those of the two kernels.
+template <bool AMAX, int VPL>
+__global__ void gated_residual_layernorm_modulate_forward_kernel(
+    bf16 *x_new, bf16 *out, float *mean, float *rstd, float *out_amax, const bf16 *res, const bf16 *h,
+    const bf16 *gate, const bf16 *shift, const bf16 *scale, int rows, int T, int C, int gate_stride,
+    int mod_stride, bool vec) {
+    int row = blockIdx.x * ROWS_PER_BLOCK + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;   // whole warps leave together
+    size_t at = (size_t)row * C;
+    const bf16 *g = gate + (size_t)(row / T) * gate_stride;
+    const bf16 *sh = shift + (size_t)(row / T) * mod_stride, *sc = scale + (size_t)(row / T) * mod_stride;
+    Bf16x8 xr[VPL], hr[VPL], gr[VPL], shr[VPL], scr[VPL];
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {   // the streamed inputs: every load of the row issued at once
+        int c = (lane + 32 * k) * VEC;
+        if (c < C) {
+            xr[k] = load_bf16x8_raw(res + at + c, min(VEC, C - c), vec);
+            hr[k] = load_bf16x8_raw(h + at + c, min(VEC, C - c), vec);
+            gr[k] = load_bf16x8_raw(g + c, min(VEC, C - c), vec);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {   // x_new into xr (0 beyond C, as a load gives) and memory
+        int c = (lane + 32 * k) * VEC;
+        if (c >= C) break;
+        float r[VEC], hv[VEC], gv[VEC];
+        unpack_bf16x8(r, xr[k]);
+        unpack_bf16x8(hv, hr[k]);
+        unpack_bf16x8(gv, gr[k]);
+        for (int j = 0; j < VEC; j++) r[j] += gv[j] * hv[j];
+        xr[k] = pack_bf16x8(r);
+        store_bf16x8_raw(x_new + at + c, xr[k], min(VEC, C - c), vec);
+    }
+#pragma unroll
+    for (int k = 0; k < VPL; k++) {   // shift and scale (small, cached) arrive during the row's sums
+        int c = (lane + 32 * k) * VEC;
+        if (c < C) {
+            shr[k] = load_bf16x8_raw(sh + c, min(VEC, C - c), vec);
+            scr[k] = load_bf16x8_raw(sc + c, min(VEC, C - c), vec);
+        }
+    }
+    layernorm_modulate_row<AMAX, VPL>(out + at, mean, rstd, out_amax, xr, shr, scr, row, lane, C, vec);
 }
 
 // One warp per row (its x and dout in registers, as above): dx̂ = dout·(1 + scale_b);
@@ -212,6 +270,30 @@ int layernorm_modulate_forward_cuda(bf16 *out, float *mean, float *rstd,
                   T, C, mod_stride, vec);
 #undef FORWARD
     LAUNCH_CHECK(err, "layernorm_modulate_forward_kernel", "B=%d T=%d C=%d", B, T, C);
+    return 0;
+}
+
+int gated_residual_layernorm_modulate_forward_cuda(bf16 *x_new, bf16 *out, float *mean, float *rstd,
+                                                   const bf16 *res, const bf16 *h, const bf16 *gate,
+                                                   const bf16 *shift, const bf16 *scale, int B, int T, int C,
+                                                   int gate_stride, int mod_stride, float *out_amax,
+                                                   cudaStream_t stream, char *err) {
+    const char *fn = "gated_residual_layernorm_modulate_forward_cuda";
+    if (check_sizes(fn, B, T, C, mod_stride, err)) return -1;
+    if (gate_stride < C) {
+        dit_set_error(err, "%s: need gate_stride >= C (C=%d gate_stride=%d)", fn, C, gate_stride);
+        return -1;
+    }
+    int rows = B * T;
+    bool vec = C % VEC == 0 && gate_stride % VEC == 0 && mod_stride % VEC == 0 && aligned16(x_new) &&
+               aligned16(out) && aligned16(res) && aligned16(h) && aligned16(gate) && aligned16(shift) &&
+               aligned16(scale);
+#define FUSED(vpl) (out_amax ? gated_residual_layernorm_modulate_forward_kernel<true, vpl>                     \
+                             : gated_residual_layernorm_modulate_forward_kernel<false, vpl>)
+    LAUNCH_BY_VPL(FUSED, C, blocks_for(rows, ROWS_PER_BLOCK), x_new, out, mean, rstd, out_amax, res, h, gate, shift,
+                  scale, rows, T, C, gate_stride, mod_stride, vec);
+#undef FUSED
+    LAUNCH_CHECK(err, "gated_residual_layernorm_modulate_forward_kernel", "B=%d T=%d C=%d", B, T, C);
     return 0;
 }
 

@@ -1136,10 +1136,16 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     TRY(embedding_forward_cuda(a->y_emb, w->y_table, a->labels, B, h, s, err));
     TRY(add_forward_cuda(a->c, a->t_emb, a->y_emb, (size_t)B * h, s, err));
     TRY(silu_forward_cuda(a->c_silu, a->c, (size_t)B * h, s, err));
-    // the modulations of all blocks in one GEMM: (B, depth·6h)
+    // the modulations of all blocks in one GEMM: (B, depth·6h); the final layer's shift and scale: (B, 2h)
     TRY(linear_forward_cuda(a->ada, a->c_silu, w->ada_w, w->ada_b, B, h, stride, ctx, s, err));
+    TRY(linear_forward_cuda(a->final_ada, a->c_silu, w->final_ada_w, w->final_ada_b, B, h, 2 * h, ctx, s, err));
 
+    // Each LayerNorm after the first reads the residual stream that the gated residual before it
+    // writes: the two run as one kernel (gated_residual_layernorm_modulate_forward_cuda), which
+    // writes both the new residual stream and the LayerNorm's output. Block 0's norm1 runs alone.
     TRY(forward_fp8_amax(m, w, err));
+    TRY(layernorm_modulate_forward_cuda(a->ln1, a->ln1_mean, a->ln1_rstd, a->residual, a->ada, a->ada + h, B, T, h,
+                                        stride, block_fp8_inputs(m, 0).inp_amax.qkv, s, err));
     for (int l = 0; l < L; l++) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         bf16 *x = a->residual + l * blk, *x_next = a->residual + (l + 1) * blk;
@@ -1151,8 +1157,8 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
 
         // x_mid = x + gate_msa·proj(attention(qkv(modulate(norm1(x), shift_msa, scale_msa))))
-        TRY(layernorm_modulate_forward_cuda(ln1, a->ln1_mean + l * bt, a->ln1_rstd + l * bt, x, ada, ada + h,
-                                            B, T, h, stride, q8.inp_amax.qkv, s, err));
+        // (ln1 = modulate(norm1(x), shift_msa, scale_msa) is already there: block 0's above, block l's
+        // from the end of block l - 1)
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
                                  BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, q8.weight_amax.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
@@ -1171,26 +1177,36 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
             TRY(fp8_amax_stacked_cuda(q8.inp_amax.proj, 0, att_merged, 1, blk, s, err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
                                  BT, h, h, &q8.proj, q8.inp_amax.proj, q8.weight_amax.proj, err));
-        TRY(gated_residual_forward_cuda(x_mid, x, proj, ada + 2 * h, B, T, h, stride, s, err));
+        // x_mid = x + gate_msa·proj, and ln2 = modulate(norm2(x_mid), shift_mlp, scale_mlp)
+        TRY(gated_residual_layernorm_modulate_forward_cuda(x_mid, ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt,
+                                                           x, proj, ada + 2 * h, ada + 3 * h, ada + 4 * h, B, T,
+                                                           h, stride, stride, q8.inp_amax.fc1, s, err));
 
-        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(modulate(norm2(x_mid), shift_mlp, scale_mlp))))
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(ln2)))
         // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation.
         // FP8 with fused inputs: GELU(fc1) is not stored, fc2's quantization recomputes it.)
-        TRY(layernorm_modulate_forward_cuda(ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt, x_mid,
-                                            ada + 3 * h, ada + 4 * h, B, T, h, stride, q8.inp_amax.fc1, s, err));
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
                                       w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1,
                                       q8.weight_amax.fc1, err));
         TRY(block_linear_gelu_input_forward(m, fc2, gelu, fc1, w->fc2_w + (size_t)l * 4 * h * h,
                                             w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, q8.weight_amax.fc2, err));
-        TRY(gated_residual_forward_cuda(x_next, x_mid, fc2, ada + 5 * h, B, T, h, stride, s, err));
+        // x_next = x_mid + gate_mlp·fc2, and the LayerNorm that reads it: block l + 1's
+        // ln1 = modulate(norm1(x_next), shift_msa, scale_msa), or after the last block the final layer's
+        // lnf = modulate(norm(x_next), shift, scale)
+        if (l + 1 < L) {
+            const bf16 *ada_next = ada + 6 * h;
+            TRY(gated_residual_layernorm_modulate_forward_cuda(
+                x_next, a->ln1 + (l + 1) * blk, a->ln1_mean + (l + 1) * bt, a->ln1_rstd + (l + 1) * bt, x_mid, fc2,
+                ada + 5 * h, ada_next, ada_next + h, B, T, h, stride, stride, block_fp8_inputs(m, l + 1).inp_amax.qkv,
+                s, err));
+        } else {
+            TRY(gated_residual_layernorm_modulate_forward_cuda(x_next, a->lnf, a->lnf_mean, a->lnf_rstd, x_mid, fc2,
+                                                               ada + 5 * h, a->final_ada, a->final_ada + h, B, T,
+                                                               h, stride, 2 * h, NULL, s, err));
+        }
     }
 
-    // final layer: modulate(norm(x), shift, scale) -> linear to p·p·C per token -> image
-    const bf16 *x_last = a->residual + (size_t)L * blk;
-    TRY(linear_forward_cuda(a->final_ada, a->c_silu, w->final_ada_w, w->final_ada_b, B, h, 2 * h, ctx, s, err));
-    TRY(layernorm_modulate_forward_cuda(a->lnf, a->lnf_mean, a->lnf_rstd, x_last, a->final_ada,
-                                        a->final_ada + h, B, T, h, 2 * h, NULL, s, err));
+    // final layer: lnf (above) -> linear to p·p·C per token -> image
     TRY(linear_forward_cuda(a->out_tokens, a->lnf, w->final_w, w->final_b, BT, h, P, ctx, s, err));
     if (!sequence_parallel)
         return unpatchify_forward_cuda(a->out, a->out_tokens, B, c->channels, c->image_size, c->patch, s, err);

@@ -246,6 +246,15 @@ Test(cuda_api, layers_reject_bad_sizes_before_touching_the_device) {
                  err, "C <= 4096", "C=4104");
     EXPECT_ERROR(layernorm_modulate_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 2, 4, 4104, 4104,
                                                   NULL, 0, err), err, "layernorm_modulate_backward_cuda", "C=4104");
+    EXPECT_ERROR(gated_residual_layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                                                2, 4, 8, 4, 8, NULL, 0, err),
+                 err, "gated_residual_layernorm_modulate_forward_cuda", "gate_stride >= C", "gate_stride=4");
+    EXPECT_ERROR(gated_residual_layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                                                2, 4, 8, 8, 4, NULL, 0, err),
+                 err, "gated_residual_layernorm_modulate_forward_cuda", "mod_stride >= C", "mod_stride=4");
+    EXPECT_ERROR(gated_residual_layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                                                2, 4, 4104, 4104, 4104, NULL, 0, err),
+                 err, "gated_residual_layernorm_modulate_forward_cuda", "C <= 4096", "C=4104");
     EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 2, 0, 8, 8, NULL, NULL, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "T=0");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 10, 4, 0, err), err, "S a multiple of p", "S=10 p=4");
@@ -272,6 +281,9 @@ Test(cuda_api, layers_reject_sizes_whose_int_indices_overflow) {
                                                   0, err), err, "layernorm_modulate_backward_cuda", "grid.y B = 70000");
     EXPECT_ERROR(gated_residual_forward_cuda(NULL, NULL, NULL, NULL, 1, 65536, 65536, 65536, 0, err), err,
                  "gated_residual_forward_cuda", "T·C = 65536·65536");
+    EXPECT_ERROR(gated_residual_layernorm_modulate_forward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+                                                                65536, 65536, 8, 8, 8, NULL, 0, err),
+                 err, "gated_residual_layernorm_modulate_forward_cuda", "B·T = 65536·65536");
     EXPECT_ERROR(gated_residual_backward_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 70000, 1, 8, 8, NULL, NULL, NULL, 0, err), err,
                  "gated_residual_backward_cuda", "grid.y B = 70000");
     EXPECT_ERROR(patchify_forward_cuda(NULL, NULL, 1, 3, 65536, 1, 0, err), err, "patchify_forward_cuda",

@@ -281,6 +281,106 @@ Test(cuda, gated_residual) {
         check_gated_residual(norm_shapes[i][0], norm_shapes[i][1], norm_shapes[i][2], 20 + i);
 }
 
+// ---- gated residual, then LayerNorm-modulate, in one kernel -------------------------------
+
+// The first element (of elem_bytes) where two device buffers of n elements differ, or -1.
+static long first_difference(const void *d_a, const void *d_b, size_t n, size_t elem_bytes) {
+    unsigned char *a = host_alloc(n * elem_bytes), *b = host_alloc(n * elem_bytes);
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(a, d_a, n * elem_bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b, d_b, n * elem_bytes, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(a + i * elem_bytes, b + i * elem_bytes, elem_bytes)) return (long)i;
+    return -1;
+}
+
+#define EXPECT_SAME_BITS(d_a, d_b, n, elem_bytes, what) do {                                  \
+        long i_ = first_difference(d_a, d_b, n, elem_bytes);                                   \
+        cr_expect_eq(i_, -1, "%s %s: not bitwise the two kernels' (first difference at %ld)", \
+                     name, what, i_);                                                          \
+    } while (0)
+
+// {B, T, C, gate_stride, mod_stride}: gate_b at b·gate_stride (its last C), shift_b and scale_b at
+// b·mod_stride (its last 2C). A block's pair (one (B, 6C) modulation row per sample); the final
+// layer's (the gate from a block's row, shift and scale from a (B, 2C) one); C not a multiple of 8
+// (element-wise loads, the last vector of a row partial); C = 2048 (the model's at config c); C > 2048
+// (16 vectors per lane), also not a multiple of 8, and C = 4096 (the largest); config a's batch layout.
+static const int fused_shapes[][5] = {{3, 37, 72, 432, 432},      {2, 1000, 75, 450, 450},
+                                      {3, 100, 96, 1152, 192},    {2, 64, 2048, 12288, 12288},
+                                      {2, 40, 3001, 18006, 6002}, {2, 30, 4096, 24576, 8192},
+                                      {64, 256, 96, 576, 576}};
+
+// gated_residual_layernorm_modulate_forward_cuda against gated_residual_forward_cuda then
+// layernorm_modulate_forward_cuda (every output poisoned first): x_new, out, mean, rstd and the amax
+// bitwise theirs, with and without the amax. Against the CPU spec: x_new against gated_residual_forward;
+// out, mean and rstd against layernorm_modulate_forward of the x_new the GPU stored (the CPU's own
+// x_new differs by its bf16 rounding, which moves the row statistics by more than TOL_F32).
+static void check_gated_residual_layernorm(int B, int T, int C, int gate_stride, int mod_stride, uint64_t seed) {
+    size_t n = (size_t)B * T * C, rows = (size_t)B * T;
+    Rng rng;
+    rng_seed(&rng, seed);
+    float *res = host_floats(n);
+    for (size_t i = 0; i < n; i++) res[i] = bf16_round(0.5f + 2.0f * rng_normal(&rng));   // non-zero mean
+    float *h = randn_bf16(&rng, n, 1.0f);
+    float *gates = randn_bf16(&rng, (size_t)B * gate_stride, 0.5f), *mod = randn_bf16(&rng, (size_t)B * mod_stride, 0.5f);
+    const float *gate = gates + gate_stride - C, *shift = mod + mod_stride - 2 * C, *scale = mod + mod_stride - C;
+    bf16 *d_res = upload_bf16(res, n), *d_h = upload_bf16(h, n);
+    bf16 *d_gates = upload_bf16(gates, (size_t)B * gate_stride), *d_mod = upload_bf16(mod, (size_t)B * mod_stride);
+    const bf16 *d_gate = d_gates + gate_stride - C, *d_shift = d_mod + mod_stride - 2 * C;
+    const bf16 *d_scale = d_mod + mod_stride - C;
+    char name[160];
+    snprintf(name, sizeof name, "gated_residual_layernorm_modulate B=%d T=%d C=%d gate_stride=%d mod_stride=%d",
+             B, T, C, gate_stride, mod_stride);
+
+    bf16 *two_x = poisoned(n * sizeof(bf16)), *two_out = poisoned(n * sizeof(bf16));
+    float *two_mean = poisoned(rows * sizeof(float)), *two_rstd = poisoned(rows * sizeof(float));
+    float *two_amax = device_alloc(sizeof(float));
+    CK(cudaMemset(two_amax, 0, sizeof(float)));
+    OK(gated_residual_forward_cuda(two_x, d_res, d_h, d_gate, B, T, C, gate_stride, 0, err));
+    OK(layernorm_modulate_forward_cuda(two_out, two_mean, two_rstd, two_x, d_shift, d_scale, B, T, C, mod_stride,
+                                       two_amax, 0, err));
+
+    bf16 *x = device_alloc(n * sizeof(bf16)), *out = device_alloc(n * sizeof(bf16));
+    float *mean = device_alloc(rows * sizeof(float)), *rstd = device_alloc(rows * sizeof(float));
+    float *amax = device_alloc(sizeof(float));
+    for (int with_amax = 0; with_amax < 2; with_amax++) {
+        CK(cudaMemset(x, 0xFF, n * sizeof(bf16)));
+        CK(cudaMemset(out, 0xFF, n * sizeof(bf16)));
+        CK(cudaMemset(mean, 0xFF, rows * sizeof(float)));
+        CK(cudaMemset(rstd, 0xFF, rows * sizeof(float)));
+        CK(cudaMemset(amax, 0, sizeof(float)));
+        OK(gated_residual_layernorm_modulate_forward_cuda(x, out, mean, rstd, d_res, d_h, d_gate, d_shift, d_scale,
+                                                          B, T, C, gate_stride, mod_stride, with_amax ? amax : NULL,
+                                                          0, err));
+        EXPECT_SAME_BITS(x, two_x, n, sizeof(bf16), "x_new");
+        EXPECT_SAME_BITS(out, two_out, n, sizeof(bf16), "out");
+        EXPECT_SAME_BITS(mean, two_mean, rows, sizeof(float), "mean");
+        EXPECT_SAME_BITS(rstd, two_rstd, rows, sizeof(float), "rstd");
+        if (with_amax) EXPECT_SAME_BITS(amax, two_amax, 1, sizeof(float), "amax");
+    }
+
+    float *x_ref = host_floats(n), *out_ref = host_floats(n), *mean_ref = host_floats(rows);
+    float *rstd_ref = host_floats(rows), *x_gpu = download_bf16(x, n);
+    gated_residual_forward(x_ref, res, h, gate, B, T, C, gate_stride);
+    EXPECT_CLOSE(x_gpu, x_ref, n, TOL_BF16, "gated_residual_layernorm_modulate x_new");
+    layernorm_modulate_forward(out_ref, mean_ref, rstd_ref, x_gpu, shift, scale, B, T, C, mod_stride);
+    float *out_gpu = download_bf16(out, n), amax_ref = 0.0f, amax_gpu;
+    EXPECT_CLOSE(out_gpu, out_ref, n, TOL_BF16, "gated_residual_layernorm_modulate out");
+    EXPECT_CLOSE(download_f32(mean, rows), mean_ref, rows, TOL_F32, "gated_residual_layernorm_modulate mean");
+    EXPECT_CLOSE(download_f32(rstd, rows), rstd_ref, rows, TOL_F32, "gated_residual_layernorm_modulate rstd");
+    for (size_t i = 0; i < n; i++) amax_ref = fmaxf(amax_ref, fabsf(out_gpu[i]));   // of the values stored
+    CK(cudaMemcpy(&amax_gpu, amax, sizeof(float), cudaMemcpyDeviceToHost));
+    cr_expect_eq(amax_gpu, amax_ref, "%s: amax %g, max |out| %g", name, amax_gpu, amax_ref);
+}
+
+Test(cuda, gated_residual_layernorm_modulate) {
+    REQUIRE_GPU();
+    for (size_t i = 0; i < sizeof fused_shapes / sizeof *fused_shapes; i++) {
+        const int *s = fused_shapes[i];
+        check_gated_residual_layernorm(s[0], s[1], s[2], s[3], s[4], 40 + i);
+    }
+}
+
 // ---- pointwise ---------------------------------------------------------------------------
 Test(cuda, pointwise) {
     REQUIRE_GPU();
