@@ -33,9 +33,14 @@ typedef struct {
 // (the public ones pass 0, the *_merged_cuda ones H) and, for the backwards, where dV goes (NULL:
 // fp32 dv; the merged calls: their AttnDvRows). Arguments and checks as in sage_cuda.h and
 // flash_cuda.h.
+// The Hopper sage forward computes FP8 P·V at D = 64 and 128, FP16 P·V at D = 128 (FP16 at D = 64
+// stays with the mma.sync kernel).
+static inline int sage_forward_sm90_takes(SagePV pv, int D) { return pv == SAGE_PV_FP8 || D == 128; }
 int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uint16_t *q, const uint16_t *k,
-                           const uint16_t *v, int B, int H, int N, int D, int merged_heads, cudaStream_t stream,
-                           char *err);
+                           const uint16_t *v, int B, int H, int N, int D, SagePV pv, int merged_heads,
+                           cudaStream_t stream, char *err);
+int sage_forward_sm90_quantized_rows(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
+                                     SagePV pv, cudaStream_t stream, char *err);
 int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
                             const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             const uint16_t *out, const float *lse, const float *delta, int B, int H, int N, int D,

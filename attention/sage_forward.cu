@@ -240,9 +240,10 @@ static int forward(const char *fn, uint16_t *out, float *lse, void *workspace, c
     if (check_forward_shape(fn, B, H, N, D, pv, err) != 0) return -1;
     CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(workspace, 16),
                       DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
-    // Hopper: the wgmma kernel (sage_forward_sm90.cu); DIT_SAGE_MMA_SYNC=1 keeps this one.
-    if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
-        return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, merged_heads, stream, err);
+    // Hopper: the wgmma kernel (sage_forward_sm90.cu: FP8, and FP16 at D = 128); DIT_SAGE_MMA_SYNC=1
+    // keeps this one.
+    if (sage_forward_sm90_takes(pv, D) && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
+        return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, pv, merged_heads, stream, err);
     if (pv == SAGE_PV_FP8 && check_fp8_capability(fn, err) != 0) return -1;
     if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, pv, stream, err) != 0) return -1;
     return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, merged_heads, stream, err);
@@ -265,8 +266,8 @@ extern "C" int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void
     if (check_forward_shape("sage_forward_quantized_cuda", B, H, N, D, pv, err) != 0) return -1;
     CHECK_DEVICE_ARGS("sage_forward_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
                       DEVICE_ARG(workspace, 16));
-    if (pv == SAGE_PV_FP8 && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
-        return sage_forward_sm90_quantized_cuda(out, lse, workspace, B, H, N, D, stream, err);
+    if (sage_forward_sm90_takes(pv, D) && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
+        return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, pv, stream, err);
     if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_quantized_cuda", err) != 0) return -1;
     return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, 0, stream, err);
 }

@@ -12,6 +12,11 @@
 //                  from shared memory
 //   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
 // and finally out = O·v_scale/l' and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
+// FP16 P·V (SAGE_PV_FP16, D = 128 only; the FP8 parts above are the template's FP8 = true): p =
+// exp2(s − m) without the 448, P16 = fp16(p) packed from the S accumulators into the four k16 A
+// fragments (the m64n64 accumulator layout is the m64n64k16 A layout, so V̂ᵀ = fp16(v)ᵀ keeps token
+// order), blk = P16·V16 by wgmma m64n64k16 f16 with fp32 accumulation, V̂ᵀ rows of 64 tokens × 2
+// bytes; O = O·alpha + blk as above, out = O/l, lse = m + log2(l).
 //
 // Two CTA layouts, each measured faster at its head dim (dev/notes_sage_fwd.md):
 // D = 128: sage_forward_sm90_kernel, persistent and warp-specialized (the FA3 structure), one
@@ -51,11 +56,12 @@
 
 // The warp-specialized CTA's shape and shared memory; every tile is a whole number of 1024-byte
 // swizzle atoms. A D = 128 consumer holds O (64 registers), half of blk (32), S or p' (32) and P8
-// (8): 157 registers with the rest, so 3 consumers. The CTA starts with LAUNCH_REGS per thread
+// (8): 157 registers with the rest, so 3 consumers (FP16: P16 of the block in the tensor core and
+// of the next one, 16 each, in place of p' and P8). The CTA starts with LAUNCH_REGS per thread
 // (the SM's 64K registers over THREADS, in steps of 8); setmaxnreg can only hand the consumers
 // what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread; a consumer asking for more
 // waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS: 128 → 160.
-template <int D> struct Sm90Smem {
+template <int D, bool FP8> struct Sm90Smem {
     static constexpr int CONSUMERS = 3;
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
     static constexpr int TILE_Q = SAGE_CUDA_BLOCK * CONSUMERS;   // query rows of one tile
@@ -63,7 +69,8 @@ template <int D> struct Sm90Smem {
     static constexpr int CONSUMER_REGS = (LAUNCH_REGS + (LAUNCH_REGS - SM90_PRODUCER_REGS) / CONSUMERS) / 8 * 8;
     static constexpr int Q_BYTES = SAGE_CUDA_BLOCK * D;    // 64 queries × D int8 per consumer, rows of D bytes
     static constexpr int K_BYTES = SAGE_CUDA_BLOCK * D;    // 64 keys × D int8
-    static constexpr int V_BYTES = D * SAGE_CUDA_BLOCK;    // D channels × 64 keys e4m3, rows of 64 bytes
+    static constexpr int V_ROW_BYTES = SAGE_CUDA_BLOCK * (FP8 ? 1 : 2);   // 64 keys e4m3 or fp16
+    static constexpr int V_BYTES = D * V_ROW_BYTES;        // D channels × 64 keys
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
     static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
 };
@@ -91,7 +98,8 @@ struct Sm90Barriers {
 // caller can put the previous block's O update between them (the row max and its shuffles need S
 // only; the exp2s and the O update then share the issue slots while the ex2 unit is busy).
 // softmax_max: the row statistics m, alpha (and l *= alpha) and the exp2 offset;
-// softmax_exp: p'[i] = 448·p (floats, same layout) and l += Σ p'.
+// softmax_exp: p'[i] = 448·p (floats, same layout) and l += Σ p'. FP16 (FP8 = false): offset −m,
+// so p' = p and l' = l.
 // Few instructions per element (the kernel is issue-bound; the definition's order of operations
 // cost ~12 per element, this ~7.5 at D = 128): the row max is taken on the int32 S (rn is monotonic
 // and scale >= 0, so rn(max S · scale) is the definition's max, bit for bit), and
@@ -100,6 +108,7 @@ struct Sm90Barriers {
 // lse). Differences from the definition: S·scale − m rounded once instead of twice (~1e-7
 // relative in p). Keys >= N are handled only in the tail block (`valid` < 64): left out of the
 // max, p' = 0 after the exp2.
+template <bool FP8>
 __device__ __forceinline__ void softmax_max(float (&offset)[2], float (&alpha)[2], float (&m)[2], float (&l)[2],
                                             const int (&s)[32], float scale, int valid, int c) {
     int smax[2] = {INT_MIN, INT_MIN};
@@ -119,7 +128,7 @@ __device__ __forceinline__ void softmax_max(float (&offset)[2], float (&alpha)[2
         alpha[r] = exp2f(m[r] - m_new);
         m[r] = m_new;
         l[r] *= alpha[r];
-        offset[r] = LOG2_448 - m_new;
+        offset[r] = FP8 ? LOG2_448 - m_new : -m_new;
     }
 }
 __device__ __forceinline__ void softmax_exp(float (&p)[32], float (&l)[2], const int (&s)[32], float scale,
@@ -149,15 +158,38 @@ __device__ __forceinline__ void pack_p8(uint32_t (&a)[2][4], const float (&p)[32
         }
 }
 
-// TMA thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 bytes),
-// into `stage`.
-template <int D>
+// FP16 (offset −m from softmax_max<false>): p = exp2(s − m) of elements I0..I1 − 1 of the
+// accumulator layout (keys 2·I0.. of the block), l += Σ p (fp32, unrounded), and P16 = fp16(p)
+// packed straight into the k16 A fragments of the P·V wgmma: a[t][e] holds elements 8t + 2e and
+// 8t + 2e + 1, i.e. a[t][0] row g, keys 16t + 2c, +1; a[t][1] row g + 8; a[t][2], a[t][3] the same
+// rows at keys 16t + 8 + 2c (the m64n64 accumulator layout is the k16 A layout: token order, no
+// permutation of V̂ᵀ). I0, I1 even, so that pairs stay together.
+template <int I0, int I1>
+__device__ __forceinline__ void softmax_exp_p16(uint32_t (&a)[4][4], float (&l)[2], const int (&s)[32], float scale,
+                                                const float (&offset)[2], int valid, int c) {
+#pragma unroll
+    for (int i = I0; i < I1; i += 2) {
+        float p0 = exp2f(fmaf((float)s[i], scale, offset[(i % 4) / 2]));
+        float p1 = exp2f(fmaf((float)s[i + 1], scale, offset[(i % 4) / 2]));
+        if (valid < SAGE_CUDA_BLOCK) {
+            int key = 8 * (i / 4) + 2 * c;
+            if (key >= valid) p0 = 0.0f;
+            if (key + 1 >= valid) p1 = 0.0f;
+        }
+        l[(i % 4) / 2] += p0 + p1;
+        a[i / 8][(i % 8) / 2] = pack_half2(p0, p1);
+    }
+}
+
+// TMA thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 keys: 64 bytes
+// e4m3, 128 bytes fp16), into `stage`.
+template <int D, bool FP8>
 __device__ __forceinline__ void load_kv(uint8_t *sK, uint8_t *sV, uint64_t *full, const CUtensorMap *map_k,
                                         const CUtensorMap *map_v, int bh, int N, int kb) {
-    using S = Sm90Smem<D>;
+    using S = Sm90Smem<D, FP8>;
     mbar_expect_bytes(full, S::STAGE_BYTES);
     tma_load_2d(sK, map_k, full, 0, bh * N + kb * SAGE_CUDA_BLOCK);
-    tma_load_2d(sV, map_v, full, kb * SAGE_CUDA_BLOCK, bh * D);
+    tma_load_2d(sV, map_v, full, kb * S::V_ROW_BYTES, bh * D);
 }
 
 // S = Q8·K8ᵀ (64 × 64 int32) over D/32 k32 steps, Q̂ and K̂ (one stage) from shared memory.
@@ -183,11 +215,29 @@ __device__ __forceinline__ void pv_wgmma(float (&blk)[32], const uint32_t (&p)[2
 __device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], const uint8_t *sV, int h) {
     pv_wgmma(blk, p, smem_desc<SAGE_CUDA_BLOCK>(sV + h * 64 * SAGE_CUDA_BLOCK));
 }
+// FP16: blk = P16·V16 for channels 32q..32q + 31 (quarter q of D = 128), four k16 steps of
+// m64n32k16 f16 over V̂ᵀ rows of 128 bytes (64 fp16 tokens; the quarter's 32 rows start 4096·q
+// bytes into the stage, a whole number of swizzle atoms); a k16 step is 32 bytes along the row.
+// blk[i] is then o[16q + i] of the m64n128 accumulator layout.
+__device__ __forceinline__ void pv_quarter_wgmma(float (&blk)[16], const uint32_t (&p)[4][4], const uint8_t *sV,
+                                                 int q) {
+    const uint64_t desc_v = smem_desc<128>(sV + q * 32 * 128);
+    wgmma_f16_m64n32k16_rs<0>(blk, p[0], desc_v);
+#pragma unroll
+    for (int t = 1; t < 4; t++) wgmma_f16_m64n32k16_rs<1>(blk, p[t], desc_advance(desc_v, 32 * t));
+}
+// O[:, 32q..32q + 31] = O·alpha + blk (the definition's two-level accumulation, one quarter).
+__device__ __forceinline__ void o_update_quarter(float (&o)[64], const float (&blk)[16], const float (&alpha)[2],
+                                                 int q) {
+#pragma unroll
+    for (int i = 0; i < 16; i++) o[16 * q + i] = o[16 * q + i] * alpha[(i % 4) / 2] + blk[i];
+}
 
 // O (64 × D, this thread's accumulator registers) → out (bf16; rows as attn_row_offset places them)
 // and lse for rows >= N skipped:
-// o = 448·Σ p·v̂ and l = 448·Σ p, so out = o·v_scale/l and lse = m + log2 l − log2 448.
-template <int D>
+// o = 448·Σ p·v̂ and l = 448·Σ p, so out = o·v_scale/l and lse = m + log2 l − log2 448;
+// FP16 (vs unused): out = o/l and lse = m + log2 l.
+template <int D, bool FP8>
 __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const float (&o)[D / 2], float (&l)[2],
                                            const float (&m)[2], const float *vs, int bh, int N, int merged_heads, int row0,
                                            int c) {
@@ -202,10 +252,14 @@ __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const
 #pragma unroll
         for (int j = 0; j < D / 8; j++) {
             int col = 8 * j + 2 * c;
-            *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * vs[col] * inv_l,
-                                                                    o[4 * j + 2 * r + 1] * vs[col + 1] * inv_l);
+            if (FP8)
+                *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * vs[col] * inv_l,
+                                                                        o[4 * j + 2 * r + 1] * vs[col + 1] * inv_l);
+            else
+                *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * inv_l,
+                                                                        o[4 * j + 2 * r + 1] * inv_l);
         }
-        if (c == 0) lse[(size_t)bh * N + row] = m[r] + (log2f(l[r]) - LOG2_448);
+        if (c == 0) lse[(size_t)bh * N + row] = FP8 ? m[r] + (log2f(l[r]) - LOG2_448) : m[r] + log2f(l[r]);
     }
 }
 
@@ -220,11 +274,11 @@ __device__ __forceinline__ bool unit_consumer_busy(int u, int whole, int wg) {
 // The producer thread's whole life: for each tile of this CTA, Q̂ (once every S wgmma of the
 // consumers' previous tile has completed), then every key block through the stages. `it` counts key
 // blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
-template <int D>
+template <int D, bool FP8>
 __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
                         const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq, int whole,
                         int units) {
-    using S = Sm90Smem<D>;
+    using S = Sm90Smem<D, FP8>;
     int it = 0, round_q = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
         int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
@@ -239,19 +293,19 @@ __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV
         for (int kb = 0; kb < nblk; kb++, it++) {
             int stage = it % SM90_STAGES;
             if (it >= SM90_STAGES) mbar_wait(&bar->kv_empty[stage], (it / SM90_STAGES - 1) & 1);
-            load_kv<D>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar->kv_full[stage], map_k, map_v, bh, N,
-                       kb);
+            load_kv<D, FP8>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar->kv_full[stage], map_k, map_v, bh,
+                            N, kb);
         }
     }
 }
 
 // Consumer warpgroup `wg`: rows 64·wg.. of each of this CTA's tiles.
-template <int D>
+template <int D, bool FP8>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
                         __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int merged_heads, int nblk,
                         int ntq, int whole, int units, int wg) {
     static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
-    using S = Sm90Smem<D>;
+    using S = Sm90Smem<D, FP8>;
     constexpr int BN = SAGE_CUDA_BLOCK;
     int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
     int it = 0, round_q = 0;
@@ -280,10 +334,8 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         mbar_wait(&bar->q_full, round_q & 1);
         const uint64_t desc_q = smem_desc<D>(sQ + wg * S::Q_BYTES);
 
-        float o[D / 2] = {}, blk[32];      // accumulator layouts of m64nD and m64n64 (wgmma.cuh)
+        float o[D / 2] = {};               // accumulator layout of m64nD (wgmma.cuh)
         int s[32];                         // accumulator layout of m64n64
-        float pf[32];                      // p' of block kb, accumulator layout
-        uint32_t p[2][4];                  // P8 of block kb - 1 as k32 A fragments
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2], alpha_next[2];
 
         // key block 0: S only
@@ -295,57 +347,130 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         wgmma_wait<0>();
         reg_fence(s);
         float offset[2], scale = __fmul_rn(q_scale, k_scale[0]);
-        softmax_max(offset, alpha, m, l, s, scale, N, c);
-        softmax_exp(pf, l, s, scale, offset, N, c);
-        pack_p8(p, pf);
+        softmax_max<FP8>(offset, alpha, m, l, s, scale, N, c);
+        if constexpr (FP8) {
+            float blk[32];                 // accumulator layout of m64n64
+            float pf[32];                  // p' of block kb, accumulator layout
+            uint32_t p[2][4];              // P8 of block kb - 1 as k32 A fragments
+            softmax_exp(pf, l, s, scale, offset, N, c);
+            pack_p8(p, pf);
 
-        for (int kb = 1; kb < nblk; kb++) {
-            int prev = stage;
-            it++;
-            stage = it % SM90_STAGES;
-            mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
-            wgmma_fence();
-            qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
-            wgmma_commit();
-            pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 0);
-            wgmma_commit();
-            wgmma_wait<1>();   // S of block kb done; the first half of P·V of block kb - 1 may still run
-            reg_fence(s);
-            scale = __fmul_rn(q_scale, k_scale[kb]);
-            softmax_max(offset, alpha_next, m, l, s, scale, N - kb * BN, c);
-            wgmma_wait<0>();
-            reg_fence(blk);
+            for (int kb = 1; kb < nblk; kb++) {
+                int prev = stage;
+                it++;
+                stage = it % SM90_STAGES;
+                mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
+                wgmma_fence();
+                qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
+                wgmma_commit();
+                pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 0);
+                wgmma_commit();
+                wgmma_wait<1>();   // S of block kb done; the first half of P·V of block kb - 1 may still run
+                reg_fence(s);
+                scale = __fmul_rn(q_scale, k_scale[kb]);
+                softmax_max<FP8>(offset, alpha_next, m, l, s, scale, N - kb * BN, c);
+                wgmma_wait<0>();
+                reg_fence(blk);
 #pragma unroll
-            for (int i = 0; i < 32; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
-            wgmma_fence();   // orders the reads of blk above before the second half overwrites it
-            pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 1);
-            wgmma_commit();
-            softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
-            wgmma_wait<0>();
-            reg_fence(blk);
+                for (int i = 0; i < 32; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+                wgmma_fence();   // orders the reads of blk above before the second half overwrites it
+                pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 1);
+                wgmma_commit();
+                softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
+                wgmma_wait<0>();
+                reg_fence(blk);
+                reg_fence(p[0]);
+                reg_fence(p[1]);
+                if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
+#pragma unroll
+                for (int i = 0; i < 32; i++) o[32 + i] = o[32 + i] * alpha[(i % 4) / 2] + blk[i];
+#pragma unroll
+                for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
+                pack_p8(p, pf);   // the P·V that read p has completed
+            }
+
+            // the last block's P·V
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                wgmma_fence();
+                pv_half_wgmma(blk, p, sV + stage * S::V_BYTES, h);
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence(blk);
+#pragma unroll
+                for (int i = 0; i < 32; i++) o[32 * h + i] = o[32 * h + i] * alpha[(i % 4) / 2] + blk[i];
+            }
             reg_fence(p[0]);
             reg_fence(p[1]);
-            if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
-#pragma unroll
-            for (int i = 0; i < 32; i++) o[32 + i] = o[32 + i] * alpha[(i % 4) / 2] + blk[i];
-#pragma unroll
-            for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
-            pack_p8(p, pf);   // the P·V that read p has completed
-        }
+        } else {
+            // FP16: P·V in quarters of D (m64n32, blk of 16 registers: with P16 twice the size of
+            // P8, two m64n64 halves would not fit in 160 registers). Per key block kb: S_kb and
+            // quarter 0 of P16_{kb-1}·V16 issued together, the row max while they run, then
+            // quarters 1, 2, 3 one after the other, the exp2s of S_kb (packed into pn as they come)
+            // while quarters 1 and 2 are in the tensor core.
+            float blk[16];                 // accumulator layout of m64n32
+            uint32_t p[4][4], pn[4][4];    // P16 of blocks kb - 1 and kb as k16 A fragments
+            softmax_exp_p16<0, 32>(p, l, s, scale, offset, N, c);
 
-        // the last block's P·V
+            for (int kb = 1; kb < nblk; kb++) {
+                int prev = stage;
+                it++;
+                stage = it % SM90_STAGES;
+                mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
+                const uint8_t *sVp = sV + prev * S::V_BYTES;
+                wgmma_fence();
+                qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
+                wgmma_commit();
+                pv_quarter_wgmma(blk, p, sVp, 0);
+                wgmma_commit();
+                wgmma_wait<1>();   // S of block kb done; quarter 0 may still run
+                reg_fence(s);
+                scale = __fmul_rn(q_scale, k_scale[kb]);
+                softmax_max<FP8>(offset, alpha_next, m, l, s, scale, N - kb * BN, c);
+                wgmma_wait<0>();
+                reg_fence(blk);
+                o_update_quarter(o, blk, alpha, 0);
+                wgmma_fence();     // orders the reads of blk above before the next quarter overwrites it
+                pv_quarter_wgmma(blk, p, sVp, 1);
+                wgmma_commit();
+                softmax_exp_p16<0, 16>(pn, l, s, scale, offset, N - kb * BN, c);
+                wgmma_wait<0>();
+                reg_fence(blk);
+                o_update_quarter(o, blk, alpha, 1);
+                wgmma_fence();
+                pv_quarter_wgmma(blk, p, sVp, 2);
+                wgmma_commit();
+                softmax_exp_p16<16, 32>(pn, l, s, scale, offset, N - kb * BN, c);
+                wgmma_wait<0>();
+                reg_fence(blk);
+                o_update_quarter(o, blk, alpha, 2);
+                wgmma_fence();
+                pv_quarter_wgmma(blk, p, sVp, 3);
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence(blk);
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            wgmma_fence();
-            pv_half_wgmma(blk, p, sV + stage * S::V_BYTES, h);
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(blk);
+                for (int k = 0; k < 4; k++) reg_fence(p[k]);
+                if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
+                o_update_quarter(o, blk, alpha, 3);
 #pragma unroll
-            for (int i = 0; i < 32; i++) o[32 * h + i] = o[32 * h + i] * alpha[(i % 4) / 2] + blk[i];
+                for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
+                memcpy(p, pn, sizeof(p));   // the P·V that read p has completed
+            }
+
+            // the last block's P·V
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                wgmma_fence();
+                pv_quarter_wgmma(blk, p, sV + stage * S::V_BYTES, q);
+                wgmma_commit();
+                wgmma_wait<0>();
+                reg_fence(blk);
+                o_update_quarter(o, blk, alpha, q);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) reg_fence(p[k]);
         }
-        reg_fence(p[0]);
-        reg_fence(p[1]);
         __syncwarp();
         if (lane == 0) {
             mbar_arrive(&bar->kv_empty[stage]);
@@ -353,23 +478,23 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         }
         it++;
         int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + lane / 4;
-        store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, row0, c);
+        store_tile<D, FP8>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, row0, c);
     }
 }
 #endif
 
-// map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as (n_pad inner,
-// B·H·D outer), box 64 × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/192)
+// map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as bytes (n_pad
+// (FP16: 2·n_pad) inner, B·H·D outer), box 64 (128) × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/192)
 // tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2) as `units`
-// units (unit_tile: the last round's tiles from `whole` on split in two), Sm90Smem<D>::THREADS
-// threads, Sm90Smem<D>::TOTAL bytes.
-template <int D>
-__global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
+// units (unit_tile: the last round's tiles from `whole` on split in two), Sm90Smem<D, FP8>::THREADS
+// threads, Sm90Smem<D, FP8>::TOTAL bytes.
+template <int D, bool FP8>
+__global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
                              SageCudaQuant qv, int N, int merged_heads, int whole, int units) {
 #ifdef SAGE_SM90_DEVICE
-    using S = Sm90Smem<D>;
+    using S = Sm90Smem<D, FP8>;
     extern __shared__ uint8_t smem_raw[];
     __shared__ Sm90Barriers bar;
     uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -390,10 +515,10 @@ __global__ void __launch_bounds__(Sm90Smem<D>::THREADS, 1)
     if (wg == S::CONSUMERS) {   // the producer warpgroup: one thread issues every TMA load
         setmaxnreg_dec<SM90_PRODUCER_REGS>();
         if (threadIdx.x == S::CONSUMERS * 128)
-            produce<D>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
+            produce<D, FP8>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
     } else {
         setmaxnreg_inc<S::CONSUMER_REGS>();
-        consume<D>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
+        consume<D, FP8>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -429,7 +554,7 @@ __global__ void __launch_bounds__(128, 2)
         mbar_expect_bytes(&bar_q, S::Q_BYTES);
         tma_load_2d(sQ, &map_q, &bar_q, 0, bh * N + qb * BN);
         for (int s = 0; s < SM90_WG_STAGES && s < nblk; s++)
-            load_kv<D>(sK + s * S::K_BYTES, sV + s * S::V_BYTES, &bar_kv[s], &map_k, &map_v, bh, N, s);
+            load_kv<D, true>(sK + s * S::K_BYTES, sV + s * S::V_BYTES, &bar_kv[s], &map_k, &map_v, bh, N, s);
     }
 
     const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
@@ -455,7 +580,7 @@ __global__ void __launch_bounds__(128, 2)
         reg_fence(s_acc);
 
         float offset[2], scale = __fmul_rn(q_scale, k_scale[kb]);
-        softmax_max(offset, alpha, m, l, s_acc, scale, N - kb * BN, c);
+        softmax_max<true>(offset, alpha, m, l, s_acc, scale, N - kb * BN, c);
         softmax_exp(pf, l, s_acc, scale, offset, N - kb * BN, c);
         pack_p8(p, pf);
 
@@ -467,41 +592,45 @@ __global__ void __launch_bounds__(128, 2)
         reg_fence(p[0]);
         reg_fence(p[1]);
         if (tid == 0 && kb + SM90_WG_STAGES < nblk)   // the stage is free: both wgmma batches completed
-            load_kv<D>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v, bh,
-                       N, kb + SM90_WG_STAGES);
+            load_kv<D, true>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v,
+                             bh, N, kb + SM90_WG_STAGES);
 #pragma unroll
         for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
     }
-    store_tile<D>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g, c);
+    store_tile<D, true>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g,
+                        c);
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
 #endif
 }
 
 extern "C" int sage_forward_sm90_available(void) {
-    return sm90_kernel_available((const void *)sage_forward_sm90_kernel<128>);
+    return sm90_kernel_available((const void *)sage_forward_sm90_kernel<128, true>);
 }
 
-// The tensor maps of q8, k8 and v_t (the layouts the kernels expect, see above).
+// The tensor maps of q8, k8 and v_t (the layouts the kernels expect, see above); v_t's rows are
+// 64·elt bytes per key block (elt = 1 for e4m3, 2 for fp16).
 template <int D>
-static int make_maps(CUtensorMap maps[3], const SageCudaQuant *qv, int BH, int N, char *err) {
+static int make_maps(CUtensorMap maps[3], const SageCudaQuant *qv, int BH, int N, int elt, char *err) {
     uint64_t npad = (uint64_t)(N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK * SAGE_CUDA_BLOCK, rows = (uint64_t)BH * N;
     if (tma_map_2d_bytes(&maps[0], qv->q8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 q8", err) ||
         tma_map_2d_bytes(&maps[1], qv->k8, D, rows, D, SAGE_CUDA_BLOCK, "sage_forward_sm90 k8", err) ||
-        tma_map_2d_bytes(&maps[2], qv->v_t, npad, (uint64_t)BH * D, SAGE_CUDA_BLOCK, D, "sage_forward_sm90 v_t", err))
+        tma_map_2d_bytes(&maps[2], qv->v_t, npad * elt, (uint64_t)BH * D, SAGE_CUDA_BLOCK * elt, D,
+                         "sage_forward_sm90 v_t", err))
         return -1;
     return 0;
 }
 
 // D = 128: the persistent warp-specialized kernel, at most one CTA per SM.
+template <bool FP8>
 static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
                                    int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 128;
-    using S = Sm90Smem<D>;
+    using S = Sm90Smem<D, FP8>;
     CUtensorMap maps[3];
     int bytes = S::TOTAL, dev, sms, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    if (make_maps<D>(maps, qv, BH, N, err)) return -1;
-    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err)) return -1;
+    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_sm90_kernel max dynamic smem)");
     SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
@@ -517,9 +646,9 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
         units = tiles + last;
         grid = units < sms ? units : sms;
     }
-    sage_forward_sm90_kernel<D><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                     (__nv_bfloat16 *)out, lse, *qv, N,
-                                                                     merged_heads, whole, units);
+    sage_forward_sm90_kernel<D, FP8><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
+                                                                          (__nv_bfloat16 *)out, lse, *qv, N,
+                                                                          merged_heads, whole, units);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
 }
@@ -530,7 +659,7 @@ static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *
     constexpr int D = 64;
     CUtensorMap maps[3];
     int bytes = Sm90WgSmem<D>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    if (make_maps<D>(maps, qv, BH, N, err)) return -1;
+    if (make_maps<D>(maps, qv, BH, N, 1, err)) return -1;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_wg_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_wg_kernel max dynamic smem)");
@@ -541,48 +670,62 @@ static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *
     return 0;
 }
 
-int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uint16_t *q, const uint16_t *k,
-                           const uint16_t *v, int B, int H, int N, int D, int merged_heads, cudaStream_t stream,
-                           char *err) {
-    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
-        dit_set_error(err, "sage_forward_sm90_cuda: need D in {64, 128}, B, H, N >= 1 and B·H <= 65535 "
-                           "(got B=%d H=%d N=%d D=%d)", B, H, N, D);
+// The kernel for D and pv over the quantized tensors of qv.
+static int launch(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N, int D, SagePV pv,
+                  int merged_heads, cudaStream_t stream, char *err) {
+    if (D == 64) return launch_one_warpgroup(out, lse, qv, BH, N, merged_heads, stream, err);
+    return pv == SAGE_PV_FP8 ? launch_warp_specialized<true>(out, lse, qv, BH, N, merged_heads, stream, err)
+                             : launch_warp_specialized<false>(out, lse, qv, BH, N, merged_heads, stream, err);
+}
+
+// The checks every sm90 entry point makes before its device work (fn names it in the message).
+static int check_sm90_call(const char *fn, int B, int H, int N, int D, SagePV pv, char *err) {
+    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
+        !sage_forward_sm90_takes(pv, D)) {
+        dit_set_error(err, "%s: need D in {64, 128} (128 with FP16 P·V), B, H, N >= 1 and B·H <= 65535 "
+                           "(got B=%d H=%d N=%d D=%d pv=%d)", fn, B, H, N, D, (int)pv);
         return -1;
     }
+    return 0;
+}
+static int check_sm90_device(const char *fn, char *err) {
+    if (!sage_forward_sm90_available()) {
+        dit_set_error(err, "%s: needs a compute capability 9.0 device and a build with sm_90a code "
+                           "(-gencode=arch=compute_90a,code=sm_90a)", fn);
+        return -1;
+    }
+    return 0;
+}
+
+int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, int B, int H, int N, int D, SagePV pv, int merged_heads,
+                           cudaStream_t stream, char *err) {
+    if (check_sm90_call("sage_forward_sm90_cuda", B, H, N, D, pv, err) != 0) return -1;
     CHECK_DEVICE_ARGS("sage_forward_sm90_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
                       DEVICE_ARG(workspace, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
-    if (!sage_forward_sm90_available()) {
-        dit_set_error(err, "sage_forward_sm90_cuda: needs a compute capability 9.0 device and a build with "
-                           "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
-        return -1;
-    }
-    if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, SAGE_PV_FP8, stream, err) != 0) return -1;
-    SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, SAGE_PV_FP8);
-    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, merged_heads, stream, err)
-                   : launch_warp_specialized(out, lse, &qv, B * H, N, merged_heads, stream, err);
+    if (check_sm90_device("sage_forward_sm90_cuda", err) != 0) return -1;
+    if (sage_quantize_cuda(workspace, q, k, v, B, H, N, D, pv, stream, err) != 0) return -1;
+    SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
+    return launch(out, lse, &qv, B * H, N, D, pv, merged_heads, stream, err);
+}
+
+int sage_forward_sm90_quantized_rows(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
+                                     SagePV pv, cudaStream_t stream, char *err) {
+    if (check_sm90_call("sage_forward_sm90_quantized_cuda", B, H, N, D, pv, err) != 0) return -1;
+    CHECK_DEVICE_ARGS("sage_forward_sm90_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
+                      DEVICE_ARG(workspace, 16));
+    if (check_sm90_device("sage_forward_sm90_quantized_cuda", err) != 0) return -1;
+    SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, pv);
+    return launch(out, lse, &qv, B * H, N, D, pv, 0, stream, err);
 }
 
 extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace, const uint16_t *q,
                                       const uint16_t *k, const uint16_t *v, int B, int H, int N, int D,
                                       cudaStream_t stream, char *err) {
-    return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, 0, stream, err);
+    return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, SAGE_PV_FP8, 0, stream, err);
 }
 
 extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
                                                 int N, int D, cudaStream_t stream, char *err) {
-    if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
-        dit_set_error(err, "sage_forward_sm90_quantized_cuda: need D in {64, 128}, B, H, N >= 1 and "
-                           "B·H <= 65535 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
-        return -1;
-    }
-    CHECK_DEVICE_ARGS("sage_forward_sm90_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
-                      DEVICE_ARG(workspace, 16));
-    if (!sage_forward_sm90_available()) {
-        dit_set_error(err, "sage_forward_sm90_quantized_cuda: needs a compute capability 9.0 device and a build "
-                           "with sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
-        return -1;
-    }
-    SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, SAGE_PV_FP8);
-    return D == 64 ? launch_one_warpgroup(out, lse, &qv, B * H, N, 0, stream, err)
-                   : launch_warp_specialized(out, lse, &qv, B * H, N, 0, stream, err);
+    return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, SAGE_PV_FP8, stream, err);
 }

@@ -133,6 +133,19 @@ __device__ __forceinline__ void wgmma_e4m3_m64n64k32(float d[32], const uint32_t
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
 }
 
+// d (+)= A·B, fp16 × fp16 -> fp32, m64n32k16; A from registers (4 per thread: each warp's 16 rows
+// in the m16n8k16 A layout of sage_mma.cuh: a[0] row g, k 2c, 2c+1; a[1] row g + 8; a[2], a[3] the
+// same rows at k 8 + 2c), B K-major in shared memory (rows of 16-bit elements along K). d: 16
+// registers. The FP16 P·V of the sage forward.
+template <int scale_d>
+__device__ __forceinline__ void wgmma_f16_m64n32k16_rs(float d[16], const uint32_t a[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, %21, 1, 1, 0;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
+}
+
 // ---- the sage backward: bf16 wgmma, MN-major operands, ordering -------------------------------
 // 16-bit operands in shared memory may be K-major (trans 0) or MN-major (trans 1: each of the K
 // rows holds its M (or N) elements contiguously). MN-major with the 128-byte (64-byte) swizzle:
