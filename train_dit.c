@@ -64,7 +64,7 @@ static const char *usage_text =
     "  --attn KIND           CPU: exact (fp32) | sage | sage-fp16 (the bit-defined quantized attention,\n"
     "                        FP8 or FP16 P·V); GPU: sage | sage-fp16 | bf16 (exact attention in bf16,\n"
     "                        FlashAttention) (default: sage on the GPU, exact on the CPU; sage-fp16 is\n"
-    "                        more accurate; on Hopper its wgmma forward is for head dim 128 only)\n"
+    "                        more accurate, a little slower; on Hopper both run wgmma kernels)\n"
     "  --sage-rotate 0|1     sage: multiply q and k by a Hadamard matrix before quantizing (exact\n"
     "                        attention unchanged; outlier channels cost far less INT8 precision) (default 1)\n"
     "  --linear KIND         GPU: the blocks' qkv, proj, fc1, fc2 GEMMs in bf16 | fp8 (e4m3, per-tensor\n"

@@ -33,9 +33,10 @@ typedef struct {
 // (the public ones pass 0, the *_merged_cuda ones H) and, for the backwards, where dV goes (NULL:
 // fp32 dv; the merged calls: their AttnDvRows). Arguments and checks as in sage_cuda.h and
 // flash_cuda.h.
-// The Hopper sage forward computes FP8 P·V at D = 64 and 128, FP16 P·V at D = 128 (FP16 at D = 64
-// stays with the mma.sync kernel).
-static inline int sage_forward_sm90_takes(SagePV pv, int D) { return pv == SAGE_PV_FP8 || D == 128; }
+// The Hopper sage forward computes both P·V modes (FP8, FP16) at both head dims (64, 128).
+static inline int sage_forward_sm90_takes(SagePV pv, int D) {
+    return (pv == SAGE_PV_FP8 || pv == SAGE_PV_FP16) && (D == 64 || D == 128);
+}
 int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uint16_t *q, const uint16_t *k,
                            const uint16_t *v, int B, int H, int N, int D, SagePV pv, int merged_heads,
                            cudaStream_t stream, char *err);

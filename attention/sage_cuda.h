@@ -67,7 +67,7 @@ int sage_quantize_given_cuda(void *workspace, const uint16_t *q, const uint16_t 
 // sage_forward_quantized_cuda: the forward's attention over an already quantized workspace (no
 // quantization pass): the q8 and scales of the queries, the k8, k_scale, v_t of the keys, the
 // k_mean and v_scale in the workspace as they are. Dispatches like sage_forward_cuda (the Hopper
-// kernel for FP8, and FP16 at D = 128, on sm_90a unless DIT_SAGE_MMA_SYNC=1).
+// kernel for FP8 and FP16 on sm_90a unless DIT_SAGE_MMA_SYNC=1).
 int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
                                 SagePV pv, cudaStream_t stream, char *err);
 int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
@@ -89,7 +89,7 @@ int sage_forward_merged_cuda(uint16_t *out, float *lse, void *workspace,
 // The Hopper forward (attention/sage_forward_sm90.cu): wgmma INT8 Q·Kᵀ and FP8 P·V fed by TMA,
 // the same math as sage_forward_cuda with SAGE_PV_FP8 (and the same workspace, so the backward
 // works after either). sage_forward_cuda and sage_forward_merged_cuda also run its FP16 P·V
-// variant for SAGE_PV_FP16 at D = 128 (not these two entry points, which are FP8). Available (1)
+// variant for SAGE_PV_FP16 (not these two entry points, which are FP8). Available (1)
 // on a compute capability 9.0 device when the build has sm_90a machine code; sage_forward_sm90_cuda returns -1 otherwise. At D = 128 the tiles of a last round
 // that would leave half of the SMs idle run as two units on two CTAs, with bitwise the same
 // results; DIT_SAGE_FWD_SPLIT=0 keeps every tile on one CTA.

@@ -240,8 +240,8 @@ static int forward(const char *fn, uint16_t *out, float *lse, void *workspace, c
     if (check_forward_shape(fn, B, H, N, D, pv, err) != 0) return -1;
     CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(workspace, 16),
                       DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
-    // Hopper: the wgmma kernel (sage_forward_sm90.cu: FP8, and FP16 at D = 128); DIT_SAGE_MMA_SYNC=1
-    // keeps this one.
+    // Hopper: the wgmma kernel (sage_forward_sm90.cu, FP8 and FP16); DIT_SAGE_MMA_SYNC=1 keeps this
+    // one.
     if (sage_forward_sm90_takes(pv, D) && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
         return sage_forward_sm90_rows(out, lse, workspace, q, k, v, B, H, N, D, pv, merged_heads, stream, err);
     if (pv == SAGE_PV_FP8 && check_fp8_capability(fn, err) != 0) return -1;

@@ -12,11 +12,12 @@
 //                  from shared memory
 //   O = O·alpha + blk   (the definition's two-level fp32 accumulation)
 // and finally out = O·v_scale/l' and lse = m + log2(l') − log2 448, with l' = Σ p' = 448·l.
-// FP16 P·V (SAGE_PV_FP16, D = 128 only; the FP8 parts above are the template's FP8 = true): p =
+// FP16 P·V (SAGE_PV_FP16; the FP8 parts above are the template's FP8 = true): p =
 // exp2(s − m) without the 448, P16 = fp16(p) packed from the S accumulators into the four k16 A
 // fragments (the m64n64 accumulator layout is the m64n64k16 A layout, so V̂ᵀ = fp16(v)ᵀ keeps token
-// order), blk = P16·V16 by wgmma m64n64k16 f16 with fp32 accumulation, V̂ᵀ rows of 64 tokens × 2
-// bytes; O = O·alpha + blk as above, out = O/l, lse = m + log2(l).
+// order), blk = P16·V16 by wgmma f16 with fp32 accumulation (m64n32k16 per quarter of D = 128,
+// m64n64k16 over all of D = 64), V̂ᵀ rows of 64 tokens × 2 bytes; O = O·alpha + blk as above,
+// out = O/l, lse = m + log2(l).
 //
 // Two CTA layouts, each measured faster at its head dim (dev/notes_sage_fwd.md):
 // D = 128: sage_forward_sm90_kernel, persistent and warp-specialized (the FA3 structure), one
@@ -39,7 +40,9 @@
 //     O[:, 64:128] = O·alpha_{kb-1} + blk.
 // D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 4 CTAs per SM
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
-//   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other.
+//   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other (FP8 and
+//   FP16 alike; FP16: 41 KB of shared memory instead of 29 and 93 registers instead of 120, so 5
+//   CTAs per SM: dev/notes_sage_fwd.md).
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,9 +78,11 @@ template <int D, bool FP8> struct Sm90Smem {
     static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
 };
 
-// Shared memory of the one-warpgroup kernel: Q̂ and SM90_WG_STAGES stages of K̂, V̂ᵀ.
-template <int D> struct Sm90WgSmem {
-    static constexpr int Q_BYTES = SAGE_CUDA_BLOCK * D, K_BYTES = SAGE_CUDA_BLOCK * D, V_BYTES = D * SAGE_CUDA_BLOCK;
+// Shared memory of the one-warpgroup kernel: Q̂ and SM90_WG_STAGES stages of K̂, V̂ᵀ (the stage
+// layout of load_kv).
+template <int D, bool FP8> struct Sm90WgSmem {
+    static constexpr int Q_BYTES = SAGE_CUDA_BLOCK * D, K_BYTES = Sm90Smem<D, FP8>::K_BYTES;
+    static constexpr int V_ROW_BYTES = Sm90Smem<D, FP8>::V_ROW_BYTES, V_BYTES = Sm90Smem<D, FP8>::V_BYTES;
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
     static constexpr int TOTAL = 1024 + Q_BYTES + SM90_WG_STAGES * STAGE_BYTES;   // + alignment slack
 };
@@ -225,6 +230,13 @@ __device__ __forceinline__ void pv_quarter_wgmma(float (&blk)[16], const uint32_
     wgmma_f16_m64n32k16_rs<0>(blk, p[0], desc_v);
 #pragma unroll
     for (int t = 1; t < 4; t++) wgmma_f16_m64n32k16_rs<1>(blk, p[t], desc_advance(desc_v, 32 * t));
+}
+// FP16 at D = 64: blk = P16·V16 over all 64 channels, four k16 steps of m64n64k16 f16 (V̂ᵀ: 64
+// rows of 128 bytes in the stage, desc_v; a k16 step is 32 bytes along the row).
+__device__ __forceinline__ void pv_f16_wgmma(float (&blk)[32], const uint32_t (&p)[4][4], uint64_t desc_v) {
+    wgmma_f16_m64n64k16_rs<0>(blk, p[0], desc_v);
+#pragma unroll
+    for (int t = 1; t < 4; t++) wgmma_f16_m64n64k16_rs<1>(blk, p[t], desc_advance(desc_v, 32 * t));
 }
 // O[:, 32q..32q + 31] = O·alpha + blk (the definition's two-level accumulation, one quarter).
 __device__ __forceinline__ void o_update_quarter(float (&o)[64], const float (&blk)[16], const float (&alpha)[2],
@@ -526,16 +538,17 @@ __global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
 }
 
 // D = 64: one warpgroup per (64-query block qb = blockIdx.x, head bh = blockIdx.y), 128 threads,
-// Sm90WgSmem<D>::TOTAL bytes; maps as above. Thread 0 loads Q̂ once and refills each stage with
-// key block kb + SM90_WG_STAGES when both wgmma batches of block kb have completed.
-template <int D>
+// Sm90WgSmem<D, FP8>::TOTAL bytes; maps as above. Thread 0 loads Q̂ once and refills each stage
+// with key block kb + SM90_WG_STAGES when both wgmma batches of block kb have completed. FP16
+// (FP8 = false): P16 (16 registers) in place of p' and P8, and P·V as four m64n64k16 f16 steps.
+template <int D, bool FP8>
 __global__ void __launch_bounds__(128, 2)
     sage_forward_wg_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                            const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
                            SageCudaQuant qv, int N, int merged_heads) {
 #ifdef SAGE_SM90_DEVICE
     static_assert(D == 64, "the one-warpgroup kernel is the D = 64 layout (P·V over all 64 channels at once)");
-    using S = Sm90WgSmem<D>;
+    using S = Sm90WgSmem<D, FP8>;
     constexpr int BN = SAGE_CUDA_BLOCK;
     extern __shared__ uint8_t smem_raw[];
     __shared__ uint64_t bar_q, bar_kv[SM90_WG_STAGES];
@@ -554,15 +567,15 @@ __global__ void __launch_bounds__(128, 2)
         mbar_expect_bytes(&bar_q, S::Q_BYTES);
         tma_load_2d(sQ, &map_q, &bar_q, 0, bh * N + qb * BN);
         for (int s = 0; s < SM90_WG_STAGES && s < nblk; s++)
-            load_kv<D, true>(sK + s * S::K_BYTES, sV + s * S::V_BYTES, &bar_kv[s], &map_k, &map_v, bh, N, s);
+            load_kv<D, FP8>(sK + s * S::K_BYTES, sV + s * S::V_BYTES, &bar_kv[s], &map_k, &map_v, bh, N, s);
     }
 
     const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
     const float *k_scale = qv.k_scale + (size_t)bh * nblk;
     float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh)
     int s_acc[32];                     // accumulator layout of m64n64
-    float pf[32];
-    uint32_t p[2][4];
+    float pf[32];                      // FP8: p' (accumulator layout)
+    uint32_t p[FP8 ? 2 : 4][4];        // P8 as k32 / P16 as k16 A fragments
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
     mbar_wait(&bar_q, 0);
     const uint64_t desc_q = smem_desc<D>(sQ);
@@ -571,7 +584,7 @@ __global__ void __launch_bounds__(128, 2)
         int stage = kb % SM90_WG_STAGES;
         mbar_wait(&bar_kv[stage], (kb / SM90_WG_STAGES) & 1);
         const uint64_t desc_k = smem_desc<D>(sK + stage * S::K_BYTES);
-        const uint64_t desc_v = smem_desc<BN>(sV + stage * S::V_BYTES);
+        const uint64_t desc_v = smem_desc<S::V_ROW_BYTES>(sV + stage * S::V_BYTES);
 
         wgmma_fence();
         qk_wgmma<D>(s_acc, desc_q, desc_k);
@@ -580,24 +593,34 @@ __global__ void __launch_bounds__(128, 2)
         reg_fence(s_acc);
 
         float offset[2], scale = __fmul_rn(q_scale, k_scale[kb]);
-        softmax_max<true>(offset, alpha, m, l, s_acc, scale, N - kb * BN, c);
-        softmax_exp(pf, l, s_acc, scale, offset, N - kb * BN, c);
-        pack_p8(p, pf);
-
-        wgmma_fence();
-        pv_wgmma(blk, p, desc_v);
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(blk);
-        reg_fence(p[0]);
-        reg_fence(p[1]);
+        softmax_max<FP8>(offset, alpha, m, l, s_acc, scale, N - kb * BN, c);
+        if constexpr (FP8) {
+            softmax_exp(pf, l, s_acc, scale, offset, N - kb * BN, c);
+            pack_p8(p, pf);
+            wgmma_fence();
+            pv_wgmma(blk, p, desc_v);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(blk);
+            reg_fence(p[0]);
+            reg_fence(p[1]);
+        } else {
+            softmax_exp_p16<0, 32>(p, l, s_acc, scale, offset, N - kb * BN, c);
+            wgmma_fence();
+            pv_f16_wgmma(blk, p, desc_v);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(blk);
+#pragma unroll
+            for (int k = 0; k < 4; k++) reg_fence(p[k]);
+        }
         if (tid == 0 && kb + SM90_WG_STAGES < nblk)   // the stage is free: both wgmma batches completed
-            load_kv<D, true>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v,
-                             bh, N, kb + SM90_WG_STAGES);
+            load_kv<D, FP8>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v,
+                            bh, N, kb + SM90_WG_STAGES);
 #pragma unroll
         for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
     }
-    store_tile<D, true>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g,
+    store_tile<D, FP8>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g,
                         c);
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -654,18 +677,19 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
 }
 
 // D = 64: the one-warpgroup kernel, one CTA per (64-query block, head).
+template <bool FP8>
 static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
                                 int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 64;
     CUtensorMap maps[3];
-    int bytes = Sm90WgSmem<D>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    if (make_maps<D>(maps, qv, BH, N, 1, err)) return -1;
-    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_wg_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    int bytes = Sm90WgSmem<D, FP8>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
+    if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err)) return -1;
+    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_wg_kernel<D, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_wg_kernel max dynamic smem)");
-    sage_forward_wg_kernel<D><<<dim3(nblk, BH), 128, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                      (__nv_bfloat16 *)out, lse, *qv, N,
-                                                                      merged_heads);
+    sage_forward_wg_kernel<D, FP8><<<dim3(nblk, BH), 128, bytes, stream>>>(maps[0], maps[1], maps[2],
+                                                                           (__nv_bfloat16 *)out, lse, *qv, N,
+                                                                           merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_wg_kernel");
     return 0;
 }
@@ -673,7 +697,9 @@ static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *
 // The kernel for D and pv over the quantized tensors of qv.
 static int launch(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N, int D, SagePV pv,
                   int merged_heads, cudaStream_t stream, char *err) {
-    if (D == 64) return launch_one_warpgroup(out, lse, qv, BH, N, merged_heads, stream, err);
+    if (D == 64)
+        return pv == SAGE_PV_FP8 ? launch_one_warpgroup<true>(out, lse, qv, BH, N, merged_heads, stream, err)
+                                 : launch_one_warpgroup<false>(out, lse, qv, BH, N, merged_heads, stream, err);
     return pv == SAGE_PV_FP8 ? launch_warp_specialized<true>(out, lse, qv, BH, N, merged_heads, stream, err)
                              : launch_warp_specialized<false>(out, lse, qv, BH, N, merged_heads, stream, err);
 }
@@ -682,7 +708,7 @@ static int launch(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, in
 static int check_sm90_call(const char *fn, int B, int H, int N, int D, SagePV pv, char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         !sage_forward_sm90_takes(pv, D)) {
-        dit_set_error(err, "%s: need D in {64, 128} (128 with FP16 P·V), B, H, N >= 1 and B·H <= 65535 "
+        dit_set_error(err, "%s: need D in {64, 128}, pv FP8 or FP16, B, H, N >= 1 and B·H <= 65535 "
                            "(got B=%d H=%d N=%d D=%d pv=%d)", fn, B, H, N, D, (int)pv);
         return -1;
     }

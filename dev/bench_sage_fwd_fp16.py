@@ -1,12 +1,12 @@
-# Benchmark of the Hopper sage forward's P·V modes at head dim 128 (issue 5: which is better for
-# training): FP16 P·V on the wgmma kernel (sage_forward_sm90.cu, FP8 = false), FP8 P·V on the
+# Benchmark of the Hopper sage forward's P·V modes at head dim D = 128 or 64 (issue 5: which is better
+# for training): FP16 P·V on the wgmma kernel (sage_forward_sm90.cu, FP8 = false), FP8 P·V on the
 # same kernel, FP16 P·V on the mma.sync kernel (sage_forward.cu, DIT_SAGE_MMA_SYNC=1: what
 # --attn sage-fp16 ran before), and PyTorch SDPA's cuDNN backend in bf16. 16 heads, N = 4K, 16K,
 # 32K with B·N = 16K tokens (B = 1 from 16K); FLOPs 4·B·H·N²·D. Each time: the median of `iters`
 # CUDA-event-timed calls after 3 untimed ones, the whole forward (quantization pass + kernel) and
 # the kernel alone (sage_forward_quantized_cuda on the quantized workspace). Accuracy on the same
 # Gaussian inputs: cosine against fp32 attention (two heads).
-#   python3 dev/bench_sage_fwd_fp16.py [path/to/libditc.so.0]
+#   python3 dev/bench_sage_fwd_fp16.py [path/to/libditc.so.0 [D]]     (D: 128 (default) or 64)
 import ctypes
 import os
 import sys
@@ -36,7 +36,8 @@ def main():
     torch.manual_seed(0)
     print(f"# device: {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
     print(f"# sm90 forward available: {lib.sage_forward_sm90_available() == 1}")
-    H, D = 16, 128
+    H, D = 16, int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    print(f"# head dim {D}, {H} heads")
     # kernels: name -> (pv, DIT_SAGE_MMA_SYNC)
     kernels = {"fp16_sm90": (FP16, False), "fp8_sm90": (FP8, False), "fp16_mma": (FP16, True)}
     rows = []

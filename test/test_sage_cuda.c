@@ -774,8 +774,7 @@ static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const cha
     free_case(&c);
 }
 
-// The default dispatch (on sm_90: the Hopper kernels for FP8, the Hopper forward for FP16 at
-// D = 128, the Hopper backward for FP16) and
+// The default dispatch (on sm_90: the Hopper kernels for FP8 and FP16) and
 // the mma.sync kernels (DIT_SAGE_MMA_SYNC=1, read at call time).
 Test(sage_cuda, merged_layout_matches_head_major, .timeout = 120) {
     SKIP_WITHOUT_GPU();

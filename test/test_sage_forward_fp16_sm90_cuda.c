@@ -1,11 +1,12 @@
-// The Hopper sage forward with FP16 P·V (sage_forward_sm90.cu, sage_forward_sm90_kernel<128, false>,
-// which sage_forward_cuda and sage_forward_merged_cuda run for SAGE_PV_FP16 at D = 128 on sm_90;
-// DIT_SAGE_MMA_SYNC=1 keeps them on the mma.sync kernel). Against the CPU definition
+// The Hopper sage forward with FP16 P·V (sage_forward_sm90.cu: sage_forward_sm90_kernel<128, false>
+// at D = 128, sage_forward_wg_kernel<64, false> at D = 64, which sage_forward_cuda and
+// sage_forward_merged_cuda run for SAGE_PV_FP16 on sm_90; DIT_SAGE_MMA_SYNC=1 keeps them on the
+// mma.sync kernel). Against the CPU definition
 // (attention.h, SAGE_PV_FP16, q_block = k_block = 64) and against the mma.sync FP16 kernel, on
 // random inputs (N(0,1), and the outliers of issue 5: q, k ×8 on channels 3 and 17, k + 20 on
 // every 4th channel) with NaN-poisoned outputs (dmalloc): N not a multiple of 64 (masked tail keys),
-// several heads and batches, the merged layout, and 150 tiles of 192 queries (more than the H200's
-// 132 SMs: a partial last round, run as split units). Tolerances: the outputs are bf16 on both
+// several heads and batches, the merged layout, and at D = 128 150 tiles of 192 queries (more than
+// the H200's 132 SMs: a partial last round, run as split units). Tolerances: the outputs are bf16 on both
 // sides, so what is left is bf16 rounding flips where the fp32 values differ in the last bits
 // (summation order, MUFU exp2/log2, fp16(P) flips): rel L2 < 3e-4 and cosine > 0.99999 (the FP8
 // kernel reaches ~5e-4 against its definition, its e4m3 P·V accumulating with fewer bits), lse
@@ -106,8 +107,7 @@ static double lse_max_diff(const float *a, const float *b, size_t n) {
 // The sm90 FP16 forward (head-major and merged, the head-major one run twice) against the CPU
 // definition: within tolerance, and the three runs bitwise equal (a race between the producer and
 // the consumers, or a layout slip in the merged store, would show).
-static void check_definition(int B, int H, int N, int outliers) {
-    const int D = 128;
+static void check_definition(int B, int H, int N, int D, int outliers) {
     Inputs in = make_inputs(B, H, N, D, outliers, 11000 + B * 100 + H + N);
     uint16_t *bits[3];
     float *lse[3];
@@ -127,10 +127,10 @@ static void check_definition(int B, int H, int N, int outliers) {
     for (size_t i = 0; i < in.n; i++) ref[i] = from_bf16(to_bf16(ref[i]));   // the GPU writes bf16
     double rel, cosv, lse_err = lse_max_diff(lse[0], ref_lse, in.rows);
     compare(&rel, &cosv, out, ref, in.n);
-    fprintf(stderr, "sm90 fp16 forward B=%d H=%d N=%d D=128 %s (%d tiles): vs definition rel L2 %.2e cosine %.7f "
-                    "lse max diff %.1e; differing values: second run %zu, merged layout %zu\n", B, H, N,
-            outliers ? "outliers" : "gaussian", B * H * (((N + 63) / 64 + 2) / 3), rel, cosv, lse_err, diffs[0],
-            diffs[1]);
+    int ctas = D == 128 ? B * H * (((N + 63) / 64 + 2) / 3) : B * H * ((N + 63) / 64);   // 192- or 64-query tiles
+    fprintf(stderr, "sm90 fp16 forward B=%d H=%d N=%d D=%d %s (%d tiles): vs definition rel L2 %.2e cosine %.7f "
+                    "lse max diff %.1e; differing values: second run %zu, merged layout %zu\n", B, H, N, D,
+            outliers ? "outliers" : "gaussian", ctas, rel, cosv, lse_err, diffs[0], diffs[1]);
     cr_expect(rel < REL_TOL, "rel L2 vs definition %g >= %g", rel, REL_TOL);
     cr_expect(cosv > COS_TOL, "cosine vs definition %.7f <= %g", cosv, COS_TOL);
     cr_expect(lse_err < LSE_TOL, "lse max abs diff vs definition %g >= %g", lse_err, LSE_TOL);
@@ -143,22 +143,34 @@ static void check_definition(int B, int H, int N, int outliers) {
 
 Test(sage_forward_fp16_sm90, matches_definition, .timeout = 240) {
     SKIP_WITHOUT_SM90();
-    check_definition(1, 1, 1, 0);      // one key: the tail block is the only block
-    check_definition(1, 1, 37, 1);     // one short block
-    check_definition(2, 3, 130, 0);    // three key blocks, the last with 2 keys
-    check_definition(1, 2, 70, 1);
-    check_definition(3, 2, 200, 0);    // four query blocks: the second tile has one
-    check_definition(1, 1, 1024, 1);
-    check_definition(2, 75, 130, 1);   // 150 tiles on 132 SMs: the last round split
+    check_definition(1, 1, 1, 128, 0);      // one key: the tail block is the only block
+    check_definition(1, 1, 37, 128, 1);     // one short block
+    check_definition(2, 3, 130, 128, 0);    // three key blocks, the last with 2 keys
+    check_definition(1, 2, 70, 128, 1);
+    check_definition(3, 2, 200, 128, 0);    // four query blocks: the second tile has one
+    check_definition(1, 1, 1024, 128, 1);
+    check_definition(2, 75, 130, 128, 1);   // 150 tiles on 132 SMs: the last round split
 }
 
-// Long sequences and many heads, against the mma.sync FP16 kernel (DIT_SAGE_MMA_SYNC=1).
-Test(sage_forward_fp16_sm90, matches_mma_sync_long, .timeout = 240) {
+// D = 64: the one-warpgroup kernel (one CTA per 64-query block and head; three K̂/V̂ᵀ stages, so
+// N = 200's four key blocks reuse a stage and N = 1024's sixteen go round five times).
+Test(sage_forward_fp16_sm90, d64_matches_definition, .timeout = 240) {
     SKIP_WITHOUT_SM90();
+    check_definition(1, 1, 1, 64, 0);
+    check_definition(1, 1, 37, 64, 1);
+    check_definition(2, 3, 130, 64, 0);
+    check_definition(1, 2, 70, 64, 1);
+    check_definition(3, 2, 200, 64, 1);
+    check_definition(1, 1, 1024, 64, 0);
+    check_definition(2, 4, 1024, 64, 1);
+}
+
+// Long sequences and many heads, against the mma.sync FP16 kernel (DIT_SAGE_MMA_SYNC=1), at D.
+static void check_mma_sync_long(int D) {
     const int configs[4][3] = {{1, 2, 4096}, {1, 1, 16384}, {1, 16, 1111}, {4, 16, 1000}};
     for (int ci = 0; ci < 4; ci++) {
         int B = configs[ci][0], H = configs[ci][1], N = configs[ci][2];
-        Inputs in = make_inputs(B, H, N, 128, ci % 2, 12000 + ci);
+        Inputs in = make_inputs(B, H, N, D, ci % 2, (D == 128 ? 12000 : 12500) + ci);
         uint16_t *bits_s = xmalloc(in.n * 2), *bits_m = xmalloc(in.n * 2);
         float *lse_s = xmalloc(in.rows * 4), *lse_m = xmalloc(in.rows * 4);
         forward_fp16(bits_s, lse_s, &in, 0);
@@ -170,14 +182,22 @@ Test(sage_forward_fp16_sm90, matches_mma_sync_long, .timeout = 240) {
         to_floats(out_m, bits_m, in.n);
         double rel, cosv, lse_err = lse_max_diff(lse_s, lse_m, in.rows);
         compare(&rel, &cosv, out_s, out_m, in.n);
-        fprintf(stderr, "sm90 fp16 vs mma.sync fp16 B=%d H=%d N=%d D=128 %s: rel L2 %.2e cosine %.7f lse max diff "
-                        "%.1e\n", B, H, N, ci % 2 ? "outliers" : "gaussian", rel, cosv, lse_err);
-        cr_expect(rel < REL_TOL, "vs mma.sync rel L2 %g >= %g (B=%d H=%d N=%d)", rel, REL_TOL, B, H, N);
+        fprintf(stderr, "sm90 fp16 vs mma.sync fp16 B=%d H=%d N=%d D=%d %s: rel L2 %.2e cosine %.7f lse max diff "
+                        "%.1e\n", B, H, N, D, ci % 2 ? "outliers" : "gaussian", rel, cosv, lse_err);
+        cr_expect(rel < REL_TOL, "vs mma.sync rel L2 %g >= %g (B=%d H=%d N=%d D=%d)", rel, REL_TOL, B, H, N, D);
         cr_expect(cosv > COS_TOL, "vs mma.sync cosine %.7f <= %g", cosv, COS_TOL);
         cr_expect(lse_err < 2 * LSE_TOL, "vs mma.sync lse max diff %g >= %g", lse_err, 2 * LSE_TOL);
         free(bits_s); free(bits_m); free(lse_s); free(lse_m); free(out_s); free(out_m);
         free_inputs(&in);
     }
+}
+Test(sage_forward_fp16_sm90, matches_mma_sync_long, .timeout = 240) {
+    SKIP_WITHOUT_SM90();
+    check_mma_sync_long(128);
+}
+Test(sage_forward_fp16_sm90, d64_matches_mma_sync_long, .timeout = 240) {
+    SKIP_WITHOUT_SM90();
+    check_mma_sync_long(64);
 }
 
 // The split last round (two units per tile) gives bitwise the results of whole tiles
@@ -202,22 +222,4 @@ Test(sage_forward_fp16_sm90, split_rounds_are_bitwise_whole_tiles, .timeout = 12
         free(bits_s); free(bits_w); free(lse_s); free(lse_w);
         free_inputs(&in);
     }
-}
-
-// FP16 at D = 64 stays on the mma.sync kernel: the default dispatch gives its bits exactly.
-Test(sage_forward_fp16_sm90, d64_stays_on_mma_sync, .timeout = 60) {
-    SKIP_WITHOUT_SM90();
-    Inputs in = make_inputs(2, 3, 333, 64, 1, 14000);
-    uint16_t *bits_d = xmalloc(in.n * 2), *bits_m = xmalloc(in.n * 2);
-    float *lse_d = xmalloc(in.rows * 4), *lse_m = xmalloc(in.rows * 4);
-    forward_fp16(bits_d, lse_d, &in, 0);
-    setenv("DIT_SAGE_MMA_SYNC", "1", 1);
-    forward_fp16(bits_m, lse_m, &in, 0);
-    unsetenv("DIT_SAGE_MMA_SYNC");
-    size_t diffs = 0;
-    for (size_t i = 0; i < in.n; i++) diffs += bits_d[i] != bits_m[i];
-    for (size_t i = 0; i < in.rows; i++) diffs += memcmp(&lse_d[i], &lse_m[i], 4) != 0;
-    cr_expect_eq(diffs, 0, "D = 64 FP16: default dispatch differs from mma.sync in %zu values", diffs);
-    free(bits_d); free(bits_m); free(lse_d); free(lse_m);
-    free_inputs(&in);
 }
