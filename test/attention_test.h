@@ -54,6 +54,51 @@ static inline void bf16_to_host_floats(float *dst, const uint16_t *dev, size_t n
     free(bits);
 }
 
+// Skips unless the device is sm_90 and the build has sm_90a code (for files that include
+// attention/sage_cuda.h).
+#define SKIP_WITHOUT_SM90()                                                                 \
+    do {                                                                                    \
+        SKIP_WITHOUT_GPU();                                                                 \
+        if (!sage_forward_sm90_available()) cr_skip_test("no sm_90 device or no sm_90a code"); \
+    } while (0)
+
+// q, k, v (B, H, N, D) of N(0,1) rounded to bf16, as host floats and device bf16 bits. outliers:
+// q and k ×8 on channels 3 and 17, k + 20 on every 4th channel (test_sage_cuda.c's OUTLIERS).
+typedef struct {
+    int B, H, N, D;
+    size_t n, rows;
+    float *q, *k, *v;
+    uint16_t *q_dev, *k_dev, *v_dev;
+} QkvInputs;
+
+static inline QkvInputs make_qkv_inputs(int B, int H, int N, int D, int outliers, uint64_t seed) {
+    QkvInputs in = {B, H, N, D, (size_t)B * H * N * D, (size_t)B * H * N, 0, 0, 0, 0, 0, 0};
+    Rng rng;
+    rng_seed(&rng, seed);
+    float **host[3] = {&in.q, &in.k, &in.v};
+    uint16_t **dev[3] = {&in.q_dev, &in.k_dev, &in.v_dev};
+    uint16_t *bits = xmalloc(in.n * 2);
+    for (int t = 0; t < 3; t++) {
+        *host[t] = xmalloc(in.n * sizeof(float));
+        for (size_t i = 0; i < in.n; i++) {
+            int d = (int)(i % D);
+            float x = rng_normal(&rng);
+            if (outliers && t < 2 && (d == 3 || d == 17)) x *= 8.0f;
+            if (outliers && t == 1 && d % 4 == 0) x += 20.0f;
+            bits[i] = to_bf16(x);
+            (*host[t])[i] = from_bf16(bits[i]);
+        }
+        *dev[t] = dmalloc(in.n * 2);
+        CUDA_OK(cudaMemcpy(*dev[t], bits, in.n * 2, cudaMemcpyHostToDevice));
+    }
+    free(bits);
+    return in;
+}
+static inline void free_qkv_inputs(QkvInputs *in) {
+    free(in->q); free(in->k); free(in->v);
+    cudaFree(in->q_dev); cudaFree(in->k_dev); cudaFree(in->v_dev);
+}
+
 // n random bf16 values N(0, gain²) (never zero: 0.5 instead), as floats in *host (allocated) and
 // on the device (returned).
 static inline uint16_t *random_bf16(Rng *rng, size_t n, float gain, float **host) {

@@ -451,12 +451,6 @@ Test(sage_cuda, rejects_bad_head_dim) {
 // Skips unless the device is sm_90 and the build has sm_90a code. Against the CPU definition
 // (same tolerances as check_forward), exact attention, and, at lengths too long for the CPU
 // definition, the mma.sync kernel (DIT_SAGE_MMA_SYNC=1 keeps sage_forward_cuda on it).
-#define SKIP_WITHOUT_SM90()                                                                 \
-    do {                                                                                    \
-        SKIP_WITHOUT_GPU();                                                                 \
-        if (!sage_forward_sm90_available()) cr_skip_test("no sm_90 device or no sm_90a code"); \
-    } while (0)
-
 static Fwd gpu_forward_sm90(const Case *c) {
     Fwd f;
     char err[DIT_ERR_LEN] = "";

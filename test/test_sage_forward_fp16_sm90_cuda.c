@@ -27,51 +27,9 @@ static const SageConfig GPU_FP16 = {64, 64, SAGE_PV_FP16, 0, SAGE_BWD_FP32};
 #define COS_TOL 0.99999
 #define LSE_TOL 1e-4
 
-#define SKIP_WITHOUT_SM90()                                                                 \
-    do {                                                                                    \
-        SKIP_WITHOUT_GPU();                                                                 \
-        if (!sage_forward_sm90_available()) cr_skip_test("no sm_90 device or no sm_90a code"); \
-    } while (0)
-
-// q, k, v as bf16 (host floats and device bits); outliers as test_sage_cuda.c's OUTLIERS.
-typedef struct {
-    int B, H, N, D;
-    size_t n, rows;
-    float *q, *k, *v;
-    uint16_t *q_dev, *k_dev, *v_dev;
-} Inputs;
-
-static Inputs make_inputs(int B, int H, int N, int D, int outliers, uint64_t seed) {
-    Inputs in = {B, H, N, D, (size_t)B * H * N * D, (size_t)B * H * N, 0, 0, 0, 0, 0, 0};
-    Rng rng;
-    rng_seed(&rng, seed);
-    float **host[3] = {&in.q, &in.k, &in.v};
-    uint16_t **dev[3] = {&in.q_dev, &in.k_dev, &in.v_dev};
-    uint16_t *bits = xmalloc(in.n * 2);
-    for (int t = 0; t < 3; t++) {
-        *host[t] = xmalloc(in.n * sizeof(float));
-        for (size_t i = 0; i < in.n; i++) {
-            int d = (int)(i % D);
-            float x = rng_normal(&rng);
-            if (outliers && t < 2 && (d == 3 || d == 17)) x *= 8.0f;
-            if (outliers && t == 1 && d % 4 == 0) x += 20.0f;
-            bits[i] = to_bf16(x);
-            (*host[t])[i] = from_bf16(bits[i]);
-        }
-        *dev[t] = dmalloc(in.n * 2);
-        CUDA_OK(cudaMemcpy(*dev[t], bits, in.n * 2, cudaMemcpyHostToDevice));
-    }
-    free(bits);
-    return in;
-}
-static void free_inputs(Inputs *in) {
-    free(in->q); free(in->k); free(in->v);
-    cudaFree(in->q_dev); cudaFree(in->k_dev); cudaFree(in->v_dev);
-}
-
 // One FP16 forward (sage_forward_cuda, or sage_forward_merged_cuda when merged) into host out
 // (bf16 bits, head-major: the merged output is transposed back) and lse; out and lse start as NaN.
-static void forward_fp16(uint16_t *out_bits, float *lse, const Inputs *in, int merged) {
+static void forward_fp16(uint16_t *out_bits, float *lse, const QkvInputs *in, int merged) {
     char err[DIT_ERR_LEN] = "";
     void *ws = dmalloc(sage_cuda_forward_workspace_size(in->B, in->H, in->N, in->D, SAGE_PV_FP16));
     uint16_t *out_dev = dmalloc(in->n * 2);
@@ -95,6 +53,24 @@ static void forward_fp16(uint16_t *out_bits, float *lse, const Inputs *in, int m
     cudaFree(ws); cudaFree(out_dev); cudaFree(lse_dev);
 }
 
+// forward_fp16 (head-major) with the environment variable name set to value for the call (the
+// dispatch reads it at call time).
+static void forward_fp16_with(uint16_t *out_bits, float *lse, const QkvInputs *in, const char *name,
+                              const char *value) {
+    setenv(name, value, 1);
+    forward_fp16(out_bits, lse, in, 0);
+    unsetenv(name);
+}
+
+// Values of two runs' outputs (bf16 bits) and lse that differ in any bit.
+static size_t count_differing(const uint16_t *bits_a, const float *lse_a, const uint16_t *bits_b,
+                              const float *lse_b, const QkvInputs *in) {
+    size_t diffs = 0;
+    for (size_t i = 0; i < in->n; i++) diffs += bits_a[i] != bits_b[i];
+    for (size_t i = 0; i < in->rows; i++) diffs += memcmp(&lse_a[i], &lse_b[i], 4) != 0;
+    return diffs;
+}
+
 static void to_floats(float *x, const uint16_t *bits, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = from_bf16(bits[i]);
 }
@@ -108,7 +84,7 @@ static double lse_max_diff(const float *a, const float *b, size_t n) {
 // definition: within tolerance, and the three runs bitwise equal (a race between the producer and
 // the consumers, or a layout slip in the merged store, would show).
 static void check_definition(int B, int H, int N, int D, int outliers) {
-    Inputs in = make_inputs(B, H, N, D, outliers, 11000 + B * 100 + H + N);
+    QkvInputs in = make_qkv_inputs(B, H, N, D, outliers, 11000 + B * 100 + H + N);
     uint16_t *bits[3];
     float *lse[3];
     for (int r = 0; r < 3; r++) {
@@ -116,11 +92,8 @@ static void check_definition(int B, int H, int N, int D, int outliers) {
         lse[r] = xmalloc(in.rows * 4);
         forward_fp16(bits[r], lse[r], &in, r == 2);
     }
-    size_t diffs[2] = {0, 0};
-    for (int r = 1; r < 3; r++) {
-        for (size_t i = 0; i < in.n; i++) diffs[r - 1] += bits[r][i] != bits[0][i];
-        for (size_t i = 0; i < in.rows; i++) diffs[r - 1] += memcmp(&lse[r][i], &lse[0][i], 4) != 0;
-    }
+    size_t diffs[2] = {count_differing(bits[1], lse[1], bits[0], lse[0], &in),
+                       count_differing(bits[2], lse[2], bits[0], lse[0], &in)};
     float *out = xmalloc(in.n * 4), *ref = xmalloc(in.n * 4), *ref_lse = xmalloc(in.rows * 4);
     to_floats(out, bits[0], in.n);
     sage_forward(ref, ref_lse, in.q, in.k, in.v, B, H, N, D, GPU_FP16);
@@ -138,7 +111,7 @@ static void check_definition(int B, int H, int N, int D, int outliers) {
     cr_expect_eq(diffs[1], 0, "the merged layout differs from the head-major one in %zu values", diffs[1]);
     for (int r = 0; r < 3; r++) { free(bits[r]); free(lse[r]); }
     free(out); free(ref); free(ref_lse);
-    free_inputs(&in);
+    free_qkv_inputs(&in);
 }
 
 Test(sage_forward_fp16_sm90, matches_definition, .timeout = 240) {
@@ -170,13 +143,11 @@ static void check_mma_sync_long(int D) {
     const int configs[4][3] = {{1, 2, 4096}, {1, 1, 16384}, {1, 16, 1111}, {4, 16, 1000}};
     for (int ci = 0; ci < 4; ci++) {
         int B = configs[ci][0], H = configs[ci][1], N = configs[ci][2];
-        Inputs in = make_inputs(B, H, N, D, ci % 2, (D == 128 ? 12000 : 12500) + ci);
+        QkvInputs in = make_qkv_inputs(B, H, N, D, ci % 2, (D == 128 ? 12000 : 12500) + ci);
         uint16_t *bits_s = xmalloc(in.n * 2), *bits_m = xmalloc(in.n * 2);
         float *lse_s = xmalloc(in.rows * 4), *lse_m = xmalloc(in.rows * 4);
         forward_fp16(bits_s, lse_s, &in, 0);
-        setenv("DIT_SAGE_MMA_SYNC", "1", 1);
-        forward_fp16(bits_m, lse_m, &in, 0);
-        unsetenv("DIT_SAGE_MMA_SYNC");
+        forward_fp16_with(bits_m, lse_m, &in, "DIT_SAGE_MMA_SYNC", "1");
         float *out_s = xmalloc(in.n * 4), *out_m = xmalloc(in.n * 4);
         to_floats(out_s, bits_s, in.n);
         to_floats(out_m, bits_m, in.n);
@@ -188,7 +159,7 @@ static void check_mma_sync_long(int D) {
         cr_expect(cosv > COS_TOL, "vs mma.sync cosine %.7f <= %g", cosv, COS_TOL);
         cr_expect(lse_err < 2 * LSE_TOL, "vs mma.sync lse max diff %g >= %g", lse_err, 2 * LSE_TOL);
         free(bits_s); free(bits_m); free(lse_s); free(lse_m); free(out_s); free(out_m);
-        free_inputs(&in);
+        free_qkv_inputs(&in);
     }
 }
 Test(sage_forward_fp16_sm90, matches_mma_sync_long, .timeout = 240) {
@@ -206,20 +177,16 @@ Test(sage_forward_fp16_sm90, split_rounds_are_bitwise_whole_tiles, .timeout = 12
     SKIP_WITHOUT_SM90();
     const int configs[2][3] = {{1, 16, 16384}, {1, 2, 4096}};
     for (int ci = 0; ci < 2; ci++) {
-        Inputs in = make_inputs(configs[ci][0], configs[ci][1], configs[ci][2], 128, ci, 13000 + ci);
+        QkvInputs in = make_qkv_inputs(configs[ci][0], configs[ci][1], configs[ci][2], 128, ci, 13000 + ci);
         uint16_t *bits_s = xmalloc(in.n * 2), *bits_w = xmalloc(in.n * 2);
         float *lse_s = xmalloc(in.rows * 4), *lse_w = xmalloc(in.rows * 4);
         forward_fp16(bits_s, lse_s, &in, 0);
-        setenv("DIT_SAGE_FWD_SPLIT", "0", 1);
-        forward_fp16(bits_w, lse_w, &in, 0);
-        unsetenv("DIT_SAGE_FWD_SPLIT");
-        size_t diffs = 0;
-        for (size_t i = 0; i < in.n; i++) diffs += bits_s[i] != bits_w[i];
-        for (size_t i = 0; i < in.rows; i++) diffs += memcmp(&lse_s[i], &lse_w[i], 4) != 0;
+        forward_fp16_with(bits_w, lse_w, &in, "DIT_SAGE_FWD_SPLIT", "0");
+        size_t diffs = count_differing(bits_s, lse_s, bits_w, lse_w, &in);
         fprintf(stderr, "sm90 fp16 split rounds B=%d H=%d N=%d: %zu values differ from whole tiles\n", in.B, in.H,
                 in.N, diffs);
         cr_expect_eq(diffs, 0, "split rounds differ from whole tiles in %zu values", diffs);
         free(bits_s); free(bits_w); free(lse_s); free(lse_w);
-        free_inputs(&in);
+        free_qkv_inputs(&in);
     }
 }

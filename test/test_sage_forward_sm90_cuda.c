@@ -21,47 +21,9 @@
 
 static const SageConfig GPU_FP8 = {64, 64, SAGE_PV_FP8, 0, SAGE_BWD_FP32};
 
-#define SKIP_WITHOUT_SM90()                                                                 \
-    do {                                                                                    \
-        SKIP_WITHOUT_GPU();                                                                 \
-        if (!sage_forward_sm90_available()) cr_skip_test("no sm_90 device or no sm_90a code"); \
-    } while (0)
-
-// q, k, v: N(0,1) rounded to bf16 (host floats and device bf16 bits).
-typedef struct {
-    int B, H, N, D;
-    size_t n, rows;
-    float *q, *k, *v;
-    uint16_t *q_dev, *k_dev, *v_dev;
-} Inputs;
-
-static Inputs make_inputs(int B, int H, int N, int D, uint64_t seed) {
-    Inputs in = {B, H, N, D, (size_t)B * H * N * D, (size_t)B * H * N, 0, 0, 0, 0, 0, 0};
-    Rng rng;
-    rng_seed(&rng, seed);
-    float **host[3] = {&in.q, &in.k, &in.v};
-    uint16_t **dev[3] = {&in.q_dev, &in.k_dev, &in.v_dev};
-    uint16_t *bits = xmalloc(in.n * 2);
-    for (int t = 0; t < 3; t++) {
-        *host[t] = xmalloc(in.n * sizeof(float));
-        for (size_t i = 0; i < in.n; i++) {
-            bits[i] = to_bf16(rng_normal(&rng));
-            (*host[t])[i] = from_bf16(bits[i]);
-        }
-        *dev[t] = dmalloc(in.n * 2);
-        CUDA_OK(cudaMemcpy(*dev[t], bits, in.n * 2, cudaMemcpyHostToDevice));
-    }
-    free(bits);
-    return in;
-}
-static void free_inputs(Inputs *in) {
-    free(in->q); free(in->k); free(in->v);
-    cudaFree(in->q_dev); cudaFree(in->k_dev); cudaFree(in->v_dev);
-}
-
 // One sm90 forward into host out bits (bf16) and lse; out and lse start as NaN (dmalloc's poison),
 // so a row the kernel never writes fails every comparison.
-static void sm90_forward(uint16_t *out_bits, float *lse, const Inputs *in) {
+static void sm90_forward(uint16_t *out_bits, float *lse, const QkvInputs *in) {
     char err[DIT_ERR_LEN] = "";
     void *ws = dmalloc(sage_cuda_forward_workspace_size(in->B, in->H, in->N, in->D, SAGE_PV_FP8));
     uint16_t *out_dev = dmalloc(in->n * 2);
@@ -76,7 +38,7 @@ static void sm90_forward(uint16_t *out_bits, float *lse, const Inputs *in) {
 }
 
 static void check_many_tiles(int B, int H, int N, int D) {
-    Inputs in = make_inputs(B, H, N, D, 5000 + N + D + H);
+    QkvInputs in = make_qkv_inputs(B, H, N, D, 0, 5000 + N + D + H);
     uint16_t *bits = xmalloc(in.n * 2), *bits2 = xmalloc(in.n * 2);
     float *lse = xmalloc(in.rows * 4), *lse2 = xmalloc(in.rows * 4);
     sm90_forward(bits, lse, &in);
@@ -99,7 +61,7 @@ static void check_many_tiles(int B, int H, int N, int D) {
     cr_expect(lse_err < 1e-3, "lse max abs diff vs CPU definition %g >= 1e-3", lse_err);
     cr_expect_eq(out_diffs + lse_diffs, 0, "two runs differ in %zu out and %zu lse values", out_diffs, lse_diffs);
     free(bits); free(bits2); free(lse); free(lse2); free(out); free(ref); free(ref_lse);
-    free_inputs(&in);
+    free_qkv_inputs(&in);
 }
 
 // 150 tiles (one per head: three 64-query blocks, one per consumer warpgroup), N = 130: three key
