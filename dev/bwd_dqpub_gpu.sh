@@ -7,13 +7,20 @@
 # stores' drain held up the next step's products. Same data, same order: dk, dv (and ordered dq)
 # bitwise main's.
 #   here:  bash dev/bwd_dqpub_gpu.sh prepare DIR MAIN_TREE   (MAIN_TREE: main's checkout, built)
-#   GPU machine (one H200): bash DIR/bwd_dqpub_gpu.sh run DIR    (carry DIR and .devlibs)
+#   GPU machine (one H200): bash DIR/bwd_dqpub_gpu.sh run|run2 DIR    (carry DIR and .devlibs)
 # Merge rule (set before the run): the sm90 backward tests, flash, determinism and dit_gpu pass;
 # the planted build (the last step's tile never published) hangs or fails; the sanitizer's
 # memcheck, racecheck and synccheck over sanitize_attention clean; bench_bwd90_abc: dk, dv bitwise
 # main's in every row, dq too in deterministic rows; sage D = 128 unordered at 16K and 32K at most
 # 0.98x main's time, no unordered row of either kernel more than 2% slower; deterministic losses at
 # c equal; c with FP8 linears faster than main by at least 0.3 ms per step in both rounds.
+# Result of `run` (2026-12-01 ~05:00 UTC, dev/notes_bwd_plan.md): everything correct and bitwise,
+# 22 of 24 bench rows faster (none slower), but the rule failed on sage D = 128 at 32K (0.995) and
+# on the c step (+0.58 / +0.05 ms). So, asked before a second run (`run2`): is the backward kernel
+# faster inside the training step, at c (head dim 128) and b (head dim 64, where the bench rows
+# gained 4-7%)? Merge rule for run2: CUPTI time per step of attention_backward_sm90_kernel at least
+# 2% lower than main's at both c and b (FP8 linears), and the mean ms/step over three interleaved
+# rounds at c and over two at b not slower than main's.
 set -uo pipefail
 
 prepare() {
@@ -51,6 +58,7 @@ PY
     cc $CFLAGS -o "$D/sanitize_attention" dev/sanitize_attention.c build/libditc.a $LIBS
     cp train_dit "$D/"
     cp "$MAIN/train_dit" "$D/train_dit_base"
+    cp "$MAIN/.devrun/libkernel_times.so" "$D/"
     strip --strip-unneeded "$D"/*
     cp dev/bench_bwd90_abc.py dev/bench_common.py "$D/"
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (+ uncommitted changes)')" > "$D/HEAD"
@@ -81,8 +89,22 @@ run() {
     echo "bench rc=$?"; cat "$O/bench.txt" | tail -40
 }
 
+run2() {
+    : "${BUDGET_S:=400}"
+    . "$1/branch_check.sh"
+    bc_init "${1:-.devrun_dqpub}"
+    local BC_B="$BC_RUN --hidden 1152 --heads 18 --depth 4 --batch 4 --image-size 128 --patch 2"
+    bc_kernels 'attention_backward_sm90' $BC_C --linear fp8
+    bc_kernels 'attention_backward_sm90' $BC_B --linear fp8
+    for r in 1 2 3; do bc_timed c_fp8_$r $BC_C --linear fp8; done
+    for r in 1 2; do bc_timed b_fp8_$r $BC_B --linear fp8; done
+    bc_times c_fp8_1 c_fp8_2 c_fp8_3 b_fp8_1 b_fp8_2
+    bc_done
+}
+
 case "${1:-}" in
 prepare) shift; prepare "$@" ;;
 run) shift; run "$@" ;;
+run2) shift; run2 "$@" ;;
 *) echo "usage: $0 prepare DIR MAIN_TREE | run DIR" >&2; exit 2 ;;
 esac
