@@ -24,8 +24,9 @@
 //        memory: H = 1: columns w·D/2.. (m64n(D/2)k16); H = 2: all D columns of block w (m64nDk16)
 //   dK += bf16(dSᵀ)·Q   like dV, issued once dV is done
 //   once dQ is done, while dK runs: dQ·1/sqrt(D) into the warpgroup's half of a shared-memory fp32
-//        tile (once the writer has read the previous one), which the writer adds to dq with one
-//        TMA reduce-add per 64 rows × 32 columns (cp.reduce.async.bulk.tensor, a 3-D map
+//        tile (once the writer has read the previous one), handed to the writer in the next step
+//        once its Sᵀ and dPᵀ are issued (the proxy fence waits for the stores), which adds it to dq
+//        with one TMA reduce-add per 64 rows × 32 columns (cp.reduce.async.bulk.tensor, a 3-D map
 //        (D, N, B·H) that drops the rows past N), overlapping the next step; once dK is done the
 //        stage goes back to the loader (ordered dQ: before the tile handshake).
 // The writer hands a tile half back once the TMA has READ it (cp.async.bulk.wait_group.read).
@@ -235,11 +236,15 @@ __device__ __forceinline__ void release_stage(uint64_t *empty, float (&dk)[n], u
 }
 
 // dq·scale of step qs into this warpgroup's half of the dQ tile, once the writer has read the
-// previous one (qs > 0), then handed to the writer.
+// previous one (qs > 0). Handed to the writer later (publish_dq_half): the fence waits until the
+// stores are done, which would hold up the next step's products.
 template <int NCOL>
-__device__ __forceinline__ void hand_dq_half(uint8_t *tile, int wg, const float (&dq)[NCOL / 2], float scale, int qs) {
+__device__ __forceinline__ void store_dq_half(uint8_t *tile, int wg, const float (&dq)[NCOL / 2], float scale, int qs) {
     if (qs > 0) named_barrier_sync(BWD90_BAR_DQ_EMPTY + warpgroup_now(), 160);
     store_dq_tile_folded<NCOL>(tile, wg, dq, scale);
+}
+// The stored half to the writer: visible to the TMA (async proxy), then DQ_FULL.
+__device__ __forceinline__ void publish_dq_half() {
     fence_proxy_async();
     named_barrier_arrive(BWD90_BAR_DQ_FULL + warpgroup_now(), 160);
 }
@@ -485,6 +490,7 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
                 else wgmma_bf16_m64n64k16_ss<1, 0, 0>(dp[h], da, db);
             }
         wgmma_commit();
+        if (qs > 0) publish_dq_half();   // the previous step's dQ, while Sᵀ and dPᵀ run
         wgmma_wait<1>();   // Sᵀ done, dPᵀ may still run
 #pragma unroll
         for (int h = 0; h < H; h++) {
@@ -571,15 +577,16 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
         // The stage goes back to the loader once dK is done. Unordered dQ: our half of the dQ tile
         // is normally free again, so it is stored while dK runs; ordered dQ: the writer hands it
         // back only after the turn of the previous step's block came, so the stage is released
-        // before waiting.
+        // before waiting. Either way it is published in the next step (or after the last).
         if (a.dq_turn) {
             release_stage(&bar.empty[stage], dk, dsa);
-            hand_dq_half<NCOL>(sm + S::DQ, wg, dq, inv_sqrt_d, qs);
+            store_dq_half<NCOL>(sm + S::DQ, wg, dq, inv_sqrt_d, qs);
         } else {
-            hand_dq_half<NCOL>(sm + S::DQ, wg, dq, inv_sqrt_d, qs);
+            store_dq_half<NCOL>(sm + S::DQ, wg, dq, inv_sqrt_d, qs);
             release_stage(&bar.empty[stage], dk, dsa);
         }
     }
+    publish_dq_half();   // the last step's
 
     float dv_max = 0.0f;
 #pragma unroll

@@ -6,7 +6,7 @@
 # every library in turn (median of `iters` CUDA-event-timed calls after warm-up); reported: the
 # median over rounds, TOPS (2.5·4·B·H·N²·D per backward) and time relative to the first library.
 # Also checks that dk, dv (and dq in deterministic mode) are bitwise equal to the first library's.
-#   python3 dev/bench_bwd90_abc.py name=lib.so [name=lib.so ...]
+#   [REPS=3] python3 dev/bench_bwd90_abc.py name=lib.so [name=lib.so ...]
 import ctypes
 import os
 import statistics
@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import I, P, check, err, median_ms, time_sdpa  # noqa: E402
 
-REPS = 3
+REPS = int(os.environ.get("REPS", 3))   # rounds per row
 H = 16
 FP8 = 0
 SIZES = [(D, N, max(1, 16384 // N)) for D in (64, 128) for N in (4096, 16384, 32768)]
