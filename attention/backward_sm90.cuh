@@ -376,7 +376,11 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     constexpr int NCOL = H == 2 ? D : D / 2;
     const int N = a.N, nqb = (N + BWD90_QUERIES - 1) / BWD90_QUERIES, nsteps = (N + QS - 1) / QS;
     const int kb = blockIdx.x, bh = blockIdx.y, k0 = kb * BWD90_KEYS, tid = threadIdx.x;
-    const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    // flash: wg shuffled, so that the compiler sees it warp-uniform and keeps the wgmma descriptors
+    // that depend on it in uniform registers (4-7% faster at D = 64); sage keeps tid / 128 (shuffled,
+    // it measured 0-3% slower at D = 128: dev/notes_bwd_plan.md)
+    const int wg = SAGE ? tid / 128 : __shfl_sync(0xffffffffu, tid / 128, 0);
+    const int warp = (tid % 128) / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const size_t head = (size_t)bh * N * D;
 
     if (tid == 0) {

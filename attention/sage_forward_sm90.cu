@@ -169,14 +169,14 @@ __device__ __forceinline__ void pack_p8(uint32_t (&a)[2][4], const float (&p)[32
 // 8t + 2e + 1, i.e. a[t][0] row g, keys 16t + 2c, +1; a[t][1] row g + 8; a[t][2], a[t][3] the same
 // rows at keys 16t + 8 + 2c (the m64n64 accumulator layout is the k16 A layout: token order, no
 // permutation of V̂ᵀ). I0, I1 even, so that pairs stay together.
-template <int I0, int I1>
-__device__ __forceinline__ void softmax_exp_p16(uint32_t (&a)[4][4], float (&l)[2], const int (&s)[32], float scale,
-                                                const float (&offset)[2], int valid, int c) {
+template <int I0, int I1, bool TAIL>
+__device__ __forceinline__ void softmax_exp_p16_pairs(uint32_t (&a)[4][4], float (&l)[2], const int (&s)[32],
+                                                      float scale, const float (&offset)[2], int valid, int c) {
 #pragma unroll
     for (int i = I0; i < I1; i += 2) {
         float p0 = exp2f(fmaf((float)s[i], scale, offset[(i % 4) / 2]));
         float p1 = exp2f(fmaf((float)s[i + 1], scale, offset[(i % 4) / 2]));
-        if (valid < SAGE_CUDA_BLOCK) {
+        if (TAIL) {
             int key = 8 * (i / 4) + 2 * c;
             if (key >= valid) p0 = 0.0f;
             if (key + 1 >= valid) p1 = 0.0f;
@@ -184,6 +184,16 @@ __device__ __forceinline__ void softmax_exp_p16(uint32_t (&a)[4][4], float (&l)[
         l[(i % 4) / 2] += p0 + p1;
         a[i / 8][(i % 8) / 2] = pack_half2(p0, p1);
     }
+}
+// The tail test outside the loop (inside it, the masks' key indices were computed on every block:
+// the D = 128 forward 5-6% slower, dev/notes_sage_fwd.md).
+template <int I0, int I1>
+__device__ __forceinline__ void softmax_exp_p16(uint32_t (&a)[4][4], float (&l)[2], const int (&s)[32], float scale,
+                                                const float (&offset)[2], int valid, int c) {
+    if (valid < SAGE_CUDA_BLOCK)
+        softmax_exp_p16_pairs<I0, I1, true>(a, l, s, scale, offset, valid, c);
+    else
+        softmax_exp_p16_pairs<I0, I1, false>(a, l, s, scale, offset, valid, c);
 }
 
 // TMA thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 keys: 64 bytes
@@ -217,16 +227,17 @@ __device__ __forceinline__ void pv_wgmma(float (&blk)[32], const uint32_t (&p)[2
 // is then o[32h + i] of the m64n128 accumulator layout. (Per output value the same 64-term dot
 // product as one m64n128 wgmma; the tensor core's fp32 rounding inside a k32 step can differ in
 // the last bit: O within rel L2 5e-7 of the m64n128 version, dev/notes_sage_fwd.md.)
-__device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], const uint8_t *sV, int h) {
-    pv_wgmma(blk, p, smem_desc<SAGE_CUDA_BLOCK>(sV + h * 64 * SAGE_CUDA_BLOCK));
+__device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], uint64_t desc_v, int h) {
+    pv_wgmma(blk, p, desc_advance(desc_v, h * 64 * SAGE_CUDA_BLOCK));
 }
 // FP16: blk = P16·V16 for channels 32q..32q + 31 (quarter q of D = 128), four k16 steps of
-// m64n32k16 f16 over V̂ᵀ rows of 128 bytes (64 fp16 tokens; the quarter's 32 rows start 4096·q
-// bytes into the stage, a whole number of swizzle atoms); a k16 step is 32 bytes along the row.
+// m64n32k16 f16 over V̂ᵀ rows of 128 bytes (64 fp16 tokens; desc_v0 addresses the stage, the
+// quarter's 32 rows start 4096·q bytes into it, a whole number of swizzle atoms); a k16 step is
+// 32 bytes along the row.
 // blk[i] is then o[16q + i] of the m64n128 accumulator layout.
-__device__ __forceinline__ void pv_quarter_wgmma(float (&blk)[16], const uint32_t (&p)[4][4], const uint8_t *sV,
+__device__ __forceinline__ void pv_quarter_wgmma(float (&blk)[16], const uint32_t (&p)[4][4], uint64_t desc_v0,
                                                  int q) {
-    const uint64_t desc_v = smem_desc<128>(sV + q * 32 * 128);
+    const uint64_t desc_v = desc_advance(desc_v0, q * 32 * 128);
     wgmma_f16_m64n32k16_rs<0>(blk, p[0], desc_v);
 #pragma unroll
     for (int t = 1; t < 4; t++) wgmma_f16_m64n32k16_rs<1>(blk, p[t], desc_advance(desc_v, 32 * t));
@@ -320,14 +331,18 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
     using S = Sm90Smem<D, FP8>;
     constexpr int BN = SAGE_CUDA_BLOCK;
     int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
-    int it = 0, round_q = 0;
+    // `it` unsigned: stage and round are a mask and a shift; the stages' descriptors are offsets
+    // from the first's (a few uniform instructions per key block instead of a dozen each)
+    unsigned it = 0;
+    int round_q = 0;
+    const uint64_t desc_k0 = smem_desc<D>(sK), desc_v0 = smem_desc<S::V_ROW_BYTES>(sV);
     for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
         // (the shuffle tells the compiler what holds anyway, that the branch is uniform per warp:
         // otherwise the loop's stage counter leaves the uniform registers and the loop spills)
         if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, whole, wg), 0)) {   // release the stages
             mbar_wait(&bar->q_full, round_q & 1);
             for (int kb = 0; kb < nblk; kb++, it++) {
-                int stage = it % SM90_STAGES;
+                unsigned stage = it % SM90_STAGES;
                 mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&bar->kv_empty[stage]);
@@ -344,17 +359,19 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
         const float *k_scale = qv.k_scale + (size_t)bh * nblk;
         mbar_wait(&bar->q_full, round_q & 1);
-        const uint64_t desc_q = smem_desc<D>(sQ + wg * S::Q_BYTES);
+        // (shuffled so that the compiler sees it warp-uniform and keeps it in uniform registers:
+        // otherwise each S wgmma copies it over from vector registers)
+        const uint64_t desc_q = __shfl_sync(0xffffffffu, smem_desc<D>(sQ + wg * S::Q_BYTES), 0);
 
         float o[D / 2] = {};               // accumulator layout of m64nD (wgmma.cuh)
         int s[32];                         // accumulator layout of m64n64
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2], alpha_next[2];
 
         // key block 0: S only
-        int stage = it % SM90_STAGES;
+        unsigned stage = it % SM90_STAGES;
         mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
         wgmma_fence();
-        qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
+        qk_wgmma<D>(s, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(s);
@@ -368,14 +385,15 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             pack_p8(p, pf);
 
             for (int kb = 1; kb < nblk; kb++) {
-                int prev = stage;
+                unsigned prev = stage;
                 it++;
                 stage = it % SM90_STAGES;
                 mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
                 wgmma_fence();
-                qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
+                qk_wgmma<D>(s, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
                 wgmma_commit();
-                pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 0);
+                const uint64_t desc_v = desc_advance(desc_v0, prev * S::V_BYTES);
+                pv_half_wgmma(blk, p, desc_v, 0);
                 wgmma_commit();
                 wgmma_wait<1>();   // S of block kb done; the first half of P·V of block kb - 1 may still run
                 reg_fence(s);
@@ -386,7 +404,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 #pragma unroll
                 for (int i = 0; i < 32; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
                 wgmma_fence();   // orders the reads of blk above before the second half overwrites it
-                pv_half_wgmma(blk, p, sV + prev * S::V_BYTES, 1);
+                pv_half_wgmma(blk, p, desc_v, 1);
                 wgmma_commit();
                 softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
                 wgmma_wait<0>();
@@ -405,7 +423,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 wgmma_fence();
-                pv_half_wgmma(blk, p, sV + stage * S::V_BYTES, h);
+                pv_half_wgmma(blk, p, desc_advance(desc_v0, stage * S::V_BYTES), h);
                 wgmma_commit();
                 wgmma_wait<0>();
                 reg_fence(blk);
@@ -425,15 +443,15 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             softmax_exp_p16<0, 32>(p, l, s, scale, offset, N, c);
 
             for (int kb = 1; kb < nblk; kb++) {
-                int prev = stage;
+                unsigned prev = stage;
                 it++;
                 stage = it % SM90_STAGES;
                 mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
-                const uint8_t *sVp = sV + prev * S::V_BYTES;
+                const uint64_t desc_v = desc_advance(desc_v0, prev * S::V_BYTES);
                 wgmma_fence();
-                qk_wgmma<D>(s, desc_q, smem_desc<D>(sK + stage * S::K_BYTES));
+                qk_wgmma<D>(s, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
                 wgmma_commit();
-                pv_quarter_wgmma(blk, p, sVp, 0);
+                pv_quarter_wgmma(blk, p, desc_v, 0);
                 wgmma_commit();
                 wgmma_wait<1>();   // S of block kb done; quarter 0 may still run
                 reg_fence(s);
@@ -443,21 +461,21 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
                 reg_fence(blk);
                 o_update_quarter(o, blk, alpha, 0);
                 wgmma_fence();     // orders the reads of blk above before the next quarter overwrites it
-                pv_quarter_wgmma(blk, p, sVp, 1);
+                pv_quarter_wgmma(blk, p, desc_v, 1);
                 wgmma_commit();
                 softmax_exp_p16<0, 16>(pn, l, s, scale, offset, N - kb * BN, c);
                 wgmma_wait<0>();
                 reg_fence(blk);
                 o_update_quarter(o, blk, alpha, 1);
                 wgmma_fence();
-                pv_quarter_wgmma(blk, p, sVp, 2);
+                pv_quarter_wgmma(blk, p, desc_v, 2);
                 wgmma_commit();
                 softmax_exp_p16<16, 32>(pn, l, s, scale, offset, N - kb * BN, c);
                 wgmma_wait<0>();
                 reg_fence(blk);
                 o_update_quarter(o, blk, alpha, 2);
                 wgmma_fence();
-                pv_quarter_wgmma(blk, p, sVp, 3);
+                pv_quarter_wgmma(blk, p, desc_v, 3);
                 wgmma_commit();
                 wgmma_wait<0>();
                 reg_fence(blk);
@@ -474,7 +492,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 wgmma_fence();
-                pv_quarter_wgmma(blk, p, sV + stage * S::V_BYTES, q);
+                pv_quarter_wgmma(blk, p, desc_advance(desc_v0, stage * S::V_BYTES), q);
                 wgmma_commit();
                 wgmma_wait<0>();
                 reg_fence(blk);

@@ -38,7 +38,9 @@ __device__ __forceinline__ uint64_t smem_desc(const void *smem) {
     desc |= (uint64_t)(ROW_BYTES == 128 ? 1 : 2) << 62;      // bits 62-63: 128B (1) or 64B (2) swizzle
     return desc;
 }
-// The same descriptor moved `bytes` further along K (bytes < ROW_BYTES, a multiple of 16).
+// The same descriptor moved `bytes` further: along K (bytes < ROW_BYTES, a multiple of 16), or to
+// another tile of the same layout (a multiple of the 1024-byte swizzle atom). Shared addresses are
+// below 256 KB, so the start address field (bits 0-13) never carries into the LBO.
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, int bytes) { return desc + (bytes >> 4); }
 
 // ---- wgmma ordering ---------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 # The sage forward (quantization included) of two builds of the attention library in one process,
 # alternating: e.g. a branch's library against main's. Each library is loaded on its own (ctypes,
-# RTLD_LOCAL), on the same inputs; D = 128, 16 heads, B·N = 16K tokens and N = 32K; 5 rounds of
+# RTLD_LOCAL), on the same inputs; 16 heads, B·N = 16K tokens and N = 32K, FP8 and FP16 P·V, head
+# dims D (default 128; a head dim whose kernel a change leaves alone times the noise); 5 rounds of
 # `iters` CUDA-event-timed calls per library, the median of the round medians. Also checks that the
 # two outputs and lse are bitwise equal (for changes that must not change results), and cuDNN.
-#   python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so        (libraries as in bench_attention.py)
+#   [PV=fp8,fp16] [DS=128,64] python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so   (libraries as in bench_attention.py)
 import ctypes
 import os
 import statistics
@@ -16,14 +17,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import I, P, check, err, median_ms  # noqa: E402
 
-FP8, H, D = 0, 16, 128
+H = 16
+PV = {"fp8": 0, "fp16": 1}
 
 
 def load(path):
     lib = ctypes.CDLL(os.path.abspath(path))
     lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
     lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
-    lib.sage_forward_sm90_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
+    lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
     return lib
 
 
@@ -32,19 +34,22 @@ def main():
     torch.manual_seed(0)
     print(f"# device: {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; "
           f"new = {sys.argv[1]}, base = {sys.argv[2]}")
-    print("| N | B | new ms (TOPS) | base ms (TOPS) | base / new | cuDNN ms (TOPS) | cuDNN / new | out, lse bitwise equal |")
-    print("|---|---|---|---|---|---|---|---|")
-    for N, B in ((4096, 4), (8192, 2), (16384, 1), (32768, 1)):
+    print("| P·V | D | N | B | new ms (TOPS) | base ms (TOPS) | base / new | cuDNN ms (TOPS) | cuDNN / new | out, lse bitwise equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    pvs = os.environ.get("PV", "fp8").split(",")
+    dims = [int(d) for d in os.environ.get("DS", "128").split(",")]
+    for pv, D, (N, B) in ((pv, D, nb) for pv in pvs for D in dims
+                          for nb in ((4096, 4), (8192, 2), (16384, 1), (32768, 1))):
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         stream = torch.cuda.current_stream().cuda_stream
-        ws = {n: torch.empty(lib.sage_cuda_forward_workspace_size(B, H, N, D, FP8), device="cuda", dtype=torch.uint8)
+        ws = {n: torch.empty(lib.sage_cuda_forward_workspace_size(B, H, N, D, PV[pv]), device="cuda", dtype=torch.uint8)
               for n, lib in libs.items()}
         out = {n: torch.empty_like(q) for n in libs}
         lse = {n: torch.empty(B, H, N, device="cuda", dtype=torch.float32) for n in libs}
 
         def fwd(n):
-            check(libs[n].sage_forward_sm90_cuda(out[n].data_ptr(), lse[n].data_ptr(), ws[n].data_ptr(), q.data_ptr(),
-                                                 k.data_ptr(), v.data_ptr(), B, H, N, D, stream, err), f"forward {n}")
+            check(libs[n].sage_forward_cuda(out[n].data_ptr(), lse[n].data_ptr(), ws[n].data_ptr(), q.data_ptr(),
+                                            k.data_ptr(), v.data_ptr(), B, H, N, D, PV[pv], stream, err), f"forward {n}")
 
         iters = 20 if N <= 8192 else 10
         rounds = {n: [] for n in libs}
@@ -58,7 +63,7 @@ def main():
             torch.equal(lse["new"].view(torch.int32), lse["base"].view(torch.int32))
         flops = 4 * B * H * N * N * D
         tn, tb = statistics.median(rounds["new"]), statistics.median(rounds["base"])
-        print(f"| {N} | {B} | {tn:.3f} ({flops / tn / 1e9:.0f}) | {tb:.3f} ({flops / tb / 1e9:.0f}) | {tb / tn:.3f} | "
+        print(f"| {pv} | {D} | {N} | {B} | {tn:.3f} ({flops / tn / 1e9:.0f}) | {tb:.3f} ({flops / tb / 1e9:.0f}) | {tb / tn:.3f} | "
               f"{cudnn:.3f} ({flops / cudnn / 1e9:.0f}) | {cudnn / tn:.3f} | {'yes' if equal else 'NO'} |", flush=True)
 
 
