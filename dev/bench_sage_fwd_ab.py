@@ -1,10 +1,11 @@
 # The sage forward (quantization included) of two builds of the attention library in one process,
 # alternating: e.g. a branch's library against main's. Each library is loaded on its own (ctypes,
-# RTLD_LOCAL), on the same inputs; 16 heads, B·N = 16K tokens and N = 32K, FP8 and FP16 P·V, head
+# RTLD_LOCAL), on the same inputs; 16 heads, B·N = 16K tokens and N = 32K, FP8 and FP16 P·V (and
+# "bf16": our bf16 FlashAttention forward, flash_forward_cuda, for libraries that hold it), head
 # dims D (default 128; a head dim whose kernel a change leaves alone times the noise); 5 rounds of
 # `iters` CUDA-event-timed calls per library, the median of the round medians. Also checks that the
 # two outputs and lse are bitwise equal (for changes that must not change results), and cuDNN.
-#   [PV=fp8,fp16] [DS=128,64] python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so   (libraries as in bench_attention.py)
+#   [PV=fp8,fp16,bf16] [DS=128,64] python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so   (libraries as in bench_attention.py)
 import ctypes
 import os
 import statistics
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import I, P, check, err, median_ms  # noqa: E402
 
 H = 16
-PV = {"fp8": 0, "fp16": 1}
+PV = {"fp8": 0, "fp16": 1, "bf16": 0}   # bf16: the flash forward (no workspace)
 
 
 def load(path):
@@ -26,6 +27,8 @@ def load(path):
     lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
     lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
     lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+    if hasattr(lib, "flash_forward_cuda"):
+        lib.flash_forward_cuda.argtypes = [P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
     return lib
 
 
@@ -48,6 +51,10 @@ def main():
         lse = {n: torch.empty(B, H, N, device="cuda", dtype=torch.float32) for n in libs}
 
         def fwd(n):
+            if pv == "bf16":
+                check(libs[n].flash_forward_cuda(out[n].data_ptr(), lse[n].data_ptr(), q.data_ptr(), k.data_ptr(),
+                                                 v.data_ptr(), B, H, N, D, stream, err), f"flash forward {n}")
+                return
             check(libs[n].sage_forward_cuda(out[n].data_ptr(), lse[n].data_ptr(), ws[n].data_ptr(), q.data_ptr(),
                                             k.data_ptr(), v.data_ptr(), B, H, N, D, PV[pv], stream, err), f"forward {n}")
 
