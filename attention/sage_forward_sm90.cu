@@ -223,10 +223,10 @@ __device__ __forceinline__ void pv_wgmma(float (&blk)[32], const uint32_t (&p)[2
     wgmma_e4m3_m64n64k32<0>(blk, p[0], desc_v);
     wgmma_e4m3_m64n64k32<1>(blk, p[1], desc_advance(desc_v, 32));
 }
-// Half h (channels 64h..64h + 63, 4096 bytes into the stage's V̂ᵀ at sV) of a D = 128 P·V; blk[i]
-// is then o[32h + i] of the m64n128 accumulator layout. (Per output value the same 64-term dot
-// product as one m64n128 wgmma; the tensor core's fp32 rounding inside a k32 step can differ in
-// the last bit: O within rel L2 5e-7 of the m64n128 version, dev/notes_sage_fwd.md.)
+// Half h (channels 64h..64h + 63, 4096 bytes into the stage's V̂ᵀ, whose descriptor is desc_v) of a
+// D = 128 P·V; blk[i] is then o[32h + i] of the m64n128 accumulator layout. (Per output value the
+// same 64-term dot product as one m64n128 wgmma; the tensor core's fp32 rounding inside a k32 step
+// can differ in the last bit: O within rel L2 5e-7 of the m64n128 version, dev/notes_sage_fwd.md.)
 __device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], uint64_t desc_v, int h) {
     pv_wgmma(blk, p, desc_advance(desc_v, h * 64 * SAGE_CUDA_BLOCK));
 }
