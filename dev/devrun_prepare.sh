@@ -9,14 +9,16 @@ make -j2 train_dit build/libditc.so build/libditc.a
 NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
 FLAGS="-O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a"
 gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
-# (each library rebuilt when it is missing or older than a source)
+# each library rebuilt when it is missing or older than a source
 stale() { [ ! -f "$1" ] || [ -n "$(find attention layers -newer "$1")" ]; }
-! stale build/libsage_bench.so || $NVCC $FLAGS -shared -o build/libsage_bench.so \
-    attention/sage_quant.cu attention/sage_forward.cu attention/sage_forward_sm90.cu \
-    attention/sage_backward.cu attention/sage_backward_sm90.cu build/common_pic.o
-! stale build/libflash_bench.so || $NVCC $FLAGS -shared -o build/libflash_bench.so \
-    attention/flash_forward.cu attention/flash_forward_sm90.cu attention/flash_backward.cu \
-    attention/flash_backward_sm90.cu build/common_pic.o
+if stale build/libsage_bench.so; then
+    $NVCC $FLAGS -shared -o build/libsage_bench.so attention/sage_quant.cu attention/sage_forward.cu \
+        attention/sage_forward_sm90.cu attention/sage_backward.cu attention/sage_backward_sm90.cu build/common_pic.o
+fi
+if stale build/libflash_bench.so; then
+    $NVCC $FLAGS -shared -o build/libflash_bench.so attention/flash_forward.cu attention/flash_forward_sm90.cu \
+        attention/flash_backward.cu attention/flash_backward_sm90.cu build/common_pic.o
+fi
 gcc -O2 -Wall -shared -fPIC -I/usr/local/cuda/include dev/kernel_times.c -o build/libkernel_times.so \
     -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcupti -lstdc++
 CUDA_LINK="-lm -lpthread -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublasLt -lcublas -lcudart -lstdc++"
