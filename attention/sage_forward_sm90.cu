@@ -56,9 +56,6 @@
 #define SM90_STAGES 4         // K̂/V̂ tiles in flight (warp-specialized kernel)
 #define SM90_WG_STAGES 3      // K̂/V̂ tiles in flight (one-warpgroup kernel)
 #define SM90_PRODUCER_REGS 24 // what the producer warpgroup keeps (setmaxnreg)
-#ifndef SAGE_FWD_FP8_KS
-#define SAGE_FWD_FP8_KS 2     // 64-key blocks per softmax step of the FP8 D = 128 kernel (experiment)
-#endif
 
 // The warp-specialized CTA's shape and shared memory; every tile is a whole number of 1024-byte
 // swizzle atoms. A D = 128 consumer holds O (64 registers), half of blk (32), S or p' (32) and P8
@@ -67,9 +64,8 @@
 // (the SM's 64K registers over THREADS, in steps of 8); setmaxnreg can only hand the consumers
 // what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread; a consumer asking for more
 // waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS: 128 → 160.
-template <int D, bool FP8, int KS = 1> struct Sm90Smem {
-    static constexpr int CONSUMERS = KS == 2 ? 2 : 3;
-    static constexpr int STAGES = KS == 2 ? 8 : SM90_STAGES;
+template <int D, bool FP8> struct Sm90Smem {
+    static constexpr int CONSUMERS = 3;
     static constexpr int THREADS = 128 * (CONSUMERS + 1);
     static constexpr int TILE_Q = SAGE_CUDA_BLOCK * CONSUMERS;   // query rows of one tile
     static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
@@ -79,7 +75,7 @@ template <int D, bool FP8, int KS = 1> struct Sm90Smem {
     static constexpr int V_ROW_BYTES = SAGE_CUDA_BLOCK * (FP8 ? 1 : 2);   // 64 keys e4m3 or fp16
     static constexpr int V_BYTES = D * V_ROW_BYTES;        // D channels × 64 keys
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-    static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + STAGES * STAGE_BYTES;   // + alignment slack
+    static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
 };
 
 // Shared memory of the one-warpgroup kernel: Q̂ and SM90_WG_STAGES stages of K̂, V̂ᵀ (the stage
@@ -92,11 +88,11 @@ template <int D, bool FP8> struct Sm90WgSmem {
 };
 
 // The CTA's mbarriers (static shared memory).
-template <int STAGES> struct Sm90Barriers {
+struct Sm90Barriers {
     uint64_t q_full;                  // the tile's Q̂ landed (TMA bytes)
     uint64_t q_empty;                 // every consumer warp's S wgmmas of the tile have completed
-    uint64_t kv_full[STAGES];         // K̂, V̂ᵀ of a key block landed (TMA bytes)
-    uint64_t kv_empty[STAGES];        // every consumer warp is done with the stage
+    uint64_t kv_full[SM90_STAGES];    // K̂, V̂ᵀ of a key block landed (TMA bytes)
+    uint64_t kv_empty[SM90_STAGES];   // every consumer warp is done with the stage
 };
 
 #ifdef SAGE_SM90_DEVICE
@@ -294,32 +290,32 @@ __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const
 // the two halves of tile whole + (u − whole) / 2: half 0 its query blocks 0 and 1, half 1 block 2.
 __device__ __forceinline__ int unit_tile(int u, int whole) { return u < whole ? u : whole + (u - whole) / 2; }
 // Whether consumer wg computes in unit u (the others only release the unit's stages).
-__device__ __forceinline__ bool unit_consumer_busy(int u, int whole, int wg, int consumers) {
-    return u < whole || ((u - whole) % 2 == 0 ? wg < consumers - 1 : wg == consumers - 1);
+__device__ __forceinline__ bool unit_consumer_busy(int u, int whole, int wg) {
+    return u < whole || ((u - whole) % 2 == 0 ? wg < 2 : wg == 2);
 }
 
 // The producer thread's whole life: for each tile of this CTA, Q̂ (once every S wgmma of the
 // consumers' previous tile has completed), then every key block through the stages. `it` counts key
 // blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
-template <int D, bool FP8, int KS>
-__device__ void produce(Sm90Barriers<Sm90Smem<D, FP8, KS>::STAGES> *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
+template <int D, bool FP8>
+__device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
                         const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq, int whole,
                         int units) {
-    using S = Sm90Smem<D, FP8, KS>;
+    using S = Sm90Smem<D, FP8>;
     int it = 0, round_q = 0;
     for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
         int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
         if (round_q > 0) mbar_wait(&bar->q_empty, (round_q - 1) & 1);
         int nq = min(S::CONSUMERS, nblk - qt * S::CONSUMERS);   // query blocks in this tile
         int w0 = 0, w1 = nq;   // the query blocks whose Q̂ the unit needs (unit_consumer_busy)
-        if (u >= whole && (u - whole) % 2 == 0) w1 = min(nq, S::CONSUMERS - 1);
-        if (u >= whole && (u - whole) % 2 == 1) w0 = S::CONSUMERS - 1;
+        if (u >= whole && (u - whole) % 2 == 0) w1 = min(nq, 2);
+        if (u >= whole && (u - whole) % 2 == 1) w0 = 2;
         mbar_expect_bytes(&bar->q_full, max(w1 - w0, 0) * S::Q_BYTES);
         for (int w = w0; w < w1; w++)
             tma_load_2d(sQ + w * S::Q_BYTES, map_q, &bar->q_full, 0, bh * N + qt * S::TILE_Q + w * SAGE_CUDA_BLOCK);
         for (int kb = 0; kb < nblk; kb++, it++) {
-            int stage = it % S::STAGES;
-            if (it >= S::STAGES) mbar_wait(&bar->kv_empty[stage], (it / S::STAGES - 1) & 1);
+            int stage = it % SM90_STAGES;
+            if (it >= SM90_STAGES) mbar_wait(&bar->kv_empty[stage], (it / SM90_STAGES - 1) & 1);
             load_kv<D, FP8>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar->kv_full[stage], map_k, map_v, bh,
                             N, kb);
         }
@@ -328,7 +324,7 @@ __device__ void produce(Sm90Barriers<Sm90Smem<D, FP8, KS>::STAGES> *bar, uint8_t
 
 // Consumer warpgroup `wg`: rows 64·wg.. of each of this CTA's tiles.
 template <int D, bool FP8>
-__device__ void consume(Sm90Barriers<SM90_STAGES> *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
+__device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
                         __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int merged_heads, int nblk,
                         int ntq, int whole, int units, int wg) {
     static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
@@ -343,7 +339,7 @@ __device__ void consume(Sm90Barriers<SM90_STAGES> *bar, const uint8_t *sQ, const
     for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
         // (the shuffle tells the compiler what holds anyway, that the branch is uniform per warp:
         // otherwise the loop's stage counter leaves the uniform registers and the loop spills)
-        if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, whole, wg, S::CONSUMERS), 0)) {   // release the stages
+        if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, whole, wg), 0)) {   // release the stages
             mbar_wait(&bar->q_full, round_q & 1);
             for (int kb = 0; kb < nblk; kb++, it++) {
                 unsigned stage = it % SM90_STAGES;
@@ -515,198 +511,6 @@ __device__ void consume(Sm90Barriers<SM90_STAGES> *bar, const uint8_t *sQ, const
         store_tile<D, FP8>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, row0, c);
     }
 }
-
-// ---- 128-key softmax steps (experiment: SAGE_FWD_FP8_KS 2) -----------------------------------
-// FP8 at D = 128 with two consumer warpgroups of 240 registers, each step two 64-key blocks
-// (two stages, each with its own k_scale): S of both halves, one online-softmax step over the 128
-// keys, P8 of the 128 keys, and blk = P8·V8 over the 128 keys in the tensor core before the fp32
-// O = O·alpha + blk (the two-level accumulation per 128 keys).
-
-// This thread's partial maxima of S (rows g, g + 8) over the valid keys of one 64-key block.
-__device__ __forceinline__ void block_row_max(int (&smax)[2], const int (&s)[32], int valid, int c) {
-    smax[0] = smax[1] = INT_MIN;
-    if (valid < SAGE_CUDA_BLOCK) {
-#pragma unroll
-        for (int i = 0; i < 32; i++)
-            if (8 * (i / 4) + 2 * c + (i & 1) < valid) smax[(i % 4) / 2] = max(smax[(i % 4) / 2], s[i]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; i++) smax[(i % 4) / 2] = max(smax[(i % 4) / 2], s[i]);
-    }
-}
-// softmax_max<true> over the 128 keys of a step: s0 (scale0) and s1 (scale1; valid − 64 keys of it,
-// none when valid <= 64). The max of each half taken on int32 S, as softmax_max.
-__device__ __forceinline__ void softmax_max_pair(float (&offset)[2], float (&alpha)[2], float (&m)[2], float (&l)[2],
-                                                 const int (&s0)[32], const int (&s1)[32], float scale0, float scale1,
-                                                 int valid, int c) {
-    int a[2], b[2];
-    block_row_max(a, s0, valid, c);
-    if (valid > SAGE_CUDA_BLOCK) block_row_max(b, s1, valid - SAGE_CUDA_BLOCK, c);
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        a[r] = max(a[r], __shfl_xor_sync(0xffffffffu, a[r], 1));
-        a[r] = max(a[r], __shfl_xor_sync(0xffffffffu, a[r], 2));
-        float mx = __fmul_rn((float)a[r], scale0);
-        if (valid > SAGE_CUDA_BLOCK) {
-            b[r] = max(b[r], __shfl_xor_sync(0xffffffffu, b[r], 1));
-            b[r] = max(b[r], __shfl_xor_sync(0xffffffffu, b[r], 2));
-            mx = fmaxf(mx, __fmul_rn((float)b[r], scale1));
-        }
-        float m_new = fmaxf(m[r], mx);
-        alpha[r] = exp2f(m[r] - m_new);
-        m[r] = m_new;
-        l[r] *= alpha[r];
-        offset[r] = LOG2_448 - m_new;
-    }
-}
-// Half h of D of blk = P8·V8 over a step's keys: block a (k32 steps 0, 1 from stage a's V̂ᵀ), then
-// block b (stage b's) accumulated onto it.
-__device__ __forceinline__ void pv_pair_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][2][4], uint64_t desc_va,
-                                                   uint64_t desc_vb, int h) {
-    const uint64_t va = desc_advance(desc_va, h * 64 * SAGE_CUDA_BLOCK), vb = desc_advance(desc_vb, h * 64 * SAGE_CUDA_BLOCK);
-    wgmma_e4m3_m64n64k32<0>(blk, p[0][0], va);
-    wgmma_e4m3_m64n64k32<1>(blk, p[0][1], desc_advance(va, 32));
-    wgmma_e4m3_m64n64k32<1>(blk, p[1][0], vb);
-    wgmma_e4m3_m64n64k32<1>(blk, p[1][1], desc_advance(vb, 32));
-}
-
-// After a wait: the step's P8 fragments are free (the compiler must not move their next writes
-// above the wait; it does not know the wgmma reads them asynchronously).
-__device__ __forceinline__ void reg_fence_p8(uint32_t (&p)[2][2][4]) {
-    reg_fence(p[0][0]);
-    reg_fence(p[0][1]);
-    reg_fence(p[1][0]);
-    reg_fence(p[1][1]);
-}
-
-template <int D>
-__device__ void consume_pairs(Sm90Barriers<Sm90Smem<D, true, 2>::STAGES> *bar, const uint8_t *sQ, const uint8_t *sK,
-                              const uint8_t *sV, __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N,
-                              int merged_heads, int nblk, int ntq, int whole, int units, int wg) {
-    static_assert(D == 128, "the pair-step kernel is the D = 128 layout (two P·V halves)");
-    using S = Sm90Smem<D, true, 2>;
-    constexpr int BN = SAGE_CUDA_BLOCK, ST = S::STAGES;
-    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
-    unsigned it = 0;   // key blocks (stages) consumed over all tiles
-    int round_q = 0;
-    const uint64_t desc_k0 = smem_desc<D>(sK), desc_v0 = smem_desc<S::V_ROW_BYTES>(sV);
-    for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
-        if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, whole, wg, S::CONSUMERS), 0)) {   // release the stages
-            mbar_wait(&bar->q_full, round_q & 1);
-            for (int kb = 0; kb < nblk; kb++, it++) {
-                unsigned stage = it % ST;
-                mbar_wait(&bar->kv_full[stage], (it / ST) & 1);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&bar->kv_empty[stage]);
-            }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&bar->q_empty);
-            continue;
-        }
-        int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
-        int qb = min(qt * S::CONSUMERS + wg, nblk - 1);
-        const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
-        const float *k_scale = qv.k_scale + (size_t)bh * nblk;
-        mbar_wait(&bar->q_full, round_q & 1);
-        const uint64_t desc_q = __shfl_sync(0xffffffffu, smem_desc<D>(sQ + wg * S::Q_BYTES), 0);
-
-        float o[D / 2] = {};
-        int s0[32], s1[32];
-        float blk[32], pf[32];
-        uint32_t p[2][2][4], pn[2][2][4];   // P8 of the step in the tensor core and of the next one
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2], alpha_next[2], offset[2];
-
-        // step 0: S only
-        // a step without its second block (odd nblk, the last step only) reads stage a twice: the
-        // second half's keys are all masked (p' = 0), and every wgmma stays unconditional
-        bool has_b = nblk > 1;
-        unsigned sa = it % ST, sb = has_b ? (it + 1) % ST : sa;
-        mbar_wait(&bar->kv_full[sa], (it / ST) & 1);
-        if (has_b) mbar_wait(&bar->kv_full[sb], ((it + 1) / ST) & 1);
-        wgmma_fence();
-        qk_wgmma<D>(s0, desc_q, desc_advance(desc_k0, sa * S::K_BYTES));
-        qk_wgmma<D>(s1, desc_q, desc_advance(desc_k0, sb * S::K_BYTES));
-        wgmma_commit();
-        wgmma_wait<0>();
-        reg_fence(s0);
-        reg_fence(s1);
-        float scale0 = __fmul_rn(q_scale, k_scale[0]), scale1 = has_b ? __fmul_rn(q_scale, k_scale[1]) : 0.0f;
-        softmax_max_pair(offset, alpha, m, l, s0, s1, scale0, scale1, N, c);
-        softmax_exp(pf, l, s0, scale0, offset, N, c);
-        pack_p8(p[0], pf);
-        softmax_exp(pf, l, s1, scale1, offset, N - BN, c);
-        pack_p8(p[1], pf);
-
-        for (int kb = 2; kb < nblk; kb += 2) {
-            unsigned pa = sa, pb = sb;   // the previous step's stages (a whole pair: only the last can be single)
-            it += 2;
-            has_b = kb + 1 < nblk;
-            sa = it % ST;
-            sb = has_b ? (it + 1) % ST : sa;
-            mbar_wait(&bar->kv_full[sa], (it / ST) & 1);
-            if (has_b) mbar_wait(&bar->kv_full[sb], ((it + 1) / ST) & 1);
-            const uint64_t desc_va = desc_advance(desc_v0, pa * S::V_BYTES), desc_vb = desc_advance(desc_v0, pb * S::V_BYTES);
-            wgmma_fence();
-            qk_wgmma<D>(s0, desc_q, desc_advance(desc_k0, sa * S::K_BYTES));
-            qk_wgmma<D>(s1, desc_q, desc_advance(desc_k0, sb * S::K_BYTES));
-            wgmma_commit();
-            pv_pair_half_wgmma(blk, p, desc_va, desc_vb, 0);
-            wgmma_commit();
-            wgmma_wait<1>();   // S of this step done; the first half of the previous step's P·V may still run
-            reg_fence(s0);
-            reg_fence(s1);
-            scale0 = __fmul_rn(q_scale, k_scale[kb]);
-            scale1 = has_b ? __fmul_rn(q_scale, k_scale[kb + 1]) : 0.0f;
-            softmax_max_pair(offset, alpha_next, m, l, s0, s1, scale0, scale1, N - kb * BN, c);
-            wgmma_wait<0>();
-            reg_fence(blk);
-#pragma unroll
-            for (int i = 0; i < 32; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
-            wgmma_fence();
-            pv_pair_half_wgmma(blk, p, desc_va, desc_vb, 1);
-            wgmma_commit();
-            softmax_exp(pf, l, s0, scale0, offset, N - kb * BN, c);
-            pack_p8(pn[0], pf);
-            softmax_exp(pf, l, s1, scale1, offset, N - (kb + 1) * BN, c);
-            pack_p8(pn[1], pf);
-            wgmma_wait<0>();
-            reg_fence(blk);
-            reg_fence_p8(p);
-            if (lane == 0) {
-                mbar_arrive(&bar->kv_empty[pa]);
-                mbar_arrive(&bar->kv_empty[pb]);
-            }
-#pragma unroll
-            for (int i = 0; i < 32; i++) o[32 + i] = o[32 + i] * alpha[(i % 4) / 2] + blk[i];
-#pragma unroll
-            for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
-            memcpy(p, pn, sizeof(p));   // the P·V that read p has completed
-        }
-
-        // the last step's P·V
-        const uint64_t desc_va = desc_advance(desc_v0, sa * S::V_BYTES), desc_vb = desc_advance(desc_v0, sb * S::V_BYTES);
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            wgmma_fence();
-            pv_pair_half_wgmma(blk, p, desc_va, desc_vb, h);
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(blk);
-#pragma unroll
-            for (int i = 0; i < 32; i++) o[32 * h + i] = o[32 * h + i] * alpha[(i % 4) / 2] + blk[i];
-        }
-        reg_fence_p8(p);
-        __syncwarp();
-        if (lane == 0) {
-            mbar_arrive(&bar->kv_empty[sa]);
-            if (has_b) mbar_arrive(&bar->kv_empty[sb]);
-            mbar_arrive(&bar->q_empty);   // every S of this tile has completed
-        }
-        it += has_b ? 2 : 1;
-        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + lane / 4;
-        store_tile<D, true>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, row0, c);
-    }
-}
 #endif
 
 // map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as bytes (n_pad
@@ -714,24 +518,24 @@ __device__ void consume_pairs(Sm90Barriers<Sm90Smem<D, true, 2>::STAGES> *bar, c
 // tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2) as `units`
 // units (unit_tile: the last round's tiles from `whole` on split in two), Sm90Smem<D, FP8>::THREADS
 // threads, Sm90Smem<D, FP8>::TOTAL bytes.
-template <int D, bool FP8, int KS>
-__global__ void __launch_bounds__(Sm90Smem<D, FP8, KS>::THREADS, 1)
+template <int D, bool FP8>
+__global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
                              SageCudaQuant qv, int N, int merged_heads, int whole, int units) {
 #ifdef SAGE_SM90_DEVICE
-    using S = Sm90Smem<D, FP8, KS>;
+    using S = Sm90Smem<D, FP8>;
     extern __shared__ uint8_t smem_raw[];
-    __shared__ Sm90Barriers<S::STAGES> bar;
+    __shared__ Sm90Barriers bar;
     uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    uint8_t *sK = sQ + S::CONSUMERS * S::Q_BYTES, *sV = sK + S::STAGES * S::K_BYTES;
+    uint8_t *sK = sQ + S::CONSUMERS * S::Q_BYTES, *sV = sK + SM90_STAGES * S::K_BYTES;
     int nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK, ntq = (nblk + S::CONSUMERS - 1) / S::CONSUMERS;
     int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
         mbar_init(&bar.q_full, 1);
         mbar_init(&bar.q_empty, 4 * S::CONSUMERS);
-        for (int s = 0; s < S::STAGES; s++) {
+        for (int s = 0; s < SM90_STAGES; s++) {
             mbar_init(&bar.kv_full[s], 1);
             mbar_init(&bar.kv_empty[s], 4 * S::CONSUMERS);
         }
@@ -741,13 +545,10 @@ __global__ void __launch_bounds__(Sm90Smem<D, FP8, KS>::THREADS, 1)
     if (wg == S::CONSUMERS) {   // the producer warpgroup: one thread issues every TMA load
         setmaxnreg_dec<SM90_PRODUCER_REGS>();
         if (threadIdx.x == S::CONSUMERS * 128)
-            produce<D, FP8, KS>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
+            produce<D, FP8>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
     } else {
         setmaxnreg_inc<S::CONSUMER_REGS>();
-        if constexpr (KS == 2)
-            consume_pairs<D>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
-        else
-            consume<D, FP8>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
+        consume<D, FP8>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -845,7 +646,7 @@ __global__ void __launch_bounds__(128, 2)
 }
 
 extern "C" int sage_forward_sm90_available(void) {
-    return sm90_kernel_available((const void *)sage_forward_sm90_kernel<128, true, 1>);
+    return sm90_kernel_available((const void *)sage_forward_sm90_kernel<128, true>);
 }
 
 // The tensor maps of q8, k8 and v_t (the layouts the kernels expect, see above); v_t's rows are
@@ -862,15 +663,15 @@ static int make_maps(CUtensorMap maps[3], const SageCudaQuant *qv, int BH, int N
 }
 
 // D = 128: the persistent warp-specialized kernel, at most one CTA per SM.
-template <bool FP8, int KS>
+template <bool FP8>
 static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
                                    int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 128;
-    using S = Sm90Smem<D, FP8, KS>;
+    using S = Sm90Smem<D, FP8>;
     CUtensorMap maps[3];
     int bytes = S::TOTAL, dev, sms, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
     if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err)) return -1;
-    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D, FP8, KS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_sm90_kernel max dynamic smem)");
     SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
@@ -886,7 +687,7 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
         units = tiles + last;
         grid = units < sms ? units : sms;
     }
-    sage_forward_sm90_kernel<D, FP8, KS><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
+    sage_forward_sm90_kernel<D, FP8><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
                                                                           (__nv_bfloat16 *)out, lse, *qv, N,
                                                                           merged_heads, whole, units);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
@@ -917,8 +718,8 @@ static int launch(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, in
     if (D == 64)
         return pv == SAGE_PV_FP8 ? launch_one_warpgroup<true>(out, lse, qv, BH, N, merged_heads, stream, err)
                                  : launch_one_warpgroup<false>(out, lse, qv, BH, N, merged_heads, stream, err);
-    return pv == SAGE_PV_FP8 ? launch_warp_specialized<true, SAGE_FWD_FP8_KS>(out, lse, qv, BH, N, merged_heads, stream, err)
-                             : launch_warp_specialized<false, 1>(out, lse, qv, BH, N, merged_heads, stream, err);
+    return pv == SAGE_PV_FP8 ? launch_warp_specialized<true>(out, lse, qv, BH, N, merged_heads, stream, err)
+                             : launch_warp_specialized<false>(out, lse, qv, BH, N, merged_heads, stream, err);
 }
 
 // The checks every sm90 entry point makes before its device work (fn names it in the message).
