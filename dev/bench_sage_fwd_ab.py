@@ -5,7 +5,9 @@
 # dims D (default 128; a head dim whose kernel a change leaves alone times the noise); 5 rounds of
 # `iters` CUDA-event-timed calls per library, the median of the round medians. Also checks that the
 # two outputs and lse are bitwise equal (for changes that must not change results), and cuDNN.
-#   [PV=fp8,fp16,bf16] [DS=128,64] python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so   (libraries as in bench_attention.py)
+#   [PV=fp8,fp16,bf16] [DS=128,64] [NS=N:B,...] python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so
+# (libraries as in bench_attention.py; NS: the sequence lengths and batches, default
+# 4096:4,8192:2,16384:1,32768:1)
 import ctypes
 import os
 import statistics
@@ -41,8 +43,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     pvs = os.environ.get("PV", "fp8").split(",")
     dims = [int(d) for d in os.environ.get("DS", "128").split(",")]
-    for pv, D, (N, B) in ((pv, D, nb) for pv in pvs for D in dims
-                          for nb in ((4096, 4), (8192, 2), (16384, 1), (32768, 1))):
+    shapes = [tuple(int(x) for x in nb.split(":")) for nb in os.environ.get("NS", "4096:4,8192:2,16384:1,32768:1").split(",")]
+    for pv, D, (N, B) in ((pv, D, nb) for pv in pvs for D in dims for nb in shapes):
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         stream = torch.cuda.current_stream().cuda_stream
         ws = {n: torch.empty(lib.sage_cuda_forward_workspace_size(B, H, N, D, PV[pv]), device="cuda", dtype=torch.uint8)
@@ -58,7 +60,7 @@ def main():
             check(libs[n].sage_forward_cuda(out[n].data_ptr(), lse[n].data_ptr(), ws[n].data_ptr(), q.data_ptr(),
                                             k.data_ptr(), v.data_ptr(), B, H, N, D, PV[pv], stream, err), f"forward {n}")
 
-        iters = 20 if N <= 8192 else 10
+        iters = 50 if N <= 1024 else 20 if N <= 8192 else 10
         rounds = {n: [] for n in libs}
         for _ in range(5):
             for n in libs:
