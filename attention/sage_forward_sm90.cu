@@ -41,7 +41,7 @@
 // D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 5 CTAs per SM
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
 //   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other (FP8 and
-//   FP16 alike; FP8: 29 KB of shared memory, held to 96 registers by its launch bounds, 2–4%
+//   FP16 alike; FP8: 29 KB of shared memory, held to 96 registers by its launch bounds, 1.7–3.7%
 //   faster than at its free 120 and 4 CTAs; FP16: 41 KB and 93 registers: dev/notes_sage_fwd.md).
 #include <limits.h>
 #include <stdlib.h>
