@@ -163,6 +163,13 @@ __device__ __forceinline__ void pack_p8(uint32_t (&a)[2][4], const float (&p)[32
         }
 }
 
+// P16 = fp16(p) packed straight from the accumulator layout into the four k16 A fragments of the
+// P·V wgmma: a[t][e] holds elements 8t + 2e and 8t + 2e + 1 (see softmax_exp_p16_pairs).
+__device__ __forceinline__ void pack_p16(uint32_t (&a)[4][4], const float (&p)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) a[i / 8][(i % 8) / 2] = pack_half2(p[i], p[i + 1]);
+}
+
 // FP16 (offset −m from softmax_max<false>): p = exp2(s − m) of elements I0..I1 − 1 of the
 // accumulator layout (keys 2·I0.. of the block), l += Σ p (fp32, unrounded), and P16 = fp16(p)
 // packed straight into the k16 A fragments of the P·V wgmma: a[t][e] holds elements 8t + 2e and
@@ -230,30 +237,31 @@ __device__ __forceinline__ void pv_wgmma(float (&blk)[32], const uint32_t (&p)[2
 __device__ __forceinline__ void pv_half_wgmma(float (&blk)[32], const uint32_t (&p)[2][4], uint64_t desc_v, int h) {
     pv_wgmma(blk, p, desc_advance(desc_v, h * 64 * SAGE_CUDA_BLOCK));
 }
-// FP16: blk = P16·V16 for channels 32q..32q + 31 (quarter q of D = 128), four k16 steps of
-// m64n32k16 f16 over V̂ᵀ rows of 128 bytes (64 fp16 tokens; desc_v0 addresses the stage, the
-// quarter's 32 rows start 4096·q bytes into it, a whole number of swizzle atoms); a k16 step is
-// 32 bytes along the row.
-// blk[i] is then o[16q + i] of the m64n128 accumulator layout.
-__device__ __forceinline__ void pv_quarter_wgmma(float (&blk)[16], const uint32_t (&p)[4][4], uint64_t desc_v0,
-                                                 int q) {
-    const uint64_t desc_v = desc_advance(desc_v0, q * 32 * 128);
-    wgmma_f16_m64n32k16_rs<0>(blk, p[0], desc_v);
+// FP16: O += P16·V16 over one block's 64 keys, accumulated in place in O's fp32 wgmma registers
+// (m64nD accumulator layout): four k16 steps of m64nDk16 f16 over V̂ᵀ rows of 128 bytes (64 fp16
+// tokens; desc_v addresses the stage; a k16 step is 32 bytes along the row). An f16 wgmma adds in
+// fp32, so this is the definition's O·alpha + blk to float rounding, with no blk registers and no
+// O update instructions (the FP8 accumulator is narrower: FP8 keeps blk, pv_wgmma).
+template <int D>
+__device__ __forceinline__ void pv_f16_accumulate(float (&o)[D / 2], const uint32_t (&p)[4][4], uint64_t desc_v) {
 #pragma unroll
-    for (int t = 1; t < 4; t++) wgmma_f16_m64n32k16_rs<1>(blk, p[t], desc_advance(desc_v, 32 * t));
+    for (int t = 0; t < 4; t++) {
+        if constexpr (D == 128)
+            wgmma_f16_m64n128k16_rs<1>(o, p[t], desc_advance(desc_v, 32 * t));
+        else
+            wgmma_f16_m64n64k16_rs<1>(o, p[t], desc_advance(desc_v, 32 * t));
+    }
 }
-// FP16 at D = 64: blk = P16·V16 over all 64 channels, four k16 steps of m64n64k16 f16 (V̂ᵀ: 64
-// rows of 128 bytes in the stage, desc_v; a k16 step is 32 bytes along the row).
-__device__ __forceinline__ void pv_f16_wgmma(float (&blk)[32], const uint32_t (&p)[4][4], uint64_t desc_v) {
-    wgmma_f16_m64n64k16_rs<0>(blk, p[0], desc_v);
+// O *= alpha before the P·V that accumulates into it, skipped when every alpha of the warp is 1
+// (no row maximum of its 16 rows moved: multiplying by 1 would change no bit). The register fence
+// keeps the multiplications ahead of the caller's wgmma_fence (inside the wgmma's pipeline stage
+// ptxas would serialize the wgmmas, C7513).
+template <int n> __device__ __forceinline__ void rescale_o(float (&o)[n], const float (&alpha)[2]) {
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
-    for (int t = 1; t < 4; t++) wgmma_f16_m64n64k16_rs<1>(blk, p[t], desc_advance(desc_v, 32 * t));
-}
-// O[:, 32q..32q + 31] = O·alpha + blk (the definition's two-level accumulation, one quarter).
-__device__ __forceinline__ void o_update_quarter(float (&o)[64], const float (&blk)[16], const float (&alpha)[2],
-                                                 int q) {
-#pragma unroll
-    for (int i = 0; i < 16; i++) o[16 * q + i] = o[16 * q + i] * alpha[(i % 4) / 2] + blk[i];
+        for (int i = 0; i < n; i++) o[i] *= alpha[(i % 4) / 2];
+    }
+    reg_fence(o);
 }
 
 // O (64 × D, this thread's accumulator registers) → out (bf16; rows as attn_row_offset places them)
@@ -365,7 +373,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 
         float o[D / 2] = {};               // accumulator layout of m64nD (wgmma.cuh)
         int s[32];                         // accumulator layout of m64n64
-        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2], alpha_next[2];
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
 
         // key block 0: S only
         unsigned stage = it % SM90_STAGES;
@@ -381,6 +389,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             float blk[32];                 // accumulator layout of m64n64
             float pf[32];                  // p' of block kb, accumulator layout
             uint32_t p[2][4];              // P8 of block kb - 1 as k32 A fragments
+            float alpha_next[2];           // alpha of block kb while blk still needs that of kb - 1
             softmax_exp(pf, l, s, scale, offset, N, c);
             pack_p8(p, pf);
 
@@ -433,71 +442,47 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             reg_fence(p[0]);
             reg_fence(p[1]);
         } else {
-            // FP16: P·V in quarters of D (m64n32, blk of 16 registers: with P16 twice the size of
-            // P8, two m64n64 halves would not fit in 160 registers). Per key block kb: S_kb and
-            // quarter 0 of P16_{kb-1}·V16 issued together, the row max while they run, then
-            // quarters 1, 2, 3 one after the other, the exp2s of S_kb (packed into pn as they come)
-            // while quarters 1 and 2 are in the tensor core.
-            float blk[16];                 // accumulator layout of m64n32
-            uint32_t p[4][4], pn[4][4];    // P16 of blocks kb - 1 and kb as k16 A fragments
-            softmax_exp_p16<0, 32>(p, l, s, scale, offset, N, c);
+            // FP16: P·V accumulates in place in O (pv_f16_accumulate). Per key block kb: O *=
+            // alpha_{kb-1}, then S_kb and P16_{kb-1}·V16 issued together; the row max and the exp2s
+            // of S_kb run while both are in the tensor core, and p is packed into P16 once the P·V
+            // that read the previous P16 has completed (packing while it runs, ptxas gave the new
+            // P16 the old one's registers and serialized every wgmma, C7513).
+            float pf[32];                  // p of block kb (accumulator layout)
+            uint32_t p[4][4];              // P16 of block kb - 1 as k16 A fragments
+            softmax_exp(pf, l, s, scale, offset, N, c);
+            pack_p16(p, pf);
 
             for (int kb = 1; kb < nblk; kb++) {
                 unsigned prev = stage;
                 it++;
                 stage = it % SM90_STAGES;
+                rescale_o(o, alpha);
                 mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
-                const uint64_t desc_v = desc_advance(desc_v0, prev * S::V_BYTES);
                 wgmma_fence();
                 qk_wgmma<D>(s, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
                 wgmma_commit();
-                pv_quarter_wgmma(blk, p, desc_v, 0);
+                pv_f16_accumulate<D>(o, p, desc_advance(desc_v0, prev * S::V_BYTES));
                 wgmma_commit();
-                wgmma_wait<1>();   // S of block kb done; quarter 0 may still run
+                wgmma_wait<1>();   // S of block kb done; the P·V of block kb - 1 may still run
                 reg_fence(s);
                 scale = __fmul_rn(q_scale, k_scale[kb]);
-                softmax_max<FP8>(offset, alpha_next, m, l, s, scale, N - kb * BN, c);
+                softmax_max<FP8>(offset, alpha, m, l, s, scale, N - kb * BN, c);
+                softmax_exp(pf, l, s, scale, offset, N - kb * BN, c);
                 wgmma_wait<0>();
-                reg_fence(blk);
-                o_update_quarter(o, blk, alpha, 0);
-                wgmma_fence();     // orders the reads of blk above before the next quarter overwrites it
-                pv_quarter_wgmma(blk, p, desc_v, 1);
-                wgmma_commit();
-                softmax_exp_p16<0, 16>(pn, l, s, scale, offset, N - kb * BN, c);
-                wgmma_wait<0>();
-                reg_fence(blk);
-                o_update_quarter(o, blk, alpha, 1);
-                wgmma_fence();
-                pv_quarter_wgmma(blk, p, desc_v, 2);
-                wgmma_commit();
-                softmax_exp_p16<16, 32>(pn, l, s, scale, offset, N - kb * BN, c);
-                wgmma_wait<0>();
-                reg_fence(blk);
-                o_update_quarter(o, blk, alpha, 2);
-                wgmma_fence();
-                pv_quarter_wgmma(blk, p, desc_v, 3);
-                wgmma_commit();
-                wgmma_wait<0>();
-                reg_fence(blk);
+                reg_fence(o);
 #pragma unroll
                 for (int k = 0; k < 4; k++) reg_fence(p[k]);
                 if (lane == 0) mbar_arrive(&bar->kv_empty[prev]);
-                o_update_quarter(o, blk, alpha, 3);
-#pragma unroll
-                for (int r = 0; r < 2; r++) alpha[r] = alpha_next[r];
-                memcpy(p, pn, sizeof(p));   // the P·V that read p has completed
+                pack_p16(p, pf);   // the P·V that read p has completed
             }
 
             // the last block's P·V
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                wgmma_fence();
-                pv_quarter_wgmma(blk, p, desc_advance(desc_v0, stage * S::V_BYTES), q);
-                wgmma_commit();
-                wgmma_wait<0>();
-                reg_fence(blk);
-                o_update_quarter(o, blk, alpha, q);
-            }
+            rescale_o(o, alpha);
+            wgmma_fence();
+            pv_f16_accumulate<D>(o, p, desc_advance(desc_v0, stage * S::V_BYTES));
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(o);
 #pragma unroll
             for (int k = 0; k < 4; k++) reg_fence(p[k]);
         }
@@ -590,7 +575,7 @@ __global__ void __launch_bounds__(128, FP8 ? 5 : 2)
 
     const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
     const float *k_scale = qv.k_scale + (size_t)bh * nblk;
-    float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh)
+    float o[D / 2] = {}, blk[D / 2];   // accumulator layout of m64nD (wgmma.cuh); blk: FP8 only
     int s_acc[32];                     // accumulator layout of m64n64
     float pf[32];                      // FP8: p' (accumulator layout)
     uint32_t p[FP8 ? 2 : 4][4];        // P8 as k32 / P16 as k16 A fragments
@@ -624,19 +609,22 @@ __global__ void __launch_bounds__(128, FP8 ? 5 : 2)
             reg_fence(p[1]);
         } else {
             softmax_exp_p16<0, 32>(p, l, s_acc, scale, offset, N - kb * BN, c);
+            rescale_o(o, alpha);
             wgmma_fence();
-            pv_f16_wgmma(blk, p, desc_v);
+            pv_f16_accumulate<D>(o, p, desc_v);
             wgmma_commit();
             wgmma_wait<0>();
-            reg_fence(blk);
+            reg_fence(o);
 #pragma unroll
             for (int k = 0; k < 4; k++) reg_fence(p[k]);
         }
         if (tid == 0 && kb + SM90_WG_STAGES < nblk)   // the stage is free: both wgmma batches completed
             load_kv<D, FP8>(sK + stage * S::K_BYTES, sV + stage * S::V_BYTES, &bar_kv[stage], &map_k, &map_v,
                             bh, N, kb + SM90_WG_STAGES);
+        if constexpr (FP8) {
 #pragma unroll
-        for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+            for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
+        }
     }
     store_tile<D, FP8>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g,
                         c);

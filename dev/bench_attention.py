@@ -2,6 +2,9 @@
 # (cuDNN and flash backends), all in one process on one GPU. 16 heads, head dims 64 and 128,
 # N = 1K..32K with B·N = 16K tokens (B = 1 from 16K). FLOPs: 4·B·H·N²·D forward, 2.5× that
 # backward. Each time is the median of `iters` CUDA-event-timed runs after warm-up.
+# Where the cudnn frontend's Python package is importable (dev/cudnn_fp8.py), cuDNN's own FP8
+# attention (per-tensor e4m3 scales) is timed on the same inputs too, and the cosine against fp32
+# attention of its and our outputs and gradients (first two heads) is printed beside it.
 # Build the shared library first (on a machine with nvcc):
 #   gcc -O2 -fPIC -std=c11 -D_GNU_SOURCE -I. -c layers/common.c -o build/common_pic.o
 #   nvcc -O3 -std=c++17 -I. --use_fast_math -Xcompiler -fPIC -gencode=arch=compute_80,code=sm_80 \
@@ -18,6 +21,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import I, P, check, err, median_ms, time_sdpa  # noqa: E402
+
+try:
+    from cudnn_fp8 import Fp8Attention
+except ImportError as e:   # the package is optional: no FP8 columns then
+    Fp8Attention = None
+    print(f"# cuDNN FP8 attention not measured: {e}")
 
 # "sage_fp8"/"sage_fp16" time the mma.sync kernel (sage_forward.cu), "sm90" the wgmma kernel
 # (sage_forward_sm90.cu, FP8 P·V), which sage_forward_cuda otherwise picks on an sm_90 device.
@@ -37,6 +46,33 @@ lib.sage_backward_cuda.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, 
 lib.sage_backward_sm90_available.restype = ctypes.c_int
 lib.sage_backward_sm90_cuda.argtypes = lib.sage_backward_cuda.argtypes
 FP8, FP16 = 0, 1
+
+
+def cosine(x, ref):
+    return F.cosine_similarity(x.float().flatten(), ref.float().flatten(), dim=0).item()
+
+
+def time_cudnn_fp8(q, k, v, do, iters, ref_out, sage_grads, sage_is_sm90):
+    """ms of cuDNN's FP8 forward and backward ({"cudnn_fp8", "cudnn_fp8_bwd"}, none where cuDNN
+    refuses the graph); prints the cosines against fp32 attention on the first two heads: cuDNN
+    FP8's out and gradients, and our sage backward's gradients (sage_grads, from the last timed
+    backward: sm90 when sage_is_sm90)."""
+    try:
+        fp8 = Fp8Attention(q, k, v, do)
+    except Exception as e:   # cuDNN's refusals come as several exception types
+        print(f"  cuDNN FP8: not supported here ({type(e).__name__}: {str(e)[:200]})")
+        return {}
+    t = {"cudnn_fp8": median_ms(fp8.forward, iters), "cudnn_fp8_bwd": median_ms(fp8.backward, iters)}
+    qf, kf, vf = (x.float()[:, :2].detach().requires_grad_() for x in (q, k, v))
+    of = F.scaled_dot_product_attention(qf, kf, vf)
+    ref_g = torch.autograd.grad(of, (qf, kf, vf), do.float()[:, :2])
+    fp8_g = fp8.grads()
+    print("  cos vs fp32: cuDNN FP8 out %.6f dq %.6f dk %.6f dv %.6f; sage %s bwd dq %.6f dk %.6f dv %.6f" % (
+        cosine(fp8.out()[:, :2], ref_out), *(cosine(g[:, :2], r) for g, r in zip(fp8_g, ref_g)),
+        "sm90" if sage_is_sm90 else "mma.sync", *(cosine(g[:, :2], r) for g, r in zip(sage_grads, ref_g))),
+        flush=True)
+    del fp8, qf, kf, vf, of, ref_g, fp8_g
+    return t
 
 
 def main():
@@ -108,6 +144,8 @@ def main():
                 bwd_diff = max(((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref_g))
                 del ref_g
             t.update(time_sdpa(q, k, v, do, iters))
+            if Fp8Attention is not None:
+                t.update(time_cudnn_fp8(q, k, v, do, iters, ref, (dq, dk, dv), bwd90))
             tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
             rows.append((D, N, B, t, tops, cos))
             print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
@@ -115,6 +153,16 @@ def main():
                   + f" rel(sm90 bwd, sage bwd)={bwd_diff:.2e}", flush=True)
             del q, k, v, do, out, lse, ws, bws, dq, dk, dv
             torch.cuda.empty_cache()
+    if any("cudnn_fp8" in t for _, _, _, t, _, _ in rows):
+        print("\n| D | N | B | sm90 fwd | cuDNN bf16 fwd | cuDNN FP8 fwd | sm90/cuDNN FP8 | sm90 bwd | cuDNN bf16 bwd "
+              "| cuDNN FP8 bwd | sm90 bwd/cuDNN FP8 |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for D, N, B, t, tops, cos in rows:
+            nan = float("nan")
+            f8, b8 = tops.get("cudnn_fp8", nan), tops.get("cudnn_fp8_bwd", nan)
+            t90, b90 = tops.get("sm90", nan), tops.get("sm90_bwd", nan)
+            print(f"| {D} | {N} | {B} | {t90:.0f} | {tops['cudnn']:.0f} | {f8:.0f} | {t90 / f8:.2f} | {b90:.0f} "
+                  f"| {tops['cudnn_bwd']:.0f} | {b8:.0f} | {b90 / b8:.2f} |")
     print("\n| D | N | B | sm90 fwd | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd "
           "| sm90/cuDNN | fp8/cuDNN | sage bwd | sm90 bwd | cuDNN bwd | flash bwd | bwd/cuDNN | sm90 bwd/cuDNN |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

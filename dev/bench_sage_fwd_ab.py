@@ -4,7 +4,8 @@
 # "bf16": our bf16 FlashAttention forward, flash_forward_cuda, for libraries that hold it), head
 # dims D (default 128; a head dim whose kernel a change leaves alone times the noise); 5 rounds of
 # `iters` CUDA-event-timed calls per library, the median of the round medians. Also checks that the
-# two outputs and lse are bitwise equal (for changes that must not change results), and cuDNN.
+# two outputs and lse are bitwise equal (for changes that must not change results), gives each
+# output's relative L2 error against fp32 attention (first two heads), and times cuDNN.
 #   [PV=fp8,fp16,bf16] [DS=128,64] [NS=N:B,...] python3 dev/bench_sage_fwd_ab.py NEW.so BASE.so
 # (libraries as in bench_attention.py; NS: the sequence lengths and batches, default
 # 4096:4,8192:2,16384:1,32768:1)
@@ -39,8 +40,9 @@ def main():
     torch.manual_seed(0)
     print(f"# device: {torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs; "
           f"new = {sys.argv[1]}, base = {sys.argv[2]}")
-    print("| P·V | D | N | B | new ms (TOPS) | base ms (TOPS) | base / new | cuDNN ms (TOPS) | cuDNN / new | out, lse bitwise equal |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| P·V | D | N | B | new ms (TOPS) | base ms (TOPS) | base / new | cuDNN ms (TOPS) | cuDNN / new | out, lse bitwise equal "
+          "| rel L2 vs fp32: new / base |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     pvs = os.environ.get("PV", "fp8").split(",")
     dims = [int(d) for d in os.environ.get("DS", "128").split(",")]
     shapes = [tuple(int(x) for x in nb.split(":")) for nb in os.environ.get("NS", "4096:4,8192:2,16384:1,32768:1").split(",")]
@@ -70,10 +72,13 @@ def main():
         torch.cuda.synchronize()
         equal = torch.equal(out["new"].view(torch.int16), out["base"].view(torch.int16)) and \
             torch.equal(lse["new"].view(torch.int32), lse["base"].view(torch.int32))
+        ref = F.scaled_dot_product_attention(*(x[:1, :2].float() for x in (q, k, v)))
+        err_l2 = {n: ((out[n][:1, :2].float() - ref).norm() / ref.norm()).item() for n in libs}
         flops = 4 * B * H * N * N * D
         tn, tb = statistics.median(rounds["new"]), statistics.median(rounds["base"])
         print(f"| {pv} | {D} | {N} | {B} | {tn:.3f} ({flops / tn / 1e9:.0f}) | {tb:.3f} ({flops / tb / 1e9:.0f}) | {tb / tn:.3f} | "
-              f"{cudnn:.3f} ({flops / cudnn / 1e9:.0f}) | {cudnn / tn:.3f} | {'yes' if equal else 'NO'} |", flush=True)
+              f"{cudnn:.3f} ({flops / cudnn / 1e9:.0f}) | {cudnn / tn:.3f} | {'yes' if equal else 'NO'} "
+              f"| {err_l2['new']:.3e} / {err_l2['base']:.3e} |", flush=True)
 
 
 if __name__ == "__main__":
