@@ -15,9 +15,9 @@
 // FP16 P·V (SAGE_PV_FP16; the FP8 parts above are the template's FP8 = true): p =
 // exp2(s − m) without the 448, P16 = fp16(p) packed from the S accumulators into the four k16 A
 // fragments (the m64n64 accumulator layout is the m64n64k16 A layout, so V̂ᵀ = fp16(v)ᵀ keeps token
-// order), blk = P16·V16 by wgmma f16 with fp32 accumulation (m64n32k16 per quarter of D = 128,
-// m64n64k16 over all of D = 64), V̂ᵀ rows of 64 tokens × 2 bytes; O = O·alpha + blk as above,
-// out = O/l, lse = m + log2(l).
+// order), V̂ᵀ rows of 64 tokens × 2 bytes; O = O·alpha + P16·V16 with the product added in place
+// to O's registers by wgmma f16 (fp32 accumulation: the definition's sum to float rounding; O·alpha
+// skipped when no row maximum of a warp moved), out = O/l, lse = m + log2(l).
 //
 // Two CTA layouts, each measured faster at its head dim (dev/notes_sage_fwd.md):
 // D = 128: sage_forward_sm90_kernel, persistent and warp-specialized (the FA3 structure), one
@@ -37,12 +37,13 @@
 //     kb: S_kb and the first half of blk = P8_{kb-1}·V8 are issued together; the row max of S_kb
 //     runs while that half is in the tensor core; then O[:, 0:64] = O·alpha_{kb-1} + blk, the
 //     second half is issued, the exp2s of S_kb run while it is in the tensor core, and
-//     O[:, 64:128] = O·alpha_{kb-1} + blk.
+//     O[:, 64:128] = O·alpha_{kb-1} + blk. FP16: O·alpha_{kb-1}, then S_kb and P16_{kb-1}·V16
+//     (into O, m64n128k16) issued together, the row max and exp2s of S_kb while both run.
 // D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 5 CTAs per SM
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
 //   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other (FP8 and
 //   FP16 alike; FP8: 29 KB of shared memory, held to 96 registers by its launch bounds, 1.7–3.7%
-//   faster than at its free 120 and 4 CTAs; FP16: 41 KB and 93 registers: dev/notes_sage_fwd.md).
+//   faster than at its free 120 and 4 CTAs; FP16: 41 KB and 90 registers: dev/notes_sage_fwd.md).
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,8 +60,8 @@
 
 // The warp-specialized CTA's shape and shared memory; every tile is a whole number of 1024-byte
 // swizzle atoms. A D = 128 consumer holds O (64 registers), half of blk (32), S or p' (32) and P8
-// (8): 157 registers with the rest, so 3 consumers (FP16: P16 of the block in the tensor core and
-// of the next one, 16 each, in place of p' and P8). The CTA starts with LAUNCH_REGS per thread
+// (8): 157 registers with the rest, so 3 consumers (FP16: no blk, P16 of 16 in place of P8). The
+// CTA starts with LAUNCH_REGS per thread
 // (the SM's 64K registers over THREADS, in steps of 8); setmaxnreg can only hand the consumers
 // what the producer warpgroup gives back (LAUNCH_REGS − 24 per thread; a consumer asking for more
 // waits forever), so CONSUMER_REGS = LAUNCH_REGS + (LAUNCH_REGS − 24)/CONSUMERS: 128 → 160.
