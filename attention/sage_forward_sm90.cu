@@ -253,17 +253,6 @@ __device__ __forceinline__ void pv_f16_accumulate(float (&o)[D / 2], const uint3
             wgmma_f16_m64n64k16_rs<1>(o, p[t], desc_advance(desc_v, 32 * t));
     }
 }
-// O *= alpha before the P·V that accumulates into it, skipped when every alpha of the warp is 1
-// (no row maximum of its 16 rows moved: multiplying by 1 would change no bit). The register fence
-// keeps the multiplications ahead of the caller's wgmma_fence (inside the wgmma's pipeline stage
-// ptxas would serialize the wgmmas, C7513).
-template <int n> __device__ __forceinline__ void rescale_o(float (&o)[n], const float (&alpha)[2]) {
-    if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < n; i++) o[i] *= alpha[(i % 4) / 2];
-    }
-    reg_fence(o);
-}
 
 // O (64 × D, this thread's accumulator registers) → out (bf16; rows as attn_row_offset places them)
 // and lse for rows >= N skipped:

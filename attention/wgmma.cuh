@@ -65,6 +65,19 @@ template <int n> __device__ __forceinline__ void reg_fence(uint32_t (&d)[n]) {
     for (int i = 0; i < n; i++) asm volatile("" : "+r"(d[i])::"memory");
 }
 
+// The online softmax's O *= alpha (alpha per row: this thread's rows g and g + 8 of its warp, in
+// the m64nN accumulator layout) before a P·V wgmma accumulates into O, skipped when every alpha of
+// the warp is 1 (no row maximum of its 16 rows moved: multiplying by 1 would change no bit). The
+// register fence keeps the multiplications ahead of the caller's wgmma_fence (inside the wgmma's
+// pipeline stage ptxas would serialize the wgmmas, C7513).
+template <int n> __device__ __forceinline__ void rescale_o(float (&o)[n], const float (&alpha)[2]) {
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < n; i++) o[i] *= alpha[(i % 4) / 2];
+    }
+    reg_fence(o);
+}
+
 // ---- mbarriers -------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)),

@@ -27,9 +27,10 @@ PV = {"fp8": 0, "fp16": 1}   # SagePV; "bf16" (the flash forward) takes no works
 
 def load(path):
     lib = ctypes.CDLL(os.path.abspath(path))
-    lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
-    lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
-    lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
+    if hasattr(lib, "sage_forward_cuda"):   # (libflash_bench.so holds the flash forward only)
+        lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
+        lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
+        lib.sage_forward_cuda.argtypes = [P, P, P, P, P, P, I, I, I, I, I, P, ctypes.c_char_p]
     if hasattr(lib, "flash_forward_cuda"):
         lib.flash_forward_cuda.argtypes = [P, P, P, P, P, I, I, I, I, P, ctypes.c_char_p]
     return lib
