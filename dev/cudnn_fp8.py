@@ -34,13 +34,18 @@ def _scalar(value):
     return torch.full((1, 1, 1, 1), float(value), device="cuda", dtype=torch.float32)
 
 
+def _fp32_scalar_outputs(*tensors):
+    for t in tensors:
+        t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+
+
 class Fp8Attention:
     def __init__(self, q, k, v, dout):
         B, H, N, D = q.shape
         self.shape = (B, H, N, D)
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
-        (self.q8, self.dq_s), (self.k8, self.dk_s), (self.v8, self.dv_s), (self.do8, self.ddo_s) = (
+        (self.q8, self.q_descale), (self.k8, self.k_descale), (self.v8, self.v_descale), (self.do8, self.do_descale) = (
             _quantize(x) for x in (q, k, v, dout))
         self.o8 = torch.empty(B, H, N, D, device="cuda", dtype=torch.float8_e4m3fn)
         self.stats = torch.empty(B, H, N, 1, device="cuda", dtype=torch.float32)
@@ -70,9 +75,14 @@ class Fp8Attention:
         return cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
                              compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
 
-    def _tensors(self, g, names, dtype):
+    def _bhnd(self):
+        """dim and stride of a contiguous (B, H, N, D) tensor."""
         B, H, N, D = self.shape
-        return [g.tensor(name=n, dim=[B, H, N, D], stride=[H * N * D, N * D, D, 1], data_type=dtype) for n in names]
+        return [B, H, N, D], [H * N * D, N * D, D, 1]
+
+    def _tensors(self, g, names):
+        dim, stride = self._bhnd()
+        return [g.tensor(name=n, dim=dim, stride=stride, data_type=cudnn.data_type.FP8_E4M3) for n in names]
 
     @staticmethod
     def _scalars(g, names):
@@ -90,26 +100,27 @@ class Fp8Attention:
 
     def _build_forward(self, D):
         g = self._graph()
-        q, k, v = self._tensors(g, ("q", "k", "v"), cudnn.data_type.FP8_E4M3)
+        q, k, v = self._tensors(g, ("q", "k", "v"))
         sc = self._scalars(g, ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"))
         o, stats, amax_s, amax_o = g.sdpa_fp8(q=q, k=k, v=v, descale_q=sc[0], descale_k=sc[1], descale_v=sc[2],
                                               descale_s=sc[3], scale_s=sc[4], scale_o=sc[5], is_inference=False,
                                               attn_scale=1.0 / math.sqrt(D), use_causal_mask=False, name="fwd")
         B, H, N, _ = self.shape
-        o.set_output(True).set_dim([B, H, N, D]).set_stride([H * N * D, N * D, D, 1])
+        dim, stride = self._bhnd()
+        o.set_output(True).set_dim(dim).set_stride(stride)
         stats.set_output(True).set_dim([B, H, N, 1]).set_stride([H * N, N, 1, 1]).set_data_type(
             cudnn.data_type.FLOAT)
-        for a in (amax_s, amax_o):
-            a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+        _fp32_scalar_outputs(amax_s, amax_o)
         self.fwd_ws = self._finish(g)
         self.fwd_graph = g
-        self.fwd_pack = {q: self.q8, k: self.k8, v: self.v8, sc[0]: self.dq_s, sc[1]: self.dk_s, sc[2]: self.dv_s,
-                         sc[3]: self.descale["s"], sc[4]: self.scale["s"], sc[5]: self.scale["o"],
+        self.fwd_pack = {q: self.q8, k: self.k8, v: self.v8, sc[0]: self.q_descale, sc[1]: self.k_descale,
+                         sc[2]: self.v_descale, sc[3]: self.descale["s"], sc[4]: self.scale["s"],
+                         sc[5]: self.scale["o"],
                          o: self.o8, stats: self.stats, amax_s: self.amax["s"], amax_o: self.amax["o"]}
 
     def _build_backward(self, D):
         g = self._graph()
-        q, k, v, o, do = self._tensors(g, ("q", "k", "v", "o", "do"), cudnn.data_type.FP8_E4M3)
+        q, k, v, o, do = self._tensors(g, ("q", "k", "v", "o", "do"))
         B, H, N, _ = self.shape
         stats = g.tensor(name="stats", dim=[B, H, N, 1], stride=[H * N, N, 1, 1], data_type=cudnn.data_type.FLOAT)
         names = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_do", "descale_s", "descale_dp",
@@ -120,13 +131,13 @@ class Fp8Attention:
             descale_o=sc[3], descale_dO=sc[4], descale_s=sc[5], descale_dP=sc[6], scale_s=sc[7], scale_dQ=sc[8],
             scale_dK=sc[9], scale_dV=sc[10], scale_dP=sc[11], attn_scale=1.0 / math.sqrt(D), use_causal_mask=False,
             name="bwd")
+        dim, stride = self._bhnd()
         for t in (dq, dk, dv):
-            t.set_output(True).set_dim([B, H, N, D]).set_stride([H * N * D, N * D, D, 1])
-        for a in (amax_dq, amax_dk, amax_dv, amax_dp):
-            a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+            t.set_output(True).set_dim(dim).set_stride(stride)
+        _fp32_scalar_outputs(amax_dq, amax_dk, amax_dv, amax_dp)
         self.bwd_ws = self._finish(g)
         self.bwd_graph = g
-        values = (self.dq_s, self.dk_s, self.dv_s, self.descale["o"], self.ddo_s, self.descale["s"],
+        values = (self.q_descale, self.k_descale, self.v_descale, self.descale["o"], self.do_descale, self.descale["s"],
                   self.descale["dp"], self.scale["s"], self.scale["dq"], self.scale["dk"], self.scale["dv"],
                   self.scale["dp"])
         self.bwd_pack = {q: self.q8, k: self.k8, v: self.v8, o: self.o8, do: self.do8, stats: self.stats,
