@@ -2,7 +2,7 @@
 // attention (flash_backward_sm90.cu): wgmma tensor-core instructions fed by TMA. Same math as the
 // mma.sync body attention_backward.cuh (the readable version), with the same score sources:
 //   SCORES_SAGE: Sᵀ = K̂·Q̂ᵀ from the forward's int8 Q̂, K̂ (wgmma s8 m64n64k32, both K-major as the
-//                quantization pass stores them), s = rn((float)Sᵀ·q_scale·k_scale); dQ from k - k_mean
+//                quantization pass stores them), s = (float)Sᵀ·q_scale·k_scale; dQ from k - k_mean
 //   SCORES_BF16: Sᵀ = K·Qᵀ (wgmma bf16 m64n64k16, both K-major), s = Sᵀ·c with c = log2(e)/sqrt(D);
 //                dQ from k
 //
@@ -202,7 +202,9 @@ __device__ __forceinline__ int warpgroup_now() {
 }
 
 // Pᵀ = exp2(s - lse) of this thread's 32 elements: keys kr (e < 2), kr + 8, queries
-// q0 + 8j + 2c + (e & 1); s = rn((float)s_acc·scale) (sage) or p·c_log2 (flash: Sᵀ in p).
+// q0 + 8j + 2c + (e & 1); s = (float)s_acc·scale (sage) or p·c_log2 (flash: Sᵀ in p). s - lse is
+// one FFMA, rounded once where the definition rounds s first (~1e-7 relative in P, as the forward's
+// exponent): one instruction less per score, the sage backward ~1% faster (dev/notes_bwd_plan.md).
 // MASK: 0 at keys or queries >= N (not needed when the whole tile is inside).
 template <bool SAGE, bool MASK>
 __device__ __forceinline__ void exp2_scores(float (&p)[32], const int (&s_acc)[32], float scale, float c_log2,
@@ -214,8 +216,8 @@ __device__ __forceinline__ void exp2_scores(float (&p)[32], const int (&s_acc)[3
         const bool query_valid[2] = {q0 + q < N, q0 + q + 1 < N};
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            float x = SAGE ? __fmul_rn((float)s_acc[4 * j + e], scale) - (e & 1 ? lse.y : lse.x)
-                           : fmaf(p[4 * j + e], c_log2, -(e & 1 ? lse.y : lse.x));
+            float s = SAGE ? (float)s_acc[4 * j + e] : p[4 * j + e];
+            float x = fmaf(s, SAGE ? scale : c_log2, -(e & 1 ? lse.y : lse.x));
             p[4 * j + e] = !MASK || (key_valid[e / 2] && query_valid[e & 1]) ? exp2f(x) : 0.0f;
         }
     }
