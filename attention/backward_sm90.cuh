@@ -546,15 +546,16 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
                 // chunk 2u + i/2 XOR g
                 *(uint32_t *)(ds + h * S::DS_BLOCK + (ds_row ^ (32 * u + 16 * (i / 2))) + 1024 * (i & 1)) = dsa[t][i];
             }
-        fence_proxy_async();
 
         // FA3's order: dV (RS); the one barrier (dSᵀ of both warpgroups in shared memory); dQ (SS);
         // wait for dV; dK (RS); wait for dQ and store it while dK runs. dO and Q rows are the
         // MN-major B of dV and dK (16 queries = 2 groups of 8 rows; the H blocks are contiguous).
+        // dV reads no dSᵀ, so it is issued before the proxy fence, which waits for the dSᵀ stores.
         wgmma_fence();
 #pragma unroll
         for (int t = 0; t < 4 * H; t++) dkv_wgmma<D>(dv, pa[t], smem_desc_mn<128>(st + S::DO + t * 2048, QS * 128));
         wgmma_commit();
+        fence_proxy_async();   // the dSᵀ stores before the other warpgroup's dQ wgmma reads them
         named_barrier_sync(BWD90_BAR_DS, BWD90_THREADS);
 
         // dQ over the 128 keys (sage: k - k_mean), 16 keys per k-step. H = 1: dQ[:, wg·D/2 ..] of
