@@ -165,23 +165,23 @@ __device__ __forceinline__ void pack_p8(uint32_t (&a)[2][4], const float (&p)[32
 }
 
 // P16 = fp16(p) packed straight from the accumulator layout into the four k16 A fragments of the
-// P·V wgmma: a[t][e] holds elements 8t + 2e and 8t + 2e + 1 (see softmax_exp_p16_pairs).
+// P·V wgmma: a[t][e] holds elements 8t + 2e and 8t + 2e + 1 (rows and keys: softmax_exp_p16_pairs).
 __device__ __forceinline__ void pack_p16(uint32_t (&a)[4][4], const float (&p)[32]) {
 #pragma unroll
     for (int i = 0; i < 32; i += 2) a[i / 8][(i % 8) / 2] = pack_half2(p[i], p[i + 1]);
 }
 
-// FP16 (offset −m from softmax_max<false>): p = exp2(s − m) of elements I0..I1 − 1 of the
-// accumulator layout (keys 2·I0.. of the block), l += Σ p (fp32, unrounded), and P16 = fp16(p)
-// packed straight into the k16 A fragments of the P·V wgmma: a[t][e] holds elements 8t + 2e and
-// 8t + 2e + 1, i.e. a[t][0] row g, keys 16t + 2c, +1; a[t][1] row g + 8; a[t][2], a[t][3] the same
-// rows at keys 16t + 8 + 2c (the m64n64 accumulator layout is the k16 A layout: token order, no
-// permutation of V̂ᵀ). I0, I1 even, so that pairs stay together.
-template <int I0, int I1, bool TAIL>
+// FP16 at D = 64 (offset −m from softmax_max<false>): p = exp2(s − m) of the block's 32 elements
+// of the accumulator layout, l += Σ p (fp32, unrounded), and P16 = fp16(p) packed straight into the
+// k16 A fragments of the P·V wgmma as it goes (pack_p16's layout: a[t][0] row g, keys 16t + 2c, +1;
+// a[t][1] row g + 8; a[t][2], a[t][3] the same rows at keys 16t + 8 + 2c; the m64n64 accumulator
+// layout is the k16 A layout: token order, no permutation of V̂ᵀ). (One exp2 loop shared with
+// FP8's softmax_exp, then pack_p16, measured 2-5% slower here: dev/notes_sage_fwd.md.)
+template <bool TAIL>
 __device__ __forceinline__ void softmax_exp_p16_pairs(uint32_t (&a)[4][4], float (&l)[2], const int (&s)[32],
                                                       float scale, const float (&offset)[2], int valid, int c) {
 #pragma unroll
-    for (int i = I0; i < I1; i += 2) {
+    for (int i = 0; i < 32; i += 2) {
         float p0 = exp2f(fmaf((float)s[i], scale, offset[(i % 4) / 2]));
         float p1 = exp2f(fmaf((float)s[i + 1], scale, offset[(i % 4) / 2]));
         if (TAIL) {
@@ -195,13 +195,12 @@ __device__ __forceinline__ void softmax_exp_p16_pairs(uint32_t (&a)[4][4], float
 }
 // The tail test outside the loop (inside it, the masks' key indices were computed on every block:
 // the D = 128 forward 5-6% slower, dev/notes_sage_fwd.md).
-template <int I0, int I1>
 __device__ __forceinline__ void softmax_exp_p16(uint32_t (&a)[4][4], float (&l)[2], const int (&s)[32], float scale,
                                                 const float (&offset)[2], int valid, int c) {
     if (valid < SAGE_CUDA_BLOCK)
-        softmax_exp_p16_pairs<I0, I1, true>(a, l, s, scale, offset, valid, c);
+        softmax_exp_p16_pairs<true>(a, l, s, scale, offset, valid, c);
     else
-        softmax_exp_p16_pairs<I0, I1, false>(a, l, s, scale, offset, valid, c);
+        softmax_exp_p16_pairs<false>(a, l, s, scale, offset, valid, c);
 }
 
 // TMA thread: key block `kb` of head `bh`, K̂ (rows of D bytes) and V̂ᵀ (rows of 64 keys: 64 bytes
@@ -598,7 +597,7 @@ __global__ void __launch_bounds__(128, FP8 ? 5 : 2)
             reg_fence(p[0]);
             reg_fence(p[1]);
         } else {
-            softmax_exp_p16<0, 32>(p, l, s_acc, scale, offset, N - kb * BN, c);
+            softmax_exp_p16(p, l, s_acc, scale, offset, N - kb * BN, c);
             rescale_o(o, alpha);
             wgmma_fence();
             pv_f16_accumulate<D>(o, p, desc_v);

@@ -10,11 +10,12 @@
 # Build the library as dev/bench_attention.py says, then (one H200: ~1 min):
 #   python3 dev/sage_accuracy_long.py build/libsage_bench.so [N,N,...]
 import ctypes
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import I, P, check, err  # noqa: E402
 
 lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "build/libsage_bench.so")
