@@ -18,7 +18,10 @@
 // the amax history of earlier steps and record this step's amax inside the quantize pass itself:
 // it saves the separate amax read (1/3 of the quantization traffic of inp and weight, 1/4 of
 // dout's) and the dependency between the two kernels, at the price of saturating whenever a
-// tensor grows faster than the history predicts, and of state to carry between steps.
+// tensor grows faster than the history predicts, and of state to carry between steps. A guessed
+// exponent (Fp8Scaling) gets delayed scaling's single pass while keeping current scaling's bytes:
+// the pass quantizes with the exponent of the tensor's previous quantization and takes the amax on
+// the way, and a small second launch re-quantizes only when that amax has another exponent.
 #include <cuda_fp8.h>
 #include "layers/cuda_common.cuh"
 #include "layers/linear_fp8_cuda.h"
@@ -73,16 +76,17 @@ int fp8_amax_stacked_cuda(float *amax, size_t amax_stride, const bf16 *x, int co
 }
 
 // ---- quantize ------------------------------------------------------------------------------
-// x (R, C) bf16 (or GELU of it) -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), e =
-// fp8_scale_exponent(*amax), Rp = fp8_padded_rows(R), qt's columns R..Rp-1 zero; *scale = 2^e
-// (written by block (0, 0)). One block per QTILE_R × QTILE_C tile. Each thread converts 4 rows ×
-// 8 columns (four 16-byte loads, four 8-byte stores into q), transposes the 4 × 8 bytes in
-// registers into 8 words (one column's 4 rows each) and puts them into the shared tile by column;
-// then each thread stores two 16-row pieces of one column (16 bytes each; 4 threads cover 64
-// contiguous bytes of a qt row). Rows R.. are zeros (qt's pad). C a multiple of 16.
+// x (R, C) bf16 (or GELU of it) -> q (R, C) and/or qt (C, Rp) fp8 = fp8(x·2^-e), Rp =
+// fp8_padded_rows(R), qt's columns R..Rp-1 zero, tile by tile of QTILE_R × QTILE_C. Each thread
+// converts 4 rows × 8 columns (four 16-byte loads, four 8-byte stores into q), transposes the 4 × 8
+// bytes in registers into 8 words (one column's 4 rows each) and puts them into the shared tile by
+// column; then each thread stores two 16-row pieces of one column (16 bytes each; 4 threads cover
+// 64 contiguous bytes of a qt row). Rows R.. are zeros (qt's pad). C a multiple of 16.
 #define QTILE_R 128        // rows of a tile: 32 groups of 4
 #define QTILE_C 64         // columns of a tile: 8 vectors of VEC
 #define QTILE_WORDS (QTILE_R / 4 + 1)   // words per tile column (4 rows each), + 1 against bank conflicts
+#define REQUANTIZE_BLOCKS 264           // grid of the guess's check (2 per SM on an H200): it exits at once
+                                        // when the guess was right, else loops over the tiles
 static_assert((QTILE_R / 4) * (QTILE_C / VEC) == BLOCK_SIZE && QTILE_C * 4 == BLOCK_SIZE,
               "one thread per 4 × VEC piece, and 4 per tile column");
 
@@ -96,18 +100,14 @@ __device__ inline void transpose_4x4_bytes(uint32_t col[4], uint32_t r0, uint32_
     col[3] = __byte_perm(t1, t3, 0x7632);
 }
 
-// (6 blocks per SM: 40 registers, no spill; the GELU instantiation's 32 tanhf per thread need the
-// occupancy: 0.63 instead of 0.74 ms per step at c, dev/notes_linear_fp8.md)
+// The tile at rows r0.., columns c0.. with the scale 2^e; returns max |x| over this thread's values
+// (NaN skipped, as fp8_amax_kernel). With qt, the shared tile is busy until the caller's next
+// __syncthreads.
 template <bool GELU>
-__global__ void __launch_bounds__(BLOCK_SIZE, 6)
-    fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax, int R, int C,
-                        Fp8Format format) {
-    __shared__ uint32_t tile[QTILE_C][QTILE_WORDS];
+__device__ inline float quantize_tile(uint32_t (*tile)[QTILE_WORDS], uint8_t *q, uint8_t *qt, const bf16 *x,
+                                      int R, int C, int r0, int c0, int e, Fp8Format format) {
     __nv_fp8_interpretation_t kind = format == FP8_E4M3 ? __NV_E4M3 : __NV_E5M2;
-    int e = fp8_scale_exponent(*amax, format), Rp = fp8_padded_rows(R);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale = ldexpf(1.0f, e);
-    float down = ldexpf(1.0f, -e);
-    int r0 = blockIdx.y * QTILE_R, c0 = blockIdx.x * QTILE_C;
+    float down = ldexpf(1.0f, -e), m = 0.0f;
     int group = threadIdx.x / 8, cc = (threadIdx.x % 8) * VEC, c = c0 + cc;
     if (c < C) {                          // C % 16 == 0: a vector is whole or absent
         int r = r0 + 4 * group;
@@ -116,13 +116,15 @@ __global__ void __launch_bounds__(BLOCK_SIZE, 6)
         for (int i = 0; i < 4; i++) {
             if (whole || r + i < R) load_input<GELU>(v[i], x + (size_t)(r + i) * C + c);
             else for (int j = 0; j < VEC; j++) v[i][j] = 0.0f;
+            for (int j = 0; j < VEC; j++) m = fmaxf(m, fabsf(v[i][j]));
         }
         uint32_t lo[4], hi[4];            // row i's columns cc..cc+3 and cc+4..cc+7
         for (int i = 0; i < 4; i++) {
             uint16_t b[VEC / 2];
-            for (int j = 0; j < VEC / 2; j++)
+            for (int j = 0; j < VEC / 2; j++) {
                 b[j] = __nv_cvt_float2_to_fp8x2(make_float2(v[i][2 * j] * down, v[i][2 * j + 1] * down),
                                                 __NV_SATFINITE, kind);
+            }
             lo[i] = b[0] | (uint32_t)b[1] << 16;
             hi[i] = b[2] | (uint32_t)b[3] << 16;
             if (q && r + i < R) *(uint2 *)(q + (size_t)(r + i) * C + c) = make_uint2(lo[i], hi[i]);
@@ -134,15 +136,57 @@ __global__ void __launch_bounds__(BLOCK_SIZE, 6)
             for (int j = 0; j < VEC; j++) tile[cc + j][group] = col[j];
         }
     }
-    if (!qt) return;
+    if (!qt) return m;
     __syncthreads();
-    int cl = threadIdx.x / 4;             // the tile column; its rows 16k.. and 64 + 16k..
+    int cl = threadIdx.x / 4, Rp = fp8_padded_rows(R);   // the tile column; its rows 16k.. and 64 + 16k..
     c = c0 + cl;
-    if (c >= C) return;
-    for (int half = 0; half < 2; half++) {
-        int w = half * (QTILE_R / 8) + (threadIdx.x % 4) * 4, r = r0 + 4 * w;
-        if (r >= Rp) break;               // Rp % 16 == 0: 16 rows are whole or absent
-        *(uint4 *)(qt + (size_t)c * Rp + r) = make_uint4(tile[cl][w], tile[cl][w + 1], tile[cl][w + 2], tile[cl][w + 3]);
+    if (c < C) {
+        for (int half = 0; half < 2; half++) {
+            int w = half * (QTILE_R / 8) + (threadIdx.x % 4) * 4, r = r0 + 4 * w;
+            if (r >= Rp) break;           // Rp % 16 == 0: 16 rows are whole or absent
+            *(uint4 *)(qt + (size_t)c * Rp + r) = make_uint4(tile[cl][w], tile[cl][w + 1], tile[cl][w + 2], tile[cl][w + 3]);
+        }
+    }
+    return m;
+}
+
+// One block per tile. The exponent: of *amax (known), or GUESSED: guess[0], which block (0, 0)
+// records in guess[1] for fp8_requantize_kernel, and the pass raises *taken to max |x|.
+// *scale = 2^e (block (0, 0)).
+// (6 blocks per SM: the GELU instantiation's 32 tanhf per thread need the occupancy: 0.63 instead
+// of 0.74 ms per step at c, dev/notes_linear_fp8.md)
+template <bool GELU, bool GUESSED>
+__global__ void __launch_bounds__(BLOCK_SIZE, 6)
+    fp8_quantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax, int *guess,
+                        float *taken, int R, int C, Fp8Format format) {
+    __shared__ uint32_t tile[QTILE_C][QTILE_WORDS];
+    int e = GUESSED ? guess[0] : fp8_scale_exponent(*amax, format);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+        *scale = ldexpf(1.0f, e);
+        if (GUESSED) guess[1] = e;
+    }
+    float m = quantize_tile<GELU>(tile, q, qt, x, R, C, blockIdx.y * QTILE_R, blockIdx.x * QTILE_C, e, format);
+    if (GUESSED) block_amax_update(taken, m);
+}
+
+// The check after a guessed pass: e = the exponent of the amax it took; block 0 keeps e as the
+// next guess (guess[0]: read by no block of this kernel); when e differs from the exponent the pass
+// used (guess[1]), the whole tensor again with e (the tiles in turn over the grid) and *scale = 2^e.
+template <bool GELU>
+__global__ void __launch_bounds__(BLOCK_SIZE, 6)
+    fp8_requantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax, int *guess,
+                          int R, int C, Fp8Format format) {
+    __shared__ uint32_t tile[QTILE_C][QTILE_WORDS];
+    int e = fp8_scale_exponent(*amax, format), used = guess[1];
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        guess[0] = e;
+        if (e != used) *scale = ldexpf(1.0f, e);
+    }
+    if (e == used) return;
+    int tiles_c = (C + QTILE_C - 1) / QTILE_C, tiles = tiles_c * ((fp8_padded_rows(R) + QTILE_R - 1) / QTILE_R);
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        quantize_tile<GELU>(tile, q, qt, x, R, C, t / tiles_c * QTILE_R, t % tiles_c * QTILE_C, e, format);
+        __syncthreads();                  // the shared tile is free again
     }
 }
 
@@ -159,21 +203,37 @@ static int check_quantize_args(const char *fn, const uint8_t *q, const uint8_t *
     return 0;
 }
 
-// The three steps without the argument check: amax = 0, amax reduction into *amax_scratch,
-// quantize; given_amax (max |x|, from x's producer): the quantize step alone, with that amax.
-// gelu: the tensor quantized is GELU(x) (bf16-rounded as gelu_forward_cuda stores it), not x.
+// Without the argument check: scaling NULL or all NULL (amax = 0, the amax reduction into *amax_scratch, the
+// quantization), known (the quantization with that amax) or guessed (the quantization with the
+// guess, then its check: Fp8Scaling). gelu: the tensor quantized is GELU(x) (bf16-rounded as
+// gelu_forward_cuda stores it), not x.
 static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool gelu, int R, int C, Fp8Format format,
-                    const float *given_amax, float *amax_scratch, cudaStream_t stream, char *err) {
-    const float *amax = given_amax;
-    if (!amax) {
+                    const Fp8Scaling *scaling, float *amax_scratch, cudaStream_t stream, char *err) {
+    const float *amax = scaling ? scaling->amax : NULL;
+    int *guess = scaling && !amax ? scaling->exponent : NULL;
+    float *taken = scaling && !amax ? scaling->taken : NULL;
+    if (!guess != !taken || (uintptr_t)guess % 4 || (uintptr_t)taken % 4) {
+        dit_set_error(err, "fp8 quantization of (%d, %d): a guessed Fp8Scaling needs both exponent and taken, 4-byte "
+                      "aligned (got %p, %p)", R, C, (void *)guess, (void *)taken);
+        return -1;
+    }
+    if (!amax && !guess) {
         CUDA_CHECK(err, cudaMemsetAsync(amax_scratch, 0, sizeof(float), stream), "fp8 amax of (%d, %d)", R, C);
         if (launch_amax(amax_scratch, 0, x, gelu, 1, (size_t)R * C, stream, err)) return -1;
         amax = amax_scratch;
     }
     dim3 grid(blocks_for(C, QTILE_C), blocks_for(fp8_padded_rows(R), QTILE_R));
-    (gelu ? fp8_quantize_kernel<true> : fp8_quantize_kernel<false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
-        q, qt, scale, x, amax, R, C, format);
-    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d gelu=%d", R, C, (int)format, (int)gelu);
+    auto kernel = guess ? (gelu ? fp8_quantize_kernel<true, true> : fp8_quantize_kernel<false, true>)
+                        : (gelu ? fp8_quantize_kernel<true, false> : fp8_quantize_kernel<false, false>);
+    kernel<<<grid, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, amax, guess, taken, R, C, format);
+    LAUNCH_CHECK(err, "fp8_quantize_kernel", "R=%d C=%d format=%d gelu=%d guessed=%d", R, C, (int)format, (int)gelu,
+                 guess != NULL);
+    if (!guess) return 0;
+    unsigned int tiles = grid.x * grid.y;
+    (gelu ? fp8_requantize_kernel<true> : fp8_requantize_kernel<false>)<<<
+        tiles < REQUANTIZE_BLOCKS ? tiles : REQUANTIZE_BLOCKS, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, taken, guess,
+                                                                                         R, C, format);
+    LAUNCH_CHECK(err, "fp8_requantize_kernel", "R=%d C=%d format=%d gelu=%d", R, C, (int)format, (int)gelu);
     return 0;
 }
 
@@ -181,6 +241,13 @@ int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int 
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err) {
     if (check_quantize_args("fp8_quantize_cuda", q, qt, x, R, C, err)) return -1;
     return quantize(q, qt, scale, x, false, R, C, format, NULL, amax_scratch, stream, err);
+}
+
+int fp8_quantize_guessed_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
+                              Fp8Format format, int *exponent, float *amax, cudaStream_t stream, char *err) {
+    if (check_quantize_args("fp8_quantize_guessed_cuda", q, qt, x, R, C, err)) return -1;
+    Fp8Scaling guessed = {NULL, exponent, amax};
+    return quantize(q, qt, scale, x, false, R, C, format, &guessed, NULL, stream, err);
 }
 
 // ---- workspace -----------------------------------------------------------------------------
@@ -316,8 +383,9 @@ cleanup:
 // ---- the layer -----------------------------------------------------------------------------
 // The forward of inp, or (gelu) of GELU(inp).
 static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const bf16 *weight, const bf16 *bias, int M,
-                   int IC, int OC, const Fp8Saved *save, const float *inp_amax, const float *weight_amax,
-                   void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                   int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                   const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
+                   cudaStream_t stream, char *err) {
     Workspace ws;
     if (check_args(fn, gelu ? "pre_gelu" : "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
         check_saved(fn, "save", save, false, M, IC, err))
@@ -325,11 +393,11 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
     // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
     float *inp_scale = save ? save->scale : ws.scale + T_INP;
-    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, gelu, M, IC, FP8_E4M3, inp_amax, ws.amax + T_INP,
-                 stream, err))
+    if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, gelu, M, IC, FP8_E4M3, inp_scaling,
+                 ws.amax + T_INP, stream, err))
         return -1;
-    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, weight_amax, ws.amax + T_WEIGHT,
-                 stream, err))
+    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, weight_scaling,
+                 ws.amax + T_WEIGHT, stream, err))
         return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
@@ -339,26 +407,27 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
 }
 
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                            const float *weight_amax, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                            const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_amax, weight_amax,
+    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_scaling,
+                   weight_scaling,
                    workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
-                                       int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                       const float *weight_amax, void *workspace, size_t workspace_bytes,
+                                       int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                                       const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
                                        const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return forward("linear_fp8_forward_gelu_input_cuda", out, pre_gelu, true, weight, bias, M, IC, OC, save,
-                   inp_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err);
+                   inp_scaling, weight_scaling, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                 const float *weight_amax, float *out_amax, void *workspace, size_t workspace_bytes,
-                                 const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax, workspace,
+                                 int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                                 const Fp8Scaling *weight_scaling, float *out_amax, void *workspace,
+                                 size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, inp_scaling, weight_scaling, workspace,
                                 workspace_bytes, ctx, stream, err))
         return -1;
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
@@ -383,14 +452,15 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
     uint8_t *w_qt = take(&ws, (size_t)IC * OC);
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
-    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, false, M, OC, grad_format, dout_amax,
-                 ws.amax + T_DOUT, stream, err))
+    Fp8Scaling dout_known = {dout_amax, NULL, NULL}, weight_known = {weight_amax, NULL, NULL};
+    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, false, M, OC, grad_format,
+                 dout_amax ? &dout_known : NULL, ws.amax + T_DOUT, stream, err))
         return -1;
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
-        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, weight_amax,
-                     ws.amax + T_WEIGHT, stream, err))
+        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3,
+                     weight_amax ? &weight_known : NULL, ws.amax + T_WEIGHT, stream, err))
             return -1;
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,

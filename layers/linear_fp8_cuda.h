@@ -9,11 +9,16 @@
 // caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync). The
 // forward can also keep its quantized input for the backward (Fp8Saved), which then reads that
 // copy instead of quantizing inp again. A caller whose kernel wrote inp (or dout) can take its
-// amax on the way (layers/cuda_common.cuh, amax_update) and pass it (inp_amax, dout_amax): the
-// call then skips its own amax pass; the scale, the bytes and the result are the same. Likewise
-// weight_amax: a caller that keeps the weights' amax (a model takes all of its weight stacks' in
-// one fp8_amax_stacked_cuda per step, for the forward and the backward) saves the call's memset
-// and amax pass. NULL: the call computes the amax itself (a one-float memset, then the reduction).
+// amax on the way (layers/cuda_common.cuh, amax_update) and pass it (Fp8Scaling.amax, dout_amax):
+// the call then skips its own amax pass; the scale, the bytes and the result are the same.
+// Likewise the backward's weight_amax (the forward's, when it took it). NULL: the call computes the
+// amax itself (a one-float memset, then the reduction).
+// The forwards can also guess (Fp8Scaling.exponent): quantize with the exponent the same tensor's
+// scale had at its previous quantization, taking the amax in the same pass; a second launch then
+// compares the exponent of that amax with the guess and, only when they differ, quantizes again
+// with the right one. The bytes and the scale are those of current scaling whatever the guess (a
+// wrong one costs a second pass, never a wrong byte); a tensor whose amax keeps its power of two
+// from step to step (weights, activations of a training run) costs one pass instead of two.
 // ±inf saturates to ±FP8_MAX (as round_to_e4m3 / round_to_e5m2); NaN stays NaN.
 // Requirements: M >= 1 (any M: the dweight GEMM reduces over M, and its transposed operands have
 // Mp = fp8_padded_rows(M) columns, the pad columns zero), IC and OC multiples of 16 (cuBLASLt FP8
@@ -41,25 +46,37 @@ typedef struct {
     float *scale;
 } Fp8Saved;
 
+// How a forward finds the scale of an operand it quantizes. NULL (or every field NULL): an amax
+// pass of its own first.
+// amax: max |x| from x's producer (exact), used as is. Or, amax NULL, guessed: exponent[0] is the
+// guess, the exponent (layers/fp8.h) of x's scale at its last quantization, which the call replaces
+// by this one's (kept by the caller between calls; any int at first), exponent[1] scratch; taken is
+// where the quantization pass takes max |x| (zeroed by the caller; afterwards the exact amax, which
+// the backward can take as its weight_amax). Each pointer 4-byte aligned.
+typedef struct {
+    const float *amax;
+    int *exponent;
+    float *taken;
+} Fp8Scaling;
+
 // Bytes of workspace one forward or backward call of these sizes needs (the larger of the two).
 size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 
 // out (M, OC) = inp (M, IC)·weightᵀ (OC, IC) + bias (OC); bias (bf16, may be NULL) in the epilogue.
 // save: NULL, or where to keep inp's quantized transposed copy and scale for the backward (the
 // same quantization pass writes both copies: 1 byte more per element than without).
-// inp_amax: NULL, or a device float holding max |inp| (exactly: it sets the scale); weight_amax:
-// NULL, or one holding max |weight|.
+// inp_scaling, weight_scaling: how the scales of inp and weight are found (Fp8Scaling), or NULL.
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                            const float *weight_amax, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                            const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's second layer reading GELU(pre_gelu) (M, IC) without it being stored: the same as
 // gelu_forward_cuda into a buffer and linear_fp8_forward_cuda from it, bit for bit, but the
-// quantization passes recompute GELU (and its bf16 rounding) from pre_gelu. inp_amax: NULL, or
-// max |GELU(pre_gelu)|.
+// quantization passes recompute GELU (and its bf16 rounding) from pre_gelu. inp_scaling: of
+// GELU(pre_gelu).
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
-                                       int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                       const float *weight_amax, void *workspace, size_t workspace_bytes,
+                                       int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                                       const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
                                        const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
@@ -67,8 +84,8 @@ int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf
 // checked on a GPU: dev/notes_linear_fp8.md). out_amax: NULL, or a device float that the GELU pass
 // raises to max(*out_amax, max |out|) (for the next FP8 linear, which reads out).
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                 const float *weight_amax, float *out_amax, void *workspace, size_t workspace_bytes,
+                                 int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                                 const Fp8Scaling *weight_scaling, float *out_amax, void *workspace, size_t workspace_bytes,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err);
 // dinp (bf16) = dinp_beta·dinp + dout·weight (1: accumulate; 0: write, as linear_backward_cuda);
 // dweight (fp32) = dweight_beta·dweight + doutᵀ·inp (likewise); dbias (fp32) += Σ_m dout (from the bf16
@@ -104,6 +121,12 @@ int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_bet
 // amax_scratch: one device float of scratch.
 int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                       Fp8Format format, float *amax_scratch, cudaStream_t stream, char *err);
+
+// fp8_quantize_cuda with a guessed exponent (Fp8Scaling): exponent[0] the guess, replaced by the
+// right one; exponent[1] scratch; *amax (zeroed by the caller) raised to max |x|. The same q, qt
+// and scale as fp8_quantize_cuda whatever the guess. exponent and amax 4-byte aligned.
+int fp8_quantize_guessed_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
+                              Fp8Format format, int *exponent, float *amax, cudaStream_t stream, char *err);
 
 // amax[i·amax_stride] = max(amax[i·amax_stride], max |x[i·n .. (i+1)·n)|) for i < count: the amax
 // of count tensors of n bf16 each, stored one after another (a stack of per-block weights), in one

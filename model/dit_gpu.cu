@@ -18,6 +18,7 @@
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
 #define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
 #define FP8_SCALE_SLOT (ALIGN_BYTES / sizeof(float))   // floats: each saved FP8 scale alone in 256 bytes
+#define FP8_GUESSES 6   // per block: the four weights, att_merged and GELU(fc1) (block_fp8_inputs)
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -139,6 +140,7 @@ static size_t activation_layout(DitGpu *m, char *base) {
         TAKE(ar, a->ln2_fp8t, L * h * Mp); TAKE(ar, a->gelu_fp8t, L * 4 * h * Mp);
         TAKE(ar, a->fp8_scales, L * 4 * FP8_SCALE_SLOT);
         TAKE(ar, a->fp8_amax, 3 * L * 4);
+        TAKE(ar, a->fp8_guess, L * FP8_GUESSES * 2);
         m->fp8_saved_bytes = arena.used - first;
     }
     // sequence parallelism
@@ -399,6 +401,13 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     bf16_views(&m->params, m->params_memory, m->params_bf16_memory, &m->weights);
     bf16_views(&m->params, m->params_memory, m->ema_bf16_memory, &m->ema_weights);
     activation_layout(m, (char *)m->acts_alloc);
+    // the FP8 exponent guesses start at 0 (any value is correct: a wrong guess costs a second pass)
+    if (m->acts.fp8_guess &&
+        cudaMemset(m->acts.fp8_guess, 0, (size_t)cfg->depth * FP8_GUESSES * 2 * sizeof(int)) != cudaSuccess) {
+        dit_set_error(err, "dit_gpu_create: zeroing the FP8 exponent guesses: %s", cudaGetErrorString(cudaGetLastError()));
+        dit_gpu_free(m);
+        return -1;
+    }
     if (cudaMallocHost(&m->step_constants_host, 2 * sizeof(OptimizerStepConstants)) != cudaSuccess ||
         cudaEventCreateWithFlags(&m->step_copied[0], cudaEventDisableTiming) != cudaSuccess ||
         cudaEventCreateWithFlags(&m->step_copied[1], cudaEventDisableTiming) != cudaSuccess) {
@@ -974,10 +983,16 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 // (acts.fp8_amax) of the linears' inputs, weights and douts. bf16, or fp8_fused_inputs off: the amax
 // pointers NULL (the producers run without it, the linears take their own); bf16: the saved
 // copies NULL too, unused.
+// The forwards find their scales (Fp8Scaling) from the inputs' producers (ln1, ln2, and att_merged
+// when merged from the heads) or by guessing (the weights, GELU(fc1), and att_merged when the
+// attention writes it: acts.fp8_guess), the guessed passes taking their amax into the slots, where
+// the backward reads the weights'.
 typedef struct { float *qkv, *proj, *fc1, *fc2; } Fp8Amax;
+typedef struct { Fp8Scaling qkv, proj, fc1, fc2; } Fp8Scalings;
 typedef struct {
     Fp8Saved qkv, proj, fc1, fc2;
     Fp8Amax inp_amax, weight_amax, dout_amax;
+    Fp8Scalings inp_scaling, weight_scaling;
 } BlockFp8Inputs;
 
 // The amax slots of block l's linears: their inputs (which = 0), weights (1) or douts (2).
@@ -1000,24 +1015,29 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
         in.inp_amax = fp8_amax_slots(m, 0, l);
         in.weight_amax = fp8_amax_slots(m, 1, l);
         in.dout_amax = fp8_amax_slots(m, 2, l);
+        int *guess = a->fp8_guess + (size_t)l * FP8_GUESSES * 2;   // two ints each (Fp8Scaling.exponent)
+        const Fp8Amax *i = &in.inp_amax, *w = &in.weight_amax;
+        in.inp_scaling.qkv = (Fp8Scaling){i->qkv, NULL, NULL};
+        in.inp_scaling.proj = attention_merged(m) ? (Fp8Scaling){NULL, guess + 8, i->proj}
+                                                  : (Fp8Scaling){i->proj, NULL, NULL};
+        in.inp_scaling.fc1 = (Fp8Scaling){i->fc1, NULL, NULL};
+        in.inp_scaling.fc2 = (Fp8Scaling){NULL, guess + 10, i->fc2};
+        in.weight_scaling.qkv = (Fp8Scaling){NULL, guess, w->qkv};
+        in.weight_scaling.proj = (Fp8Scaling){NULL, guess + 2, w->proj};
+        in.weight_scaling.fc1 = (Fp8Scaling){NULL, guess + 4, w->fc1};
+        in.weight_scaling.fc2 = (Fp8Scaling){NULL, guess + 6, w->fc2};
     }
     return in;
 }
 
 // FP8 with fp8_fused_inputs (else nothing): the forward's amax slots (inputs and weights) of every
-// block zeroed, then the weights' amax taken, one pass per weight stack (fp8_amax_stacked_cuda). The
-// backward reads the weights' slots as they are (the weights do not change in between).
-static int forward_fp8_amax(const DitGpu *m, const DitGpuWeights *w, char *err) {
+// block zeroed, for the producers and the guessed quantizations. The backward reads the weights'
+// slots as the forward left them (the weights do not change in between).
+static int forward_fp8_amax(const DitGpu *m, char *err) {
     if (m->linear != DIT_LINEAR_FP8 || !m->fp8_fused_inputs) return 0;
-    int L = m->cfg.depth;
-    size_t h = m->cfg.hidden;
-    Fp8Amax wa = fp8_amax_slots(m, 1, 0);
-    CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax, 0, (size_t)2 * L * 4 * sizeof(float), m->stream),
-               "zeroing %d FP8 amax slots", 2 * L * 4);
-    TRY(fp8_amax_stacked_cuda(wa.qkv, 4, w->qkv_w, L, 3 * h * h, m->stream, err));
-    TRY(fp8_amax_stacked_cuda(wa.proj, 4, w->proj_w, L, h * h, m->stream, err));
-    TRY(fp8_amax_stacked_cuda(wa.fc1, 4, w->fc1_w, L, 4 * h * h, m->stream, err));
-    return fp8_amax_stacked_cuda(wa.fc2, 4, w->fc2_w, L, 4 * h * h, m->stream, err);
+    CUDA_CHECK(err, cudaMemsetAsync(m->acts.fp8_amax, 0, (size_t)2 * m->cfg.depth * 4 * sizeof(float), m->stream),
+               "zeroing %d FP8 amax slots", 2 * m->cfg.depth * 4);
+    return 0;
 }
 
 // FP8 with fp8_fused_inputs (else nothing): the douts' amax slots of every block zeroed, for the
@@ -1031,12 +1051,12 @@ static int backward_fp8_amax(const DitGpu *m, char *err) {
 
 // out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
 // (also by the sampling forwards: harmless, every training step runs its own forward first);
-// inp_amax: max |inp| from inp's producer, or NULL; weight_amax: max |weight| (forward_fp8_amax), or NULL
+// inp_scaling, weight_scaling: how FP8 finds their scales (block_fp8_inputs; all NULL: amax passes of its own)
 static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                int M, int IC, int OC, const Fp8Saved *save, const float *inp_amax,
-                                const float *weight_amax, char *err) {
+                                int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                                const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax,
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_scaling, weight_scaling,
                                        m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
@@ -1051,11 +1071,12 @@ static bf16 *gelu_block(const DitGpu *m, int l, size_t blk) {
 // recomputes it from pre_gelu: block_linear_gelu_input_forward)
 static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
                                      const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
-                                     const float *inp_amax, const float *weight_amax, char *err) {
+                                     const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
-        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax, err);
+        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_scaling, weight_scaling, err);
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_amax, weight_amax,
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_scaling,
+                                            weight_scaling,
                                             NULL, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
@@ -1064,11 +1085,13 @@ static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu,
 // inputs) from pre_gelu, its quantization recomputing GELU
 static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf16 *gelu, const bf16 *pre_gelu,
                                            const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
-                                           const Fp8Saved *save, const float *weight_amax, char *err) {
+                                           const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                                           const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
-        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, NULL, weight_amax,
-                                                  m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
-    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, weight_amax, err);
+        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, inp_scaling,
+                                                  weight_scaling, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
+                                                  m->stream, err);
+    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, weight_scaling, err);
 }
 
 // dinp = dout·weight (written: a block linear's input gradient has no other contribution);
@@ -1143,7 +1166,7 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
     // Each LayerNorm after the first reads the residual stream that the gated residual before it
     // writes: the two run as one kernel (gated_residual_layernorm_modulate_forward_cuda), which
     // writes both the new residual stream and the LayerNorm's output. Block 0's norm1 runs alone.
-    TRY(forward_fp8_amax(m, w, err));
+    TRY(forward_fp8_amax(m, err));
     TRY(layernorm_modulate_forward_cuda(a->ln1, a->ln1_mean, a->ln1_rstd, a->residual, a->ada, a->ada + h, B, T, h,
                                         stride, block_fp8_inputs(m, 0).inp_amax.qkv, s, err));
     for (int l = 0; l < L; l++) {
@@ -1160,10 +1183,10 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         // (ln1 = modulate(norm1(x), shift_msa, scale_msa) is already there: block 0's above, block l's
         // from the end of block l - 1)
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
-                                 BT, h, 3 * h, &q8.qkv, q8.inp_amax.qkv, q8.weight_amax.qkv, err));
+                                 BT, h, 3 * h, &q8.qkv, &q8.inp_scaling.qkv, &q8.weight_scaling.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
-        // output in att_merged: written there by the attention itself (attention_merged; its amax then
-        // by a pass of its own), or merged from the heads (with the amax)
+        // output in att_merged: written there by the attention itself (attention_merged; proj then
+        // guesses its scale), or merged from the heads (with the amax)
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
         } else {
@@ -1173,10 +1196,8 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         if (!attention_merged(m))
             TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : a->att + l * blk, B, T, H, D,
                                          q8.inp_amax.proj, s, err));
-        if (attention_merged(m) && q8.inp_amax.proj)
-            TRY(fp8_amax_stacked_cuda(q8.inp_amax.proj, 0, att_merged, 1, blk, s, err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                 BT, h, h, &q8.proj, q8.inp_amax.proj, q8.weight_amax.proj, err));
+                                 BT, h, h, &q8.proj, &q8.inp_scaling.proj, &q8.weight_scaling.proj, err));
         // x_mid = x + gate_msa·proj, and ln2 = modulate(norm2(x_mid), shift_mlp, scale_mlp)
         TRY(gated_residual_layernorm_modulate_forward_cuda(x_mid, ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt,
                                                            x, proj, ada + 2 * h, ada + 3 * h, ada + 4 * h, B, T,
@@ -1186,10 +1207,11 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation.
         // FP8 with fused inputs: GELU(fc1) is not stored, fc2's quantization recomputes it.)
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, q8.inp_amax.fc1,
-                                      q8.weight_amax.fc1, err));
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, &q8.inp_scaling.fc1,
+                                      &q8.weight_scaling.fc1, err));
         TRY(block_linear_gelu_input_forward(m, fc2, gelu, fc1, w->fc2_w + (size_t)l * 4 * h * h,
-                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, q8.weight_amax.fc2, err));
+                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, &q8.inp_scaling.fc2,
+                                            &q8.weight_scaling.fc2, err));
         // x_next = x_mid + gate_mlp·fc2, and the LayerNorm that reads it: block l + 1's
         // ln1 = modulate(norm1(x_next), shift_msa, scale_msa), or after the last block the final layer's
         // lnf = modulate(norm(x_next), shift, scale)

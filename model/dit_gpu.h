@@ -92,12 +92,15 @@ typedef struct {
     uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
     float *fp8_scales;
     // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (3, depth, 4 linears: qkv,
-    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2; fc2's slot unused: fc2 takes the
-    // amax of GELU(fc1) itself), taken by the kernels that write them (att_merged's by a pass of
-    // its own when the attention writes it); [1] their weights, taken at the start of the forward
-    // and read by the backward too; [2] their douts, taken by the kernels that write them.
-    // [0] and [1] are zeroed at the start of each forward, [2] of each backward
+    // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2, GELU(fc1)), taken by the kernels
+    // that write them, or (att_merged when the attention writes it, GELU(fc1)) by the guessed
+    // quantization; [1] their weights, taken by the forward's guessed quantization and read by the
+    // backward too; [2] their douts, taken by the kernels that write them. [0] and [1] are zeroed
+    // at the start of each forward, [2] of each backward
     float *fp8_amax;
+    // DIT_LINEAR_FP8 only: (depth, 6, 2) ints, the Fp8Scaling.exponent pairs of the tensors whose
+    // scale the forward guesses (the four weights, att_merged, GELU(fc1)), kept from step to step
+    int *fp8_guess;
     bf16 *final_ada, *lnf, *out_tokens, *out;
     float *lnf_mean, *lnf_rstd;
     float *out_float;                  // (B, C, S, S): the output as fp32, for downloads

@@ -1,7 +1,9 @@
 // Tests of the FP8 linear layer (layers/linear_fp8_cuda.h):
 // - the quantization kernel bit-exact against the CPU definition (layers/fp8.h, round_to_e4m3 /
 //   round_to_e5m2): the same scale, the same fp8 value for every element, row-major and transposed,
-//   and the transposed copy's pad columns (rows not a multiple of 16) zero;
+//   and the transposed copy's pad columns (rows not a multiple of 16) zero; likewise with a guessed
+//   exponent (right, one off either way, far off), which must end as the right one, the amax taken
+//   exact;
 // - forward and backward, and the MLP's forward+GELU / backward+dGELU, against the CPU FP8
 //   definition (linear_fp8_forward / _backward, gelu_forward / _backward), the backward through the
 //   copy of inp the forward saved (checked bit-exact as above), at M multiples of 16 and not (97, 1,
@@ -13,7 +15,8 @@
 //   (test/linear_fp8_data.h): rel L2 and cosine logged, bounded at 1.6× the CPU model's error
 //   (dev/notes_linear_fp8.md: out 0.038, dinp/dW 0.059 with e5m2 gradients, 0.038 with e4m3);
 // - fc2 reading GELU(pre_gelu) recomputed by its quantization against a stored GELU output:
-//   bitwise the same out, saved inpᵀ and scale; a bias gradient taken in the pass that writes the
+//   bitwise the same out, saved inpᵀ and scale, with its own amax passes, given ones, or guessed
+//   exponents (wrong, then right); a bias gradient taken in the pass that writes the
 //   dout (the dGELU's, the gated residual's dh) against a separate dbias pass: bitwise the same;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
@@ -46,6 +49,25 @@ static float *randn_bf16(Rng *rng, size_t n, float std) {
     rng_fill_normal(rng, x, n, std);
     for (size_t i = 0; i < n; i++) x[i] = fp8_data_bf16(x[i]);
     return x;
+}
+
+// max |x| (NaN skipped, as the GPU's fmaxf)
+static float host_amax(const float *x, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
+    return m;
+}
+
+static void *zeroed(size_t bytes) {
+    void *d = device_alloc(bytes);
+    CK(cudaMemset(d, 0, bytes));
+    return d;
+}
+
+static int *upload_i32(const int *x, size_t n) {
+    int *d = device_alloc(n * sizeof(int));
+    CK(cudaMemcpy(d, x, n * sizeof(int), cudaMemcpyHostToDevice));
+    return d;
 }
 
 // The value of an fp8 byte in the given format.
@@ -105,6 +127,20 @@ static void expect_quantized(const uint8_t *d_q, const uint8_t *d_qt, const floa
                  (size_t)C * (Rp - R));
 }
 
+// After a guessed quantization: the amax it took equal to the true one (d_amax) and the guess
+// replaced by that amax's exponent.
+static void expect_guess_outcome(const int *d_exponent, const float *d_taken, const float *d_amax, Fp8Format format,
+                                 const char *what) {
+    int exponent;
+    float taken, amax;
+    CK(cudaMemcpy(&exponent, d_exponent, sizeof exponent, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&taken, d_taken, sizeof taken, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&amax, d_amax, sizeof amax, cudaMemcpyDeviceToHost));
+    cr_expect_eq(taken, amax, "%s: amax taken %g, true %g", what, taken, amax);
+    cr_expect_eq(exponent, fp8_scale_exponent(amax, format), "%s: next guess %d, want %d", what, exponent,
+                 fp8_scale_exponent(amax, format));
+}
+
 // x (R, C) with magnitudes spread over ~e^±8 below amax (normal, subnormal and zero fp8 values),
 // one element set to -amax so that the scale's exponent is known; outputs poisoned.
 static void check_quantize(int R, int C, Fp8Format format, float amax, uint64_t seed) {
@@ -125,6 +161,22 @@ static void check_quantize(int R, int C, Fp8Format format, float amax, uint64_t 
     uint8_t *d_qt_only = poisoned((size_t)C * fp8_padded_rows(R));   // the transposed copy alone
     OK(fp8_quantize_cuda(NULL, d_qt_only, d_scale, upload_bf16(x, n), R, C, format, d_amax, 0, err));
     expect_quantized(NULL, d_qt_only, d_scale, x, R, C, format, "fp8_quantize_cuda (qt only)");
+    // guessed: the right exponent, one off either way, far off (the bytes must not depend on it)
+    float x_amax = host_amax(x, n);
+    int right = fp8_scale_exponent(x_amax, format), guesses[4] = {right, right - 1, right + 1, right - 40};
+    float *d_x_amax = upload_f32(&x_amax, 1);
+    for (int g = 0; g < 4; g++) {
+        int state[2] = {guesses[g], 12345};   // [1]: scratch, written before it is read
+        int *d_exponent = upload_i32(state, 2);
+        float *d_taken = zeroed(sizeof(float));
+        uint8_t *d_gq = poisoned(n), *d_gqt = poisoned((size_t)C * fp8_padded_rows(R));
+        char what[64];
+        snprintf(what, sizeof what, "fp8_quantize_guessed_cuda (guess %+d)", guesses[g] - right);
+        OK(fp8_quantize_guessed_cuda(d_gq, d_gqt, d_scale, upload_bf16(x, n), R, C, format, d_exponent, d_taken, 0,
+                                     err));
+        expect_quantized(d_gq, d_gqt, d_scale, x, R, C, format, what);
+        expect_guess_outcome(d_exponent, d_taken, d_x_amax, format, what);
+    }
 }
 
 Test(linear_fp8, quantize_matches_cpu) {
@@ -139,6 +191,7 @@ Test(linear_fp8, quantize_matches_cpu) {
     check_quantize(1, 16, FP8_E4M3, 3.0f, 8);        // one row: 15 pad columns
     check_quantize(300, 208, FP8_E4M3, 5.0f, 9);     // three 128-row tiles (the last with 44 rows), 16 columns in the last
     check_quantize(129, 64, FP8_E5M2, 0.7f, 10);     // one row in a second tile: 15 pad columns there
+    check_quantize(4100, 1024, FP8_E4M3, 7.0f, 11);  // 528 tiles: a wrong guess's re-quantization loops (264 blocks)
 }
 
 // ---- against the CPU FP8 definition --------------------------------------------------------
@@ -366,6 +419,12 @@ Test(linear_fp8, rejects_bad_arguments) {
     cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, NULL, ws, need, &fake, 0,
                                                     err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_gelu_input_cuda: pre_gelu and weight"), "message: %s", err);
+    uint8_t *q = (uint8_t *)4096;
+    cr_expect_eq(fp8_quantize_guessed_cuda(q, NULL, (float *)4352, p, 64, 64, FP8_E4M3, (int *)4098, (float *)4352, 0,
+                                           err), -1);
+    cr_expect(strstr(err, "exponent and taken, 4-byte aligned"), "message: %s", err);
+    cr_expect_eq(fp8_quantize_guessed_cuda(q, NULL, (float *)4352, p, 64, 64, FP8_E4M3, (int *)4096, NULL, 0, err), -1);
+    cr_expect(strstr(err, "exponent and taken"), "message: %s", err);
 }
 
 // ---- amax from the producers (exact) -------------------------------------------------------
@@ -376,24 +435,12 @@ Test(linear_fp8, rejects_bad_arguments) {
 // that amax writes the same bytes as when it computes it. Each input has its largest value at
 // its very end (the last block of every grid, the last row), where a partial block or warp is.
 
-// max |x| (NaN skipped, as the GPU's fmaxf)
-static float host_amax(const float *x, size_t n) {
-    float m = 0.0f;
-    for (size_t i = 0; i < n; i++) m = fmaxf(m, fabsf(x[i]));
-    return m;
-}
-
 static float *zeroed_amax(void) {
     float *d = device_alloc(sizeof(float));
     CK(cudaMemset(d, 0, sizeof(float)));
     return d;
 }
 
-static void *zeroed(size_t bytes) {
-    void *d = device_alloc(bytes);
-    CK(cudaMemset(d, 0, bytes));
-    return d;
-}
 
 // Every byte of two device buffers equal.
 static void expect_same_bytes(const void *d_a, const void *d_b, size_t bytes, const char *name) {
@@ -557,12 +604,14 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     for (int k = 0; k < 4; k++) y[k] = poisoned(ny * sizeof(bf16));
     OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, NULL, workspace, workspace_bytes, &ctx, 0,
                                err));
-    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], d_x_amax, d_w_amax, workspace, workspace_bytes,
+    Fp8Scaling x_known = {d_x_amax, NULL, NULL}, w_known = {d_w_amax, NULL, NULL}, big_known = {d_big, NULL, NULL};
+    Fp8Scaling w_big_known = {d_w_big, NULL, NULL};
+    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], &x_known, &w_known, workspace, workspace_bytes,
                                &ctx, 0, err));
-    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], d_big, NULL, workspace, workspace_bytes, &ctx, 0,
-                               err));
-    OK(linear_fp8_forward_cuda(y[3], d_x, d_w, d_b, M, IC, OC, &s[3], NULL, d_w_big, workspace, workspace_bytes, &ctx,
-                               0, err));
+    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], &big_known, NULL, workspace, workspace_bytes,
+                               &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y[3], d_x, d_w, d_b, M, IC, OC, &s[3], NULL, &w_big_known, workspace, workspace_bytes,
+                               &ctx, 0, err));
     expect_same_bytes(s[1].qt, s[0].qt, (size_t)IC * Mp, "forward's saved inpᵀ with inp_amax");
     expect_same_bytes(s[1].scale, s[0].scale, sizeof(float), "forward's saved scale with inp_amax");
     expect_same_bytes(y[1], y[0], ny * sizeof(bf16), "forward's out with inp_amax");
@@ -593,8 +642,9 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     for (int k = 0; k < 2; k++) {
         act[k] = poisoned(ny * sizeof(bf16));
         pre[k] = poisoned(ny * sizeof(bf16));
-        OK(linear_fp8_gelu_forward_cuda(act[k], pre[k], d_x, d_w, d_b, M, IC, OC, &s[0], k ? d_x_amax : NULL,
-                                        k ? d_w_amax : NULL, k ? act_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_gelu_forward_cuda(act[k], pre[k], d_x, d_w, d_b, M, IC, OC, &s[0], k ? &x_known : NULL,
+                                        k ? &w_known : NULL, k ? act_amax : NULL, workspace, workspace_bytes, &ctx, 0,
+                                        err));
     }
     expect_same_bytes(act[1], act[0], ny * sizeof(bf16), "GELU forward's out with amax");
     expect_same_bytes(pre[1], pre[0], ny * sizeof(bf16), "GELU forward's pre-activation with amax");
@@ -605,8 +655,9 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     float *dy2 = randn_bf16(&rng, nx, 0.01f), dy2_amax = host_amax(dy2, nx);
     bf16 *d_dy2 = upload_bf16(dy2, nx), *d_w2 = upload_bf16(w, nw);
     float *d_dy2_amax = upload_f32(&dy2_amax, 1);
-    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, act_amax, NULL, workspace, workspace_bytes, &ctx,
-                               0, err));
+    Fp8Scaling act_known = {act_amax, NULL, NULL};
+    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, &act_known, NULL, workspace, workspace_bytes,
+                               &ctx, 0, err));
     for (int k = 0; k < 2; k++) {
         dpre[k] = poisoned(ny * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
@@ -640,13 +691,28 @@ Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
     OK(fp8_amax_stacked_cuda(w_amax, 0, d_w, 1, (size_t)OC * IC, 0, err));
     OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, NULL, workspace, workspace_bytes, &ctx, 0,
                                err));
-    for (int k = 0; k < 2; k++) {
+    // k = 0: own amax passes; 1: amax given; 2, 3: guessed (exponents 0 and 3 off the right ones at
+    // first: both re-quantized; then kept: the right ones, the guessing pass alone)
+    Fp8Scaling act_known = {act_amax, NULL, NULL}, w_known = {w_amax, NULL, NULL};
+    int wrong[4] = {0, 0, fp8_scale_exponent(host_amax(download_bf16(act, n), n), FP8_E4M3) + 3, 0};
+    int *exponents = upload_i32(wrong, 4);
+    float *taken = zeroed(2 * sizeof(float));
+    Fp8Scaling act_guessed = {NULL, exponents, taken}, w_guessed = {NULL, exponents + 2, taken + 1};
+    for (int k = 0; k < 4; k++) {
         bf16 *y = poisoned(ny * sizeof(bf16));
         Fp8Saved s = poisoned_saved(M, IC);
-        OK(linear_fp8_forward_gelu_input_cuda(y, d_pre, d_w, d_b, M, IC, OC, &s, k ? act_amax : NULL,
-                                              k ? w_amax : NULL, workspace, workspace_bytes,
-                                              &ctx, 0, err));
-        const char *how = k ? "amax given" : "own amax";
+        if (k == 3) CK(cudaMemset(taken, 0, 2 * sizeof(float)));
+        OK(linear_fp8_forward_gelu_input_cuda(y, d_pre, d_w, d_b, M, IC, OC, &s,
+                                              k == 0 ? NULL : k == 1 ? &act_known : &act_guessed,
+                                              k == 0 ? NULL : k == 1 ? &w_known : &w_guessed, workspace,
+                                              workspace_bytes, &ctx, 0, err));
+        const char *how = k == 0 ? "own amax" : k == 1 ? "amax given" : k == 2 ? "wrong guess" : "right guess";
+        if (k >= 2) {   // the guesses end right, the amax taken exact
+            char what[96];
+            snprintf(what, sizeof what, "gelu input, %s: exponents and amax", how);
+            expect_guess_outcome(exponents, taken, act_amax, FP8_E4M3, what);
+            expect_guess_outcome(exponents + 2, taken + 1, w_amax, FP8_E4M3, what);
+        }
         char what[96];
         snprintf(what, sizeof what, "gelu input, %s: out", how);
         expect_same_bytes(y, y_ref, ny * sizeof(bf16), what);
