@@ -383,12 +383,12 @@ cleanup:
 // ---- the layer -----------------------------------------------------------------------------
 // The forward of inp, or (gelu) of GELU(inp).
 static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const bf16 *weight, const bf16 *bias, int M,
-                   int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
+                   int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight, const Fp8Scaling *inp_scaling,
                    const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
                    cudaStream_t stream, char *err) {
     Workspace ws;
     if (check_args(fn, gelu ? "pre_gelu" : "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
-        check_saved(fn, "save", save, false, M, IC, err))
+        check_saved(fn, "save", save, false, M, IC, err) || check_saved(fn, "save_weight", save_weight, false, OC, IC, err))
         return -1;
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
     // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
@@ -396,38 +396,43 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
     if (quantize(inp_q, save ? save->qt : NULL, inp_scale, inp, gelu, M, IC, FP8_E4M3, inp_scaling,
                  ws.amax + T_INP, stream, err))
         return -1;
-    if (quantize(w_q, NULL, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3, weight_scaling,
+    // w_q (OC, IC) and, to keep, weightᵀ (IC, OC) likewise
+    float *w_scale = save_weight ? save_weight->scale : ws.scale + T_WEIGHT;
+    if (quantize(w_q, save_weight ? save_weight->qt : NULL, w_scale, weight, false, OC, IC, FP8_E4M3, weight_scaling,
                  ws.amax + T_WEIGHT, stream, err))
         return -1;
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
     snprintf(what, sizeof what, "%s M=%d IC=%d OC=%d", fn, M, IC, OC);
-    return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, inp_q, CUDA_R_8F_E4M3,
+    return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, w_scale, inp_q, CUDA_R_8F_E4M3,
                       inp_scale, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
 }
 
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                            const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
-                            const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, inp_scaling,
+                            int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                            const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, void *workspace,
+                            size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
                    weight_scaling,
                    workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
-                                       int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                                       const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
-                                       const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                                       int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                                       const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling,
+                                       void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
+                                       cudaStream_t stream, char *err) {
     return forward("linear_fp8_forward_gelu_input_cuda", out, pre_gelu, true, weight, bias, M, IC, OC, save,
-                   inp_scaling, weight_scaling, workspace, workspace_bytes, ctx, stream, err);
+                   save_weight, inp_scaling, weight_scaling, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                                 const Fp8Scaling *weight_scaling, float *out_amax, void *workspace,
-                                 size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, inp_scaling, weight_scaling, workspace,
+                                 int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                                 const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, float *out_amax,
+                                 void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream,
+                                 char *err) {
+    if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
+                                weight_scaling, workspace,
                                 workspace_bytes, ctx, stream, err))
         return -1;
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
@@ -435,18 +440,20 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
 
 // dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight = dweight_beta·dweight +
 // doutᵀ·inp (inp: the forward's saved inpᵀ and scale); dbias += Σ_m dout. dout_amax: max |dout| or
-// NULL (computed here); weight_amax likewise.
+// NULL (computed here); weight_saved: weightᵀ as the forward kept it, or NULL: quantized here
+// (weight_amax: max |weight|, or NULL).
 static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
-                    const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, int M, int IC, int OC,
-                    Fp8Format grad_format, const float *dout_amax, const float *weight_amax, void *workspace,
-                    size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                    const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, const Fp8Saved *weight_saved, int M,
+                    int IC, int OC, Fp8Format grad_format, const float *dout_amax, const float *weight_amax,
+                    void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
         dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
         return -1;
     }
     if (check_args(fn, "dout", dout, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
-        check_saved(fn, "inp", inp, true, M, IC, err))
+        check_saved(fn, "inp", inp, true, M, IC, err) ||
+        check_saved(fn, "weight_saved", weight_saved, false, OC, IC, err))
         return -1;
     int Mp = fp8_padded_rows(M);
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
@@ -459,11 +466,16 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
-        if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3,
-                     weight_amax ? &weight_known : NULL, ws.amax + T_WEIGHT, stream, err))
+        const float *w_scale = ws.scale + T_WEIGHT;
+        if (weight_saved) {
+            w_qt = weight_saved->qt;
+            w_scale = weight_saved->scale;
+        } else if (quantize(NULL, w_qt, ws.scale + T_WEIGHT, weight, false, OC, IC, FP8_E4M3,
+                            weight_amax ? &weight_known : NULL, ws.amax + T_WEIGHT, stream, err)) {
             return -1;
+        }
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
-        if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, ws.scale + T_WEIGHT, dout_q, grad_type,
+        if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, w_scale, dout_q, grad_type,
                        ws.scale + T_DOUT, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
     }
     // dWᵀ (IC, OC) = scale_inp·scale_dout·inp_qt·dout_qtᵀ + dweight_beta·dWᵀ in fp32, k = Mp (the pad is zero)
@@ -474,23 +486,23 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
 }
 
 int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
-                             const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
+                             const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, const Fp8Saved *weight_saved,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              const float *weight_amax, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, inp, weight, M,
-                    IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err);
+    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, inp, weight,
+                    weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
-                                   int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
+                                   const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                                    const float *weight_amax, float *dpre_amax, float *dpre_dbias, void *workspace,
                                    size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (its amax, and the
     // next layer's dbias in the same pass when asked)
-    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, inp, weight, M,
-                 IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
+    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, inp, weight,
+                 weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
     if (dpre_dbias)
         return gelu_backward_inplace_dbias_cuda(dpre, pre_gelu, dpre_dbias, M, IC, dpre_amax, ctx, stream, err);
     return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, dpre_amax, stream, err);

@@ -64,19 +64,22 @@ size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 
 // out (M, OC) = inp (M, IC)·weightᵀ (OC, IC) + bias (OC); bias (bf16, may be NULL) in the epilogue.
 // save: NULL, or where to keep inp's quantized transposed copy and scale for the backward (the
-// same quantization pass writes both copies: 1 byte more per element than without).
+// same quantization pass writes both copies: 1 byte more per element than without); save_weight:
+// likewise for weight (qt = weightᵀ (IC, OC)), which the backward then takes as weight_saved.
 // inp_scaling, weight_scaling: how the scales of inp and weight are found (Fp8Scaling), or NULL.
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                            int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                            const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
+                            int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                            const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, void *workspace,
+                            size_t workspace_bytes,
                             const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's second layer reading GELU(pre_gelu) (M, IC) without it being stored: the same as
 // gelu_forward_cuda into a buffer and linear_fp8_forward_cuda from it, bit for bit, but the
 // quantization passes recompute GELU (and its bf16 rounding) from pre_gelu. inp_scaling: of
 // GELU(pre_gelu).
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
-                                       int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                                       const Fp8Scaling *weight_scaling, void *workspace, size_t workspace_bytes,
+                                       int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                                       const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling,
+                                       void *workspace, size_t workspace_bytes,
                                        const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
@@ -84,9 +87,10 @@ int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf
 // checked on a GPU: dev/notes_linear_fp8.md). out_amax: NULL, or a device float that the GELU pass
 // raises to max(*out_amax, max |out|) (for the next FP8 linear, which reads out).
 int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                 int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                                 const Fp8Scaling *weight_scaling, float *out_amax, void *workspace, size_t workspace_bytes,
-                                 const LayersCuda *ctx, cudaStream_t stream, char *err);
+                                 int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                                 const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, float *out_amax,
+                                 void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream,
+                                 char *err);
 // dinp (bf16) = dinp_beta·dinp + dout·weight (1: accumulate; 0: write, as linear_backward_cuda);
 // dweight (fp32) = dweight_beta·dweight + doutᵀ·inp (likewise); dbias (fp32) += Σ_m dout (from the bf16
 // dout, as linear_backward_cuda). inp: what the forward of the same inp and M saved (its e4m3
@@ -94,8 +98,10 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
 // (FP8_E5M2 as Transformer Engine, or FP8_E4M3: dev/notes_linear_fp8.md compares them). dinp and
 // dbias may be NULL; dbias needs linear_backward_scratch_floats(M, OC) of ctx->scratch.
 // dout_amax: NULL, or a device float holding max |dout|; weight_amax: NULL, or max |weight|.
+// weight_saved: NULL (weight quantized here), or what the forward of the same weight kept
+// (save_weight): its e4m3 weightᵀ is the dinp GEMM's operand (weight and weight_amax then unused).
 int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
-                             const bf16 *dout, const Fp8Saved *inp, const bf16 *weight,
+                             const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, const Fp8Saved *weight_saved,
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              const float *weight_amax, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err);
@@ -109,7 +115,7 @@ int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float 
 // and that backward then takes dbias NULL.
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
-                                   int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
+                                   const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                                    const float *weight_amax, float *dpre_amax, float *dpre_dbias, void *workspace,
                                    size_t workspace_bytes,
                                    const LayersCuda *ctx, cudaStream_t stream, char *err);

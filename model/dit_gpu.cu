@@ -138,7 +138,8 @@ static size_t activation_layout(DitGpu *m, char *base) {
         first = arena.used;
         TAKE(ar, a->ln1_fp8t, L * h * Mp); TAKE(ar, a->att_merged_fp8t, L * h * Mp);
         TAKE(ar, a->ln2_fp8t, L * h * Mp); TAKE(ar, a->gelu_fp8t, L * 4 * h * Mp);
-        TAKE(ar, a->fp8_scales, L * 4 * FP8_SCALE_SLOT);
+        TAKE(ar, a->fp8_scales, 2 * L * 4 * FP8_SCALE_SLOT);   // the inputs', then the weights'
+        TAKE(ar, a->weight_fp8t, L * 12 * h * h);
         TAKE(ar, a->fp8_amax, 3 * L * 4);
         TAKE(ar, a->fp8_guess, L * FP8_GUESSES * 2);
         m->fp8_saved_bytes = arena.used - first;
@@ -986,14 +987,19 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 // The forwards find their scales (Fp8Scaling) from the inputs' producers (ln1, ln2, and att_merged
 // when merged from the heads) or by guessing (the weights, GELU(fc1), and att_merged when the
 // attention writes it: acts.fp8_guess), the guessed passes taking their amax into the slots, where
-// the backward reads the weights'.
+// the backward reads the weights'. The weights' forward quantization also writes their transposes,
+// the operands of the backward's dinp GEMMs (which then quantize nothing of the weights).
 typedef struct { float *qkv, *proj, *fc1, *fc2; } Fp8Amax;
 typedef struct { Fp8Scaling qkv, proj, fc1, fc2; } Fp8Scalings;
 typedef struct {
     Fp8Saved qkv, proj, fc1, fc2;
     Fp8Amax inp_amax, weight_amax, dout_amax;
     Fp8Scalings inp_scaling, weight_scaling;
+    struct { Fp8Saved qkv, proj, fc1, fc2; } weight_t;   // the weights' transposed copies (qt NULL: none)
 } BlockFp8Inputs;
+
+// A kept copy, or NULL (bf16, or FP8 without fused inputs: the linears quantize their weights themselves).
+static const Fp8Saved *kept(const Fp8Saved *saved) { return saved->qt ? saved : NULL; }
 
 // The amax slots of block l's linears: their inputs (which = 0), weights (1) or douts (2).
 static Fp8Amax fp8_amax_slots(const DitGpu *m, int which, int l) {
@@ -1026,6 +1032,13 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
         in.weight_scaling.proj = (Fp8Scaling){NULL, guess + 2, w->proj};
         in.weight_scaling.fc1 = (Fp8Scaling){NULL, guess + 4, w->fc1};
         in.weight_scaling.fc2 = (Fp8Scaling){NULL, guess + 6, w->fc2};
+        // the weights' transposes (IC, OC), written by the forward's quantization, read by the backward
+        uint8_t *wt = a->weight_fp8t + (size_t)l * 12 * h * h;
+        float *wscales = a->fp8_scales + (size_t)(m->cfg.depth + l) * 4 * FP8_SCALE_SLOT;
+        in.weight_t.qkv = (Fp8Saved){wt, wscales};
+        in.weight_t.proj = (Fp8Saved){wt + 3 * h * h, wscales + FP8_SCALE_SLOT};
+        in.weight_t.fc1 = (Fp8Saved){wt + 4 * h * h, wscales + 2 * FP8_SCALE_SLOT};
+        in.weight_t.fc2 = (Fp8Saved){wt + 8 * h * h, wscales + 3 * FP8_SCALE_SLOT};
     }
     return in;
 }
@@ -1049,14 +1062,16 @@ static int backward_fp8_amax(const DitGpu *m, char *err) {
     return 0;
 }
 
-// out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's quantized copy kept in *save for the backward
-// (also by the sampling forwards: harmless, every training step runs its own forward first);
-// inp_scaling, weight_scaling: how FP8 finds their scales (block_fp8_inputs; all NULL: amax passes of its own)
+// out (M, OC) = inp (M, IC)·weightᵀ + bias; FP8: inp's and weight's quantized transposed copies kept
+// in *save and *save_weight (may be NULL) for the backward (also by the sampling forwards: harmless,
+// every training step runs its own forward first); inp_scaling, weight_scaling: how FP8 finds their
+// scales (block_fp8_inputs; all NULL: amax passes of its own)
 static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
-                                int M, int IC, int OC, const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                                const Fp8Scaling *weight_scaling, char *err) {
+                                int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
+                                const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, inp_scaling, weight_scaling,
+        return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
+                                       weight_scaling,
                                        m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
@@ -1071,13 +1086,15 @@ static bf16 *gelu_block(const DitGpu *m, int l, size_t blk) {
 // recomputes it from pre_gelu: block_linear_gelu_input_forward)
 static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu, const bf16 *inp, const bf16 *weight,
                                      const bf16 *bias, int M, int IC, int OC, const Fp8Saved *save,
-                                     const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, char *err) {
+                                     const Fp8Saved *save_weight, const Fp8Scaling *inp_scaling,
+                                     const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
-        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_scaling, weight_scaling, err);
+        return block_linear_forward(m, pre_gelu, inp, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
+                                    weight_scaling, err);
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, inp_scaling,
-                                            weight_scaling,
-                                            NULL, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+        return linear_fp8_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, save, save_weight,
+                                            inp_scaling, weight_scaling, NULL, m->fp8_workspace,
+                                            m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_gelu_forward_cuda(out, pre_gelu, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
@@ -1085,24 +1102,25 @@ static int block_linear_gelu_forward(const DitGpu *m, bf16 *out, bf16 *pre_gelu,
 // inputs) from pre_gelu, its quantization recomputing GELU
 static int block_linear_gelu_input_forward(const DitGpu *m, bf16 *out, const bf16 *gelu, const bf16 *pre_gelu,
                                            const bf16 *weight, const bf16 *bias, int M, int IC, int OC,
-                                           const Fp8Saved *save, const Fp8Scaling *inp_scaling,
-                                           const Fp8Scaling *weight_scaling, char *err) {
+                                           const Fp8Saved *save, const Fp8Saved *save_weight,
+                                           const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs)
-        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, inp_scaling,
-                                                  weight_scaling, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx,
-                                                  m->stream, err);
-    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, NULL, weight_scaling, err);
+        return linear_fp8_forward_gelu_input_cuda(out, pre_gelu, weight, bias, M, IC, OC, save, save_weight,
+                                                  inp_scaling, weight_scaling, m->fp8_workspace,
+                                                  m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+    return block_linear_forward(m, out, gelu, weight, bias, M, IC, OC, save, save_weight, NULL, weight_scaling, err);
 }
 
 // dinp = dout·weight (written: a block linear's input gradient has no other contribution);
 // dweight = wb·dweight + doutᵀ·inp (FP8: from the forward's saved copy; wb 1 accumulates, 0 writes);
 // dbias += Σ dout; dout_amax: max |dout| from dout's producer, or NULL; weight_amax: the forward's
-// max |weight|, or NULL
+// max |weight|, or NULL; weight_saved: the forward's quantized weightᵀ, or NULL
 static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, float wb, float *dbias,
-                                 const bf16 *dout, const bf16 *inp, const Fp8Saved *saved, const bf16 *weight, int M,
-                                 int IC, int OC, const float *dout_amax, const float *weight_amax, char *err) {
+                                 const bf16 *dout, const bf16 *inp, const Fp8Saved *saved, const bf16 *weight,
+                                 const Fp8Saved *weight_saved, int M, int IC, int OC, const float *dout_amax,
+                                 const float *weight_amax, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, saved, weight, M, IC, OC,
+        return linear_fp8_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, saved, weight, weight_saved, M, IC, OC,
                                         FP8_GRAD_FORMAT, dout_amax, weight_amax, m->fp8_workspace,
                                         m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_backward_cuda(dinp, 0.0f, dweight, wb, dbias, dout, inp, weight, M, IC, OC, &m->ctx, m->stream, err);
@@ -1113,11 +1131,12 @@ static int block_linear_backward(const DitGpu *m, bf16 *dinp, float *dweight, fl
 // pass (fc1's backward then skips it: fc1_dbias)
 static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweight, float wb, float *dbias,
                                        const bf16 *dout, const bf16 *inp, const Fp8Saved *saved,
-                                       const bf16 *pre_gelu, const bf16 *weight, int M, int IC, int OC,
-                                       const float *dout_amax, const float *weight_amax, float *dpre_amax,
-                                       float *dpre_dbias, char *err) {
+                                       const bf16 *pre_gelu, const bf16 *weight, const Fp8Saved *weight_saved, int M,
+                                       int IC, int OC, const float *dout_amax, const float *weight_amax,
+                                       float *dpre_amax, float *dpre_dbias, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
-        return linear_fp8_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, saved, pre_gelu, weight, M, IC, OC,
+        return linear_fp8_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, saved, pre_gelu, weight, weight_saved, M,
+                                              IC, OC,
                                               FP8_GRAD_FORMAT, dout_amax, weight_amax, dpre_amax, dpre_dbias,
                                               m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
@@ -1183,7 +1202,8 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         // (ln1 = modulate(norm1(x), shift_msa, scale_msa) is already there: block 0's above, block l's
         // from the end of block l - 1)
         TRY(block_linear_forward(m, qkv, ln1, w->qkv_w + (size_t)l * 3 * h * h, w->qkv_b + (size_t)l * 3 * h,
-                                 BT, h, 3 * h, &q8.qkv, &q8.inp_scaling.qkv, &q8.weight_scaling.qkv, err));
+                                 BT, h, 3 * h, &q8.qkv, kept(&q8.weight_t.qkv), &q8.inp_scaling.qkv,
+                                 &q8.weight_scaling.qkv, err));
         // attention (Ulysses: q, k, v to H/U heads of the ring shard's tokens and the output back), its
         // output in att_merged: written there by the attention itself (attention_merged; proj then
         // guesses its scale), or merged from the heads (with the amax)
@@ -1197,7 +1217,8 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
             TRY(merge_heads_forward_cuda(att_merged, ulysses ? sb->att_local : a->att + l * blk, B, T, H, D,
                                          q8.inp_amax.proj, s, err));
         TRY(block_linear_forward(m, proj, att_merged, w->proj_w + (size_t)l * h * h, w->proj_b + (size_t)l * h,
-                                 BT, h, h, &q8.proj, &q8.inp_scaling.proj, &q8.weight_scaling.proj, err));
+                                 BT, h, h, &q8.proj, kept(&q8.weight_t.proj), &q8.inp_scaling.proj,
+                                 &q8.weight_scaling.proj, err));
         // x_mid = x + gate_msa·proj, and ln2 = modulate(norm2(x_mid), shift_mlp, scale_mlp)
         TRY(gated_residual_layernorm_modulate_forward_cuda(x_mid, ln2, a->ln2_mean + l * bt, a->ln2_rstd + l * bt,
                                                            x, proj, ada + 2 * h, ada + 3 * h, ada + 4 * h, B, T,
@@ -1207,11 +1228,11 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         // (bf16: fc1 and the GELU are one GEMM with the GELU epilogue; fc1 keeps the pre-activation.
         // FP8 with fused inputs: GELU(fc1) is not stored, fc2's quantization recomputes it.)
         TRY(block_linear_gelu_forward(m, gelu, fc1, ln2, w->fc1_w + (size_t)l * 4 * h * h,
-                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, &q8.inp_scaling.fc1,
-                                      &q8.weight_scaling.fc1, err));
+                                      w->fc1_b + (size_t)l * 4 * h, BT, h, 4 * h, &q8.fc1, kept(&q8.weight_t.fc1),
+                                      &q8.inp_scaling.fc1, &q8.weight_scaling.fc1, err));
         TRY(block_linear_gelu_input_forward(m, fc2, gelu, fc1, w->fc2_w + (size_t)l * 4 * h * h,
-                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, &q8.inp_scaling.fc2,
-                                            &q8.weight_scaling.fc2, err));
+                                            w->fc2_b + (size_t)l * h, BT, 4 * h, h, &q8.fc2, kept(&q8.weight_t.fc2),
+                                            &q8.inp_scaling.fc2, &q8.weight_scaling.fc2, err));
         // x_next = x_mid + gate_mlp·fc2, and the LayerNorm that reads it: block l + 1's
         // ln1 = modulate(norm1(x_next), shift_msa, scale_msa), or after the last block the final layer's
         // lnf = modulate(norm(x_next), shift, scale)
@@ -1333,10 +1354,12 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
         int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
         TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, wb, NULL,
                                         g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
-                                        w->fc2_w + (size_t)l * 4 * h * h, BT, 4 * h, h, q8.dout_amax.fc2,
+                                        w->fc2_w + (size_t)l * 4 * h * h, kept(&q8.weight_t.fc2), BT, 4 * h, h,
+                                        q8.dout_amax.fc2,
                                         q8.weight_amax.fc2, q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
         TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, wb, dbias_in_dgelu ? NULL : fc1_dbias,
-                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h, BT, h, 4 * h,
+                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h,
+                                  kept(&q8.weight_t.fc1), BT, h, 4 * h,
                                   q8.dout_amax.fc1, q8.weight_amax.fc1, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
@@ -1347,7 +1370,8 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
                                          B, T, h, stride, q8.dout_amax.proj, dw->proj_b + (size_t)l * h, ctx, s,
                                          err));
         TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, wb, NULL,
-                                  g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h, BT, h, h,
+                                  g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h,
+                                  kept(&q8.weight_t.proj), BT, h, h,
                                   q8.dout_amax.proj, q8.weight_amax.proj, err));
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split
         // into heads
@@ -1364,7 +1388,8 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
                                q8.dout_amax.qkv, B, err));
         }
         TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, wb, dw->qkv_b + (size_t)l * 3 * h,
-                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h, BT, h, 3 * h,
+                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h,
+                                  kept(&q8.weight_t.qkv), BT, h, 3 * h,
                                   q8.dout_amax.qkv, q8.weight_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,

@@ -88,9 +88,12 @@ typedef struct {
     // DIT_LINEAR_FP8 only (else NULL): the block linears' inputs as their forwards quantized them,
     // for the backwards' dweight GEMMs (layers/linear_fp8_cuda.h, Fp8Saved): e4m3 transposed copies
     // (depth, IC, Mp), Mp = fp8_padded_rows(B·T), of ln1 (qkv), att_merged (proj), ln2 (fc1) and
-    // gelu (fc2); their scales (depth, 4 linears), each float alone in a 256-byte slot
+    // gelu (fc2) (each scale alone in a 256-byte slot)
     uint8_t *ln1_fp8t, *att_merged_fp8t, *ln2_fp8t, *gelu_fp8t;
-    float *fp8_scales;
+    // and the weights as their forwards quantized them, for the backwards' dinp GEMMs: e4m3 weightᵀ
+    // (IC, OC) of qkv, proj, fc1, fc2, one after the other per block (depth, 12·hidden²)
+    uint8_t *weight_fp8t;
+    float *fp8_scales;                 // the saved inputs' scales, then the weights' (2, depth, 4 linears)
     // DIT_LINEAR_FP8 only: max |x| of what the block linears quantize, (3, depth, 4 linears: qkv,
     // proj, fc1, fc2): [0] their inputs (ln1, att_merged, ln2, GELU(fc1)), taken by the kernels
     // that write them, or (att_merged when the attention writes it, GELU(fc1)) by the guessed
@@ -177,7 +180,7 @@ typedef struct {
     DitLinear linear;                  // the block linears' GEMMs (fixed at create)
     void *fp8_workspace;               // DIT_LINEAR_FP8: the FP8 layer's workspace (in the activations'
     size_t fp8_workspace_bytes;        // allocation), linear_fp8_workspace_bytes of the largest linear
-    size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' saved fp8 inputs (ln1_fp8t .. fp8_amax)
+    size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' kept fp8 copies (ln1_fp8t .. fp8_guess)
     int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs fused with
                                        // their producers: the kernels that write them take their amax
                                        // (acts.fp8_amax; the weights' too, one pass per weight stack
