@@ -7,8 +7,8 @@
 // Each call quantizes what it needs (an amax reduction, then one pass per tensor writing the
 // row-major and/or transposed fp8 copies that Hopper's K-major "TN" FP8 GEMMs need) into the
 // caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync). The
-// forward can also keep its quantized input for the backward (Fp8Saved), which then reads that
-// copy instead of quantizing inp again. A caller whose kernel wrote inp (or dout) can take its
+// forward can also keep its quantized input and weight for the backward (Fp8Saved), which then reads
+// those copies instead of quantizing inp and weight again. A caller whose kernel wrote inp (or dout) can take its
 // amax on the way (layers/cuda_common.cuh, amax_update) and pass it (Fp8Scaling.amax, dout_amax):
 // the call then skips its own amax pass; the scale, the bytes and the result are the same.
 // Likewise the backward's weight_amax (the forward's, when it took it). NULL: the call computes the
@@ -18,7 +18,9 @@
 // compares the exponent of that amax with the guess and, only when they differ, quantizes again
 // with the right one. The bytes and the scale are those of current scaling whatever the guess (a
 // wrong one costs a second pass, never a wrong byte); a tensor whose amax keeps its power of two
-// from step to step (weights, activations of a training run) costs one pass instead of two.
+// from step to step (weights, activations of a training run) costs one pass instead of two. (Not
+// gradients: with one sample's loss per step their amax crosses a power of two almost every step,
+// dev/notes_step.md, session 19.)
 // ±inf saturates to ±FP8_MAX (as round_to_e4m3 / round_to_e5m2); NaN stays NaN.
 // Requirements: M >= 1 (any M: the dweight GEMM reduces over M, and its transposed operands have
 // Mp = fp8_padded_rows(M) columns, the pad columns zero), IC and OC multiples of 16 (cuBLASLt FP8
@@ -40,7 +42,8 @@ static inline FP8_HOST_DEVICE int fp8_padded_rows(int M) { return (M + 15) / 16 
 // The forward's quantized input, kept for the backward's dweight GEMM: qt = inpᵀ (IC, Mp) e4m3
 // (Mp = fp8_padded_rows(M), columns M..Mp-1 zero: they add nothing to dweight; IC·Mp bytes,
 // 16-byte aligned) and scale = 2^e of inp (one device float, 4-byte aligned; the model gives each
-// its own 256-byte slot, as the workspace's scales).
+// its own 256-byte slot, as the workspace's scales). Likewise its weight (OC, IC), for the dinp
+// GEMM: qt = weightᵀ (IC, OC).
 typedef struct {
     uint8_t *qt;
     float *scale;
