@@ -1071,8 +1071,8 @@ static int block_linear_forward(const DitGpu *m, bf16 *out, const bf16 *inp, con
                                 const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_forward_cuda(out, inp, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
-                                       weight_scaling,
-                                       m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
+                                       weight_scaling, m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream,
+                                       err);
     return linear_forward_cuda(out, inp, weight, bias, M, IC, OC, &m->ctx, m->stream, err);
 }
 
@@ -1136,8 +1136,7 @@ static int block_linear_dgelu_backward(const DitGpu *m, bf16 *dpre, float *dweig
                                        float *dpre_amax, float *dpre_dbias, char *err) {
     if (m->linear == DIT_LINEAR_FP8)
         return linear_fp8_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, saved, pre_gelu, weight, weight_saved, M,
-                                              IC, OC,
-                                              FP8_GRAD_FORMAT, dout_amax, weight_amax, dpre_amax, dpre_dbias,
+                                              IC, OC, FP8_GRAD_FORMAT, dout_amax, weight_amax, dpre_amax, dpre_dbias,
                                               m->fp8_workspace, m->fp8_workspace_bytes, &m->ctx, m->stream, err);
     return linear_dgelu_backward_cuda(dpre, dweight, wb, dbias, dout, inp, pre_gelu, weight, M, IC, OC, &m->ctx,
                                       m->stream, err);
