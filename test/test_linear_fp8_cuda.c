@@ -220,12 +220,14 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     float *y_ref = host_floats(ny);
     linear_fp8_forward(y_ref, x, w, b, M, IC, OC);
     bf16 *d_y = poisoned(ny * sizeof(bf16));
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, NULL, NULL, workspace, workspace_bytes,
+                               &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
     expect_quantized(NULL, saved.qt, saved.scale, x, M, IC, FP8_E4M3, "the forward's saved inp");
     linear_fp8_forward(y_ref, x, w, NULL, M, IC, OC);
-    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(d_y, d_x, d_w, NULL, M, IC, OC, NULL, NULL, NULL, NULL, workspace, workspace_bytes, &ctx,
+                               0, err));
     snprintf(name, sizeof name, "fp8 forward (no bias) M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
 
@@ -239,8 +241,8 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     for (size_t i = 0; i < nx; i++) dx[i] += dx_inc[i];
     bf16 *d_dx = upload_bf16(dx0, nx);
     float *d_dw = upload_f32(dw0, nw), *d_db = upload_f32(db0, OC);
-    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, d_db, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL, NULL, workspace,
-                                workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, d_db, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL,
+                                NULL, workspace, workspace_bytes, &ctx, 0, err));
     const char *g = grad_format == FP8_E4M3 ? "e4m3" : "e5m2";
     snprintf(name, sizeof name, "fp8 backward (%s) dinp M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_OUT, name);
@@ -253,15 +255,15 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // dinp_beta 0 writes dinp (poisoned first: NaN if it were read): the increment alone
     CK(cudaMemset(d_dx, 0xFF, nx * sizeof(bf16)));
-    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL, NULL, workspace,
-                                workspace_bytes, &ctx, 0, err));   // (d_dw is reset below)
+    OK(linear_fp8_backward_cuda(d_dx, 0.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL,
+                                NULL, workspace, workspace_bytes, &ctx, 0, err));   // (d_dw is reset below)
     snprintf(name, sizeof name, "fp8 backward (%s) dinp written (beta 0) M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx_inc, nx, TOL_OUT, name);
 
     // without dinp and dbias: the dweight path alone
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL, NULL, workspace,
-                                workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL,
+                                NULL, workspace, workspace_bytes, &ctx, 0, err));
     dw = download_f32(d_dw, nw);
     for (size_t i = 0; i < nw; i++) dw[i] -= dw0[i];
     snprintf(name, sizeof name, "fp8 backward (%s, dweight only) M=%d IC=%d OC=%d", g, M, IC, OC);
@@ -269,12 +271,12 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
 
     // dweight_beta 0 writes dweight: bitwise the sum into zeros (the written one poisoned first)
     CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL, NULL, workspace,
-                                workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL,
+                                NULL, workspace, workspace_bytes, &ctx, 0, err));
     float *into_zeros = download_f32(d_dw, nw);
     CK(cudaMemset(d_dw, 0xFF, nw * sizeof(float)));
-    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 0.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL, NULL, workspace,
-                                workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(NULL, 1.0f, d_dw, 0.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad_format, NULL,
+                                NULL, workspace, workspace_bytes, &ctx, 0, err));
     cr_expect_eq(memcmp(download_f32(d_dw, nw), into_zeros, nw * sizeof(float)), 0,
                  "fp8 backward (%s) dweight written (beta 0) M=%d IC=%d OC=%d: not bitwise the sum into zeros", g, M,
                  IC, OC);
@@ -287,8 +289,8 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     bf16 *d_act = poisoned(ny * sizeof(bf16));
     CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
     Fp8Saved saved_gelu = poisoned_saved(M, IC);
-    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, NULL, NULL, NULL, NULL, workspace, workspace_bytes,
-                                    &ctx, 0, err));
+    OK(linear_fp8_gelu_forward_cuda(d_act, d_y, d_x, d_w, d_b, M, IC, OC, &saved_gelu, NULL, NULL, NULL, NULL,
+                                    workspace, workspace_bytes, &ctx, 0, err));
     snprintf(name, sizeof name, "fp8 forward+GELU pre-activation M=%d IC=%d OC=%d", M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_y, ny), y_ref, ny, TOL_OUT, name);
     snprintf(name, sizeof name, "fp8 forward+GELU output M=%d IC=%d OC=%d", M, IC, OC);
@@ -300,8 +302,9 @@ static void check_against_cpu(int M, int IC, int OC, Fp8Format grad_format, uint
     bf16 *d_dpre = poisoned(nx * sizeof(bf16));
     CK(cudaMemcpy(d_dw, dw0, nw * sizeof(float), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_db, db0, OC * sizeof(float), cudaMemcpyHostToDevice));
-    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, 1.0f, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, NULL, M, IC, OC,
-                                      grad_format, NULL, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_dgelu_backward_cuda(d_dpre, d_dw, 1.0f, d_db, d_dy, &saved_gelu, upload_bf16(pre, nx), d_w, NULL, M,
+                                      IC, OC, grad_format, NULL, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0,
+                                      err));
     snprintf(name, sizeof name, "fp8 backward+dGELU (%s) dpre M=%d IC=%d OC=%d", g, M, IC, OC);
     EXPECT_CLOSE(download_bf16(d_dpre, nx), dpre_ref, nx, TOL_OUT, name);
     dw = download_f32(d_dw, nw);
@@ -365,7 +368,8 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
         OK(linear_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &ctx, 0, err));
         float *y_ref = download_bf16(d_y, ny);
         CK(cudaMemset(d_y, 0xFF, ny * sizeof(bf16)));
-        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_forward_cuda(d_y, d_x, d_w, d_b, M, IC, OC, &saved, NULL, NULL, NULL, workspace, workspace_bytes,
+                                   &ctx, 0, err));
         snprintf(name, sizeof name, "%s out (M=%d IC=%d OC=%d)", layers[l].name, M, IC, OC);
         expect_near_bf16(download_bf16(d_y, ny), y_ref, ny, 0.06, name);
 
@@ -378,8 +382,8 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
             double bound = grad == FP8_E5M2 ? 0.095 : 0.06;
             CK(cudaMemset(d_dx, 0, nx * sizeof(bf16)));
             CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
-            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad, NULL, NULL, workspace,
-                                        workspace_bytes, &ctx, 0, err));
+            OK(linear_fp8_backward_cuda(d_dx, 1.0f, d_dw, 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, grad, NULL,
+                                        NULL, workspace, workspace_bytes, &ctx, 0, err));
             snprintf(name, sizeof name, "%s dinp (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
             expect_near_bf16(download_bf16(d_dx, nx), dx_ref, nx, bound, name);
             snprintf(name, sizeof name, "%s dweight (%s)", layers[l].name, f == 0 ? "e5m2" : "e4m3");
@@ -396,30 +400,35 @@ Test(linear_fp8, rejects_bad_arguments) {
     void *ws = (void *)8192;
     Fp8Saved saved = {(uint8_t *)4096, (float *)4352}, misaligned = {(uint8_t *)4104, (float *)4352};
     size_t need = linear_fp8_workspace_bytes(64, 64, 64);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, NULL, NULL, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 100, 64, NULL, NULL, NULL, NULL, ws, need, &fake, 0,
+                                         err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_cuda") && strstr(err, "multiples of 16"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, NULL, NULL, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 0, 64, 64, NULL, NULL, NULL, NULL, ws, need, &fake, 0,
+                                         err), -1);
     cr_expect(strstr(err, "M >= 1"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, NULL, NULL, ws, need - 1, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, NULL, NULL, ws, need - 1, &fake, 0,
+                                         err), -1);
     cr_expect(strstr(err, "workspace"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, NULL, NULL, ws, need, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, &misaligned, NULL, NULL, NULL, ws, need, &fake, 0,
+                                         err), -1);
     cr_expect(strstr(err, "save") && strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p + 1, &saved, p, NULL, 64, 64, 64, FP8_E5M2, NULL, NULL, ws, need,
-                                          &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p + 1, &saved, p, NULL, 64, 64, 64, FP8_E5M2,
+                                          NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "16-byte aligned"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, NULL, p, NULL, 64, 64, 64, FP8_E5M2, NULL, NULL, ws, need, &fake, 0,
-                                          err), -1);
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, NULL, p, NULL, 64, 64, 64, FP8_E5M2, NULL,
+                                          NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_backward_cuda: inp must be an Fp8Saved"), "message: %s", err);
-    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, &saved, p, NULL, 64, 64, 64, (Fp8Format)7, NULL, NULL, ws, need,
-                                          &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_backward_cuda(p, 1.0f, (float *)p, 1.0f, NULL, p, &saved, p, NULL, 64, 64, 64, (Fp8Format)7,
+                                          NULL, NULL, ws, need, &fake, 0, err), -1);
     cr_expect(strstr(err, "grad_format"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, NULL, NULL, ws, need, NULL, 0, err), -1);
+    cr_expect_eq(linear_fp8_forward_cuda(p, p, p, NULL, 64, 64, 64, NULL, NULL, NULL, NULL, ws, need, NULL, 0,
+                                         err), -1);
     cr_expect(strstr(err, "ctx"), "message: %s", err);
-    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, 1.0f, NULL, p, &saved, p, p, NULL, 64, 64, 64, FP8_E4M3, NULL, NULL, NULL, NULL, ws,
-                                                need - 1, &fake, 0, err), -1);
+    cr_expect_eq(linear_fp8_dgelu_backward_cuda(p, (float *)p, 1.0f, NULL, p, &saved, p, p, NULL, 64, 64, 64, FP8_E4M3,
+                                                NULL, NULL, NULL, NULL, ws, need - 1, &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_dgelu_backward_cuda") && strstr(err, "workspace"), "message: %s", err);
-    cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, NULL, NULL, ws, need, &fake, 0,
-                                                    err), -1);
+    cr_expect_eq(linear_fp8_forward_gelu_input_cuda(p, p + 1, p, NULL, 64, 64, 64, NULL, NULL, NULL, NULL, ws, need,
+                                                    &fake, 0, err), -1);
     cr_expect(strstr(err, "linear_fp8_forward_gelu_input_cuda: pre_gelu and weight"), "message: %s", err);
     uint8_t *q = (uint8_t *)4096;
     cr_expect_eq(fp8_quantize_guessed_cuda(q, NULL, (float *)4352, p, 64, 64, FP8_E4M3, (int *)4098, (float *)4352, 0,
@@ -604,16 +613,16 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     Fp8Saved s[4] = {poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC), poisoned_saved(M, IC)};
     bf16 *y[4];
     for (int k = 0; k < 4; k++) y[k] = poisoned(ny * sizeof(bf16));
-    OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0,
-                               err));
+    OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, NULL, NULL, workspace, workspace_bytes,
+                               &ctx, 0, err));
     Fp8Scaling x_known = {d_x_amax, NULL, NULL}, w_known = {d_w_amax, NULL, NULL}, big_known = {d_big, NULL, NULL};
     Fp8Scaling w_big_known = {d_w_big, NULL, NULL};
-    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], NULL, &x_known, &w_known, workspace, workspace_bytes,
-                               &ctx, 0, err));
-    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], NULL, &big_known, NULL, workspace, workspace_bytes,
-                               &ctx, 0, err));
-    OK(linear_fp8_forward_cuda(y[3], d_x, d_w, d_b, M, IC, OC, &s[3], NULL, NULL, &w_big_known, workspace, workspace_bytes,
-                               &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], NULL, &x_known, &w_known, workspace,
+                               workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], NULL, &big_known, NULL, workspace,
+                               workspace_bytes, &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y[3], d_x, d_w, d_b, M, IC, OC, &s[3], NULL, NULL, &w_big_known, workspace,
+                               workspace_bytes, &ctx, 0, err));
     expect_same_bytes(s[1].qt, s[0].qt, (size_t)IC * Mp, "forward's saved inpᵀ with inp_amax");
     expect_same_bytes(s[1].scale, s[0].scale, sizeof(float), "forward's saved scale with inp_amax");
     expect_same_bytes(y[1], y[0], ny * sizeof(bf16), "forward's out with inp_amax");
@@ -632,7 +641,8 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
         dw[k] = zeroed(nw * sizeof(float));
         db[k] = zeroed(OC * sizeof(float));
         OK(linear_fp8_backward_cuda(dx[k], 1.0f, dw[k], 1.0f, db[k], d_dy, &s[0], d_w, NULL, M, IC, OC, FP8_E4M3,
-                                    k ? d_dy_amax : NULL, k ? d_w_amax : NULL, workspace, workspace_bytes, &ctx, 0, err));
+                                    k ? d_dy_amax : NULL, k ? d_w_amax : NULL, workspace, workspace_bytes, &ctx, 0,
+                                    err));
     }
     expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp with dout_amax");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dweight with dout_amax");
@@ -658,14 +668,14 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     bf16 *d_dy2 = upload_bf16(dy2, nx), *d_w2 = upload_bf16(w, nw);
     float *d_dy2_amax = upload_f32(&dy2_amax, 1);
     Fp8Scaling act_known = {act_amax, NULL, NULL};
-    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, NULL, &act_known, NULL, workspace, workspace_bytes,
-                               &ctx, 0, err));
+    OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, NULL, &act_known, NULL, workspace,
+                               workspace_bytes, &ctx, 0, err));
     for (int k = 0; k < 2; k++) {
         dpre[k] = poisoned(ny * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
-        OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], 1.0f, NULL, d_dy2, &s_act, pre[0], d_w2, NULL, M, OC, IC, FP8_E4M3,
-                                          k ? d_dy2_amax : NULL, k ? d_w_amax : NULL, k ? dpre_amax : NULL, NULL, workspace,
-                                          workspace_bytes, &ctx, 0, err));
+        OK(linear_fp8_dgelu_backward_cuda(dpre[k], dw[k], 1.0f, NULL, d_dy2, &s_act, pre[0], d_w2, NULL, M, OC, IC,
+                                          FP8_E4M3, k ? d_dy2_amax : NULL, k ? d_w_amax : NULL, k ? dpre_amax : NULL,
+                                          NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
     expect_same_bytes(dpre[1], dpre[0], ny * sizeof(bf16), "dGELU backward's dpre with amax");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dGELU backward's dweight with dout_amax");
@@ -684,7 +694,8 @@ Test(linear_fp8, kept_weight_gives_the_same_backward) {
     size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
     float *x = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.05f), *dy = randn_bf16(&rng, ny, 0.01f);
     float *pre = randn_bf16(&rng, nx, 2.0f);
-    bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_dy = upload_bf16(dy, ny), *d_pre = upload_bf16(pre, nx);
+    bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_dy = upload_bf16(dy, ny);
+    bf16 *d_pre = upload_bf16(pre, nx);
     Fp8Saved s = poisoned_saved(M, IC), wt = poisoned_saved(OC, IC);
     OK(linear_fp8_forward_cuda(poisoned(ny * sizeof(bf16)), d_x, d_w, NULL, M, IC, OC, &s, &wt, NULL, NULL, workspace,
                                workspace_bytes, &ctx, 0, err));
@@ -730,8 +741,8 @@ Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
     OK(gelu_forward_cuda(act, d_pre, n, act_amax, 0, err));
     float *w_amax = zeroed_amax();
     OK(fp8_amax_stacked_cuda(w_amax, 0, d_w, 1, (size_t)OC * IC, 0, err));
-    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, NULL, NULL, workspace, workspace_bytes, &ctx, 0,
-                               err));
+    OK(linear_fp8_forward_cuda(y_ref, act, d_w, d_b, M, IC, OC, &s_ref, NULL, NULL, NULL, workspace, workspace_bytes,
+                               &ctx, 0, err));
     // k = 0: own amax passes; 1: amax given; 2, 3: guessed (exponents 0 and 3 off the right ones at
     // first: both re-quantized; then kept: the right ones, the guessing pass alone)
     Fp8Scaling act_known = {act_amax, NULL, NULL}, w_known = {w_amax, NULL, NULL};
