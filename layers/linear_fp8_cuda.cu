@@ -121,10 +121,9 @@ __device__ inline float quantize_tile(uint32_t (*tile)[QTILE_WORDS], uint8_t *q,
         uint32_t lo[4], hi[4];            // row i's columns cc..cc+3 and cc+4..cc+7
         for (int i = 0; i < 4; i++) {
             uint16_t b[VEC / 2];
-            for (int j = 0; j < VEC / 2; j++) {
+            for (int j = 0; j < VEC / 2; j++)
                 b[j] = __nv_cvt_float2_to_fp8x2(make_float2(v[i][2 * j] * down, v[i][2 * j + 1] * down),
                                                 __NV_SATFINITE, kind);
-            }
             lo[i] = b[0] | (uint32_t)b[1] << 16;
             hi[i] = b[2] | (uint32_t)b[3] << 16;
             if (q && r + i < R) *(uint2 *)(q + (size_t)(r + i) * C + c) = make_uint2(lo[i], hi[i]);
