@@ -645,7 +645,7 @@ static void print_memory_plan(Trainer *tr) {
     size_t params_bytes, acts_bytes, ctx_bytes;
     dit_gpu_memory_plan(&tr->gpu, &params_bytes, &acts_bytes, &ctx_bytes);
     if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) prop.name[0] = 0;
-    char fp8[128] = "";   // the FP8 linears' workspace and saved inputs are part of the activations' allocation
+    char fp8[128] = "";   // the FP8 linears' workspace and kept copies are part of the activations' allocation
     if (tr->gpu.linear == DIT_LINEAR_FP8)
         snprintf(fp8, sizeof fp8, ", FP8 linear workspace (%.1f MiB) and saved fp8 copies (%.1f MiB)",
                  tr->gpu.fp8_workspace_bytes / 1048576.0, tr->gpu.fp8_saved_bytes / 1048576.0);

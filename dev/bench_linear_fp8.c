@@ -66,12 +66,12 @@ static void bf16_backward(Case *c) {
     OK(linear_backward_cuda(c->dx, 1.0f, c->dw, 1.0f, c->db, c->dy, c->x, c->w, c->M, c->IC, c->OC, &ctx, 0, err));
 }
 static void fp8_forward(Case *c) {
-    OK(linear_fp8_forward_cuda(c->y, c->x, c->w, c->b, c->M, c->IC, c->OC, &c->saved, NULL, NULL, NULL, c->ws, c->ws_bytes, &ctx, 0,
-                               err));
+    OK(linear_fp8_forward_cuda(c->y, c->x, c->w, c->b, c->M, c->IC, c->OC, &c->saved, NULL, NULL, NULL, c->ws,
+                               c->ws_bytes, &ctx, 0, err));
 }
 static void fp8_backward(Case *c) {
-    OK(linear_fp8_backward_cuda(c->dx, 1.0f, c->dw, 1.0f, c->db, c->dy, &c->saved, c->w, NULL, c->M, c->IC, c->OC, grad_format, NULL, NULL,
-                                c->ws, c->ws_bytes, &ctx, 0, err));
+    OK(linear_fp8_backward_cuda(c->dx, 1.0f, c->dw, 1.0f, c->db, c->dy, &c->saved, c->w, NULL, c->M, c->IC, c->OC,
+                                grad_format, NULL, NULL, c->ws, c->ws_bytes, &ctx, 0, err));
 }
 // the quantization the FP8 forward does: inp (M, IC) both copies (the transposed one kept), weight
 // (OC, IC) row-major

@@ -143,7 +143,8 @@ __device__ inline float quantize_tile(uint32_t (*tile)[QTILE_WORDS], uint8_t *q,
         for (int half = 0; half < 2; half++) {
             int w = half * (QTILE_R / 8) + (threadIdx.x % 4) * 4, r = r0 + 4 * w;
             if (r >= Rp) break;           // Rp % 16 == 0: 16 rows are whole or absent
-            *(uint4 *)(qt + (size_t)c * Rp + r) = make_uint4(tile[cl][w], tile[cl][w + 1], tile[cl][w + 2], tile[cl][w + 3]);
+            *(uint4 *)(qt + (size_t)c * Rp + r) =
+                make_uint4(tile[cl][w], tile[cl][w + 1], tile[cl][w + 2], tile[cl][w + 3]);
         }
     }
     return m;
@@ -387,7 +388,8 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
                    cudaStream_t stream, char *err) {
     Workspace ws;
     if (check_args(fn, gelu ? "pre_gelu" : "inp", inp, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
-        check_saved(fn, "save", save, false, M, IC, err) || check_saved(fn, "save_weight", save_weight, false, OC, IC, err))
+        check_saved(fn, "save", save, false, M, IC, err) ||
+        check_saved(fn, "save_weight", save_weight, false, OC, IC, err))
         return -1;
     uint8_t *inp_q = take(&ws, (size_t)M * IC), *w_q = take(&ws, (size_t)OC * IC);
     // inp_q (M, IC) for the GEMM and, to keep, inpᵀ (IC, Mp) from the same pass; one scale
@@ -490,18 +492,22 @@ int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float 
                              const float *weight_amax, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, inp, weight,
-                    weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err);
+                    weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx,
+                    stream, err);
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
-                                   const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                                   const float *weight_amax, float *dpre_amax, float *dpre_dbias, void *workspace,
-                                   size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                                   const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format,
+                                   const float *dout_amax, const float *weight_amax, float *dpre_amax,
+                                   float *dpre_dbias, void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
+                                   cudaStream_t stream, char *err) {
     // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (its amax, and the
     // next layer's dbias in the same pass when asked)
     if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, inp, weight,
-                 weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx, stream, err)) return -1;
+                 weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx,
+                 stream, err))
+        return -1;
     if (dpre_dbias)
         return gelu_backward_inplace_dbias_cuda(dpre, pre_gelu, dpre_dbias, M, IC, dpre_amax, ctx, stream, err);
     return gelu_backward_inplace_cuda(dpre, pre_gelu, (size_t)M * IC, dpre_amax, stream, err);

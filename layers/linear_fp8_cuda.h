@@ -7,12 +7,12 @@
 // Each call quantizes what it needs (an amax reduction, then one pass per tensor writing the
 // row-major and/or transposed fp8 copies that Hopper's K-major "TN" FP8 GEMMs need) into the
 // caller's workspace, and passes the scales to cuBLASLt as device pointers (no host sync). The
-// forward can also keep its quantized input and weight for the backward (Fp8Saved), which then reads
-// those copies instead of quantizing inp and weight again. A caller whose kernel wrote inp (or dout) can take its
-// amax on the way (layers/cuda_common.cuh, amax_update) and pass it (Fp8Scaling.amax, dout_amax):
-// the call then skips its own amax pass; the scale, the bytes and the result are the same.
-// Likewise the backward's weight_amax (the forward's, when it took it). NULL: the call computes the
-// amax itself (a one-float memset, then the reduction).
+// forward can also keep its quantized input and weight for the backward (Fp8Saved), which then
+// reads those copies instead of quantizing inp and weight again. A caller whose kernel wrote inp (or
+// dout) can take its amax on the way (layers/cuda_common.cuh, amax_update) and pass it
+// (Fp8Scaling.amax, dout_amax): the call then skips its own amax pass; the scale, the bytes and the
+// result are the same. Likewise the backward's weight_amax (the forward's, when it took it). NULL:
+// the call computes the amax itself (a one-float memset, then the reduction).
 // The forwards can also guess (Fp8Scaling.exponent): quantize with the exponent the same tensor's
 // scale had at its previous quantization, taking the amax in the same pass; a second launch then
 // compares the exponent of that amax with the guess and, only when they differ, quantizes again
@@ -73,8 +73,7 @@ size_t linear_fp8_workspace_bytes(int M, int IC, int OC);
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
                             int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
                             const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, void *workspace,
-                            size_t workspace_bytes,
-                            const LayersCuda *ctx, cudaStream_t stream, char *err);
+                            size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err);
 // The MLP's second layer reading GELU(pre_gelu) (M, IC) without it being stored: the same as
 // gelu_forward_cuda into a buffer and linear_fp8_forward_cuda from it, bit for bit, but the
 // quantization passes recompute GELU (and its bf16 rounding) from pre_gelu. inp_scaling: of
@@ -82,8 +81,8 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
                                        int M, int IC, int OC, const Fp8Saved *save, const Fp8Saved *save_weight,
                                        const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling,
-                                       void *workspace, size_t workspace_bytes,
-                                       const LayersCuda *ctx, cudaStream_t stream, char *err);
+                                       void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
+                                       cudaStream_t stream, char *err);
 // The MLP's first layer as linear_gelu_forward_cuda: pre_gelu = inp·weightᵀ + bias (FP8 GEMM, bf16
 // output), then out = GELU(pre_gelu) by gelu_forward_cuda: a separate pass, as Transformer Engine's
 // FP8 MLP (whether cuBLASLt's FP8 kernels take GELU_AUX_BIAS / DGELU with a bf16 D is not yet
@@ -118,10 +117,10 @@ int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float 
 // and that backward then takes dbias NULL.
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
                                    const bf16 *dout, const Fp8Saved *inp, const bf16 *pre_gelu, const bf16 *weight,
-                                   const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
-                                   const float *weight_amax, float *dpre_amax, float *dpre_dbias, void *workspace,
-                                   size_t workspace_bytes,
-                                   const LayersCuda *ctx, cudaStream_t stream, char *err);
+                                   const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format,
+                                   const float *dout_amax, const float *weight_amax, float *dpre_amax,
+                                   float *dpre_dbias, void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
+                                   cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
 // -> q (R, C) and/or qt (C, Rp) = fp8(x·2^-e) (either may be NULL; Rp = fp8_padded_rows(R), qt's

@@ -405,7 +405,8 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     // the FP8 exponent guesses start at 0 (any value is correct: a wrong guess costs a second pass)
     if (m->acts.fp8_guess &&
         cudaMemset(m->acts.fp8_guess, 0, (size_t)cfg->depth * FP8_GUESSES * 2 * sizeof(int)) != cudaSuccess) {
-        dit_set_error(err, "dit_gpu_create: zeroing the FP8 exponent guesses: %s", cudaGetErrorString(cudaGetLastError()));
+        dit_set_error(err, "dit_gpu_create: zeroing the FP8 exponent guesses: %s",
+                      cudaGetErrorString(cudaGetLastError()));
         dit_gpu_free(m);
         return -1;
     }

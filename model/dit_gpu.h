@@ -183,11 +183,12 @@ typedef struct {
     size_t fp8_saved_bytes;            // DIT_LINEAR_FP8: bytes of acts' kept fp8 copies (ln1_fp8t .. fp8_guess)
     int fp8_fused_inputs;              // DIT_LINEAR_FP8 (1 from create): the linears' inputs fused with
                                        // their producers: the kernels that write them take their amax
-                                       // (acts.fp8_amax; the weights' too, one pass per weight stack
-                                       // and step), and GELU(fc1) is not stored at all (fc2's
-                                       // quantization recomputes it). 0: each linear reads a stored bf16
-                                       // input and takes its amax in a pass of its own (bitwise the same
-                                       // results: test_dit_fp8_cuda compares the two)
+                                       // (acts.fp8_amax), or their quantization guesses the exponent
+                                       // (the weights, att_merged, GELU(fc1): acts.fp8_guess); GELU(fc1)
+                                       // is not stored at all (fc2's quantization recomputes it), and the
+                                       // weights' transposes are kept for the backward. 0: each linear
+                                       // reads a stored bf16 input and takes its amax in a pass of its
+                                       // own (bitwise the same results: test_dit_fp8_cuda compares them)
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);
