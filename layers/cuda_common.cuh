@@ -207,9 +207,9 @@ __device__ inline float sum_over_warps(const float acc[VEC], float (*lanes)[COLS
 
 // 0, or -1 unless ctx is a created context (its scratch holds the reductions' partial sums).
 static inline int check_context(const char *fn, const LayersCuda *ctx, char *err) {
-    if (!ctx || !ctx->scratch || ctx->scratch_floats < 1) {
+    if (!ctx || !ctx->scratch || ctx->scratch_floats < 1 || !ctx->tile_counters) {
         dit_set_error(err, "%s: ctx must be a LayersCuda made by layers_cuda_create (got %s)", fn,
-                      ctx ? "one without scratch" : "NULL");
+                      ctx ? "one without scratch or tile counters" : "NULL");
         return -1;
     }
     return 0;
@@ -234,21 +234,58 @@ static inline int column_splits(int B, int T, int C, int sums, size_t capacity) 
     return splits < 2 ? 1 : (int)splits;
 }
 
-// Second pass: out_k[b·stride + c] += Σ_s partial[((b·splits + s)·sums + k)·C + c], s = 0, 1, ...
-// in order, for k < sums (out_1 only when sums == 2). One thread per (b, c).
-static __global__ void column_partials_finish_kernel(float *out0, float *out1, const float *partial,
-                                                     int B, int splits, int sums, int C, int stride) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)B * C) return;
-    int b = i / C, c = i % C;
-    float sum0 = 0.0f, sum1 = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        const float *p = partial + ((size_t)(b * splits + s) * sums) * C + c;
-        sum0 += p[0];
-        if (sums == 2) sum1 += p[C];
+// The end of every block of a split column sum: block (column tile blockIdx.x, image b, split s of
+// `splits`) whose thread x holds sum_k (k < sums) of column col = blockIdx.x·COLS_PER_BLOCK + x.
+// One split: out_k[b·stride + col] += sum_k. Else the block stores its sums in
+// partial[((b·splits + s)·sums + k)·C + col], and the last of the tile's splits to arrive
+// (counters[b·gridDim.x + blockIdx.x], which it sets back to 0) adds Σ_s partial, s = 0, 1, ... in
+// order, into out_k: the same bits whichever block is last (the order of a second pass over the
+// partials, without its launch). out1 is used when sums == 2. Every thread of the block calls it.
+__device__ inline void column_sums_store(float *out0, float *out1, float *partial, unsigned *counters, float sum0,
+                                         float sum1, int sums, int b, int s, int splits, int C, int stride) {
+    __shared__ bool last;
+    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
+    if (splits == 1) {
+        if (col < C) {
+            out0[(size_t)b * stride + col] += sum0;
+            if (sums == 2) out1[(size_t)b * stride + col] += sum1;
+        }
+        return;
     }
-    out0[(size_t)b * stride + c] += sum0;
-    if (sums == 2) out1[(size_t)b * stride + c] += sum1;
+    if (col < C) {
+        float *p = partial + (size_t)(b * splits + s) * sums * C + col;
+        p[0] = sum0;
+        if (sums == 2) p[C] = sum1;
+    }
+    __threadfence();   // the partials visible to every block before this one is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned *counter = counters + (size_t)b * gridDim.x + blockIdx.x;
+        last = atomicAdd(counter, 1u) == (unsigned)splits - 1;
+        if (last) *counter = 0;   // every split has arrived: ready for the next call
+    }
+    __syncthreads();
+    if (!last || col >= C) return;
+    __threadfence();
+    float total0 = 0.0f, total1 = 0.0f;
+    for (int r = 0; r < splits; r++) {
+        const float *p = partial + (size_t)(b * splits + r) * sums * C + col;
+        total0 += __ldcg(p);   // (L2: the other blocks' stores)
+        if (sums == 2) total1 += __ldcg(p + C);
+    }
+    out0[(size_t)b * stride + col] += total0;
+    if (sums == 2) out1[(size_t)b * stride + col] += total1;
+}
+
+// 0, or -1 unless ctx's tile counters cover a split column sum of B images of C columns.
+static inline int check_tile_counters(const char *fn, int B, int C, char *err) {
+    long long tiles = (long long)B * ((C + COLS_PER_BLOCK - 1) / COLS_PER_BLOCK);
+    if (tiles > LAYERS_TILE_COUNTERS) {
+        dit_set_error(err, "%s: B·ceil(C/%d) = %lld column tiles, more than the context's %d counters (B=%d C=%d)",
+                      fn, COLS_PER_BLOCK, tiles, LAYERS_TILE_COUNTERS, B, C);
+        return -1;
+    }
+    return 0;
 }
 
 // Row chunks of a bias gradient: column_splits of the M rows (one chunk, no scratch, when M is small

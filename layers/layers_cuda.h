@@ -40,13 +40,19 @@ static inline float float_from_bf16_bits(uint16_t h) {
 }
 
 // ---- context: the cuBLASLt handle and workspace, and the scratch of the reductions --------
+// The layers' kernels that use a context's workspace, scratch or counters must run one after the
+// other: give each stream that runs layers concurrently a context of its own.
 typedef struct {
     cublasLtHandle_t lt;
     void *lt_workspace;
     size_t lt_workspace_bytes;
-    float *scratch;              // partial sums of the two-pass deterministic reductions
+    float *scratch;              // partial sums of the deterministic reductions
     size_t scratch_floats;
+    unsigned *tile_counters;     // LAYERS_TILE_COUNTERS arrival counts of the split column sums
+                                 // (zero between calls: the last block of a tile resets its own)
 } LayersCuda;
+// Column tiles (image × 256 columns) one split column sum may have: dbias, dshift, dscale, dgate.
+#define LAYERS_TILE_COUNTERS 65536
 // scratch_floats: at least the largest linear_backward_scratch_floats() and REDUCE_PARTIALS.
 int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err);
 void layers_cuda_destroy(LayersCuda *ctx);

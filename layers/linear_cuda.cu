@@ -15,6 +15,7 @@ void layers_cuda_destroy(LayersCuda *ctx) {
     if (ctx->lt) cublasLtDestroy(ctx->lt);
     cudaFree(ctx->lt_workspace);
     cudaFree(ctx->scratch);
+    cudaFree(ctx->tile_counters);
     *ctx = LayersCuda{};
 }
 
@@ -30,6 +31,10 @@ static int layers_cuda_alloc(LayersCuda *ctx, size_t scratch_floats, char *err) 
     CUDA_CHECK(err, cudaMalloc(&ctx->scratch, scratch_floats * sizeof(float)),
                "reduction scratch of %zu floats", scratch_floats);
     ctx->scratch_floats = scratch_floats;
+    CUDA_CHECK(err, cudaMalloc(&ctx->tile_counters, LAYERS_TILE_COUNTERS * sizeof(unsigned)),
+               "%d column-tile counters", LAYERS_TILE_COUNTERS);
+    CUDA_CHECK(err, cudaMemset(ctx->tile_counters, 0, LAYERS_TILE_COUNTERS * sizeof(unsigned)),
+               "zeroing the column-tile counters");
     return 0;
 }
 
@@ -134,9 +139,9 @@ cleanup:
 
 // Block (column tile, chunk) of the bias gradient (cuda_common.cuh's column layout): the sum of
 // dout over rows [chunk·chunk_rows, (chunk + 1)·chunk_rows), fixed order; straight into dbias
-// when there is one chunk, else into partial[chunk·OC + o] for column_partials_finish_kernel.
-__global__ void dbias_partial_kernel(float *dbias, float *partial, const bf16 *dout, int M, int OC, int chunks,
-                                     int chunk_rows, bool vec) {
+// when there is one chunk, else through partial[chunk·OC + o] (column_sums_store).
+__global__ void dbias_partial_kernel(float *dbias, float *partial, unsigned *counters, const bf16 *dout, int M, int OC,
+                                     int chunks, int chunk_rows, bool vec) {
     __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int o = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, OC - o);
@@ -151,13 +156,10 @@ __global__ void dbias_partial_kernel(float *dbias, float *partial, const bf16 *d
         }
     }
     float total = sum_over_warps(sum, lanes);
-    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
-    if (col >= OC) return;
-    if (chunks == 1) dbias[col] += total;
-    else partial[(size_t)blockIdx.y * OC + col] = total;
+    column_sums_store(dbias, NULL, partial, counters, total, 0.0f, 1, 0, blockIdx.y, chunks, OC, OC);
 }
 
-// dbias (OC) += Σ_m dout (M, OC): two passes over a fixed chunking of the rows (deterministic).
+// dbias (OC) += Σ_m dout (M, OC) over a fixed chunking of the rows (deterministic).
 int linear_dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
     int chunks = dbias_chunks(M, OC), chunk_rows = (M + chunks - 1) / chunks;
@@ -166,14 +168,11 @@ int linear_dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
                       M, OC, linear_backward_scratch_floats(M, OC), ctx->scratch_floats);
         return -1;
     }
+    if (check_tile_counters("linear_backward_cuda: bias gradient", 1, OC, err)) return -1;
     dim3 grid(blocks_for(OC, COLS_PER_BLOCK), chunks);
-    dbias_partial_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dbias, ctx->scratch, dout, M, OC, chunks, chunk_rows,
-                                                           OC % VEC == 0 && aligned16(dout));
+    dbias_partial_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dbias, ctx->scratch, ctx->tile_counters, dout, M, OC, chunks,
+                                                           chunk_rows, OC % VEC == 0 && aligned16(dout));
     LAUNCH_CHECK(err, "dbias_partial_kernel", "M=%d OC=%d chunks=%d", M, OC, chunks);
-    if (chunks == 1) return 0;
-    column_partials_finish_kernel<<<blocks_for(OC, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
-        dbias, NULL, ctx->scratch, 1, chunks, 1, OC, OC);
-    LAUNCH_CHECK(err, "column_partials_finish_kernel", "OC=%d chunks=%d", OC, chunks);
     return 0;
 }
 

@@ -196,12 +196,12 @@ __global__ void layernorm_modulate_dinp_kernel(bf16 *dinp, const bf16 *dout, con
 
 // Block (column tile, image b, row range r) of the dshift/dscale sums (cuda_common.cuh's column
 // layout): Σ dout and Σ dout·x̂ over the rows t of range r of image b, fixed order. With one range
-// per image (splits == 1) the sums go straight into dshift_b, dscale_b; otherwise into
-// partial[((b·splits + r)·2 + {0, 1})·C + c] for column_partials_finish_kernel.
-__global__ void layernorm_modulate_dmod_kernel(float *dshift, float *dscale, float *partial, const bf16 *dout,
-                                               const bf16 *inp, const float *mean, const float *rstd,
-                                               int T, int C, int mod_stride, int splits, int split_rows,
-                                               bool vec) {
+// per image (splits == 1) the sums go straight into dshift_b, dscale_b; otherwise through
+// partial[((b·splits + r)·2 + {0, 1})·C + c] (column_sums_store).
+__global__ void layernorm_modulate_dmod_kernel(float *dshift, float *dscale, float *partial, unsigned *counters,
+                                               const bf16 *dout, const bf16 *inp, const float *mean,
+                                               const float *rstd, int T, int C, int mod_stride, int splits,
+                                               int split_rows, bool vec) {
     __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int c = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - c);
@@ -221,15 +221,8 @@ __global__ void layernorm_modulate_dmod_kernel(float *dshift, float *dscale, flo
         }
     }
     float total_dy = sum_over_warps(sum_dy, lanes), total_dy_xhat = sum_over_warps(sum_dy_xhat, lanes);
-    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
-    if (col >= C) return;
-    if (splits == 1) {
-        dshift[(size_t)b * mod_stride + col] += total_dy;
-        dscale[(size_t)b * mod_stride + col] += total_dy_xhat;
-    } else {
-        partial[((size_t)blockIdx.y * 2) * C + col] = total_dy;
-        partial[((size_t)blockIdx.y * 2 + 1) * C + col] = total_dy_xhat;
-    }
+    column_sums_store(dshift, dscale, partial, counters, total_dy, total_dy_xhat, 2, b, blockIdx.y % splits, splits,
+                      C, mod_stride);
 }
 
 static int check_sizes(const char *fn, int B, int T, int C, int mod_stride, char *err) {
@@ -309,20 +302,17 @@ int layernorm_modulate_backward_cuda(bf16 *dinp, float *dshift, float *dscale,
                                      const LayersCuda *ctx, cudaStream_t stream, char *err) {
     if (check_sizes("layernorm_modulate_backward_cuda", B, T, C, mod_stride, err) ||
         check_product("layernorm_modulate_backward_cuda", "grid.y B", B, 1, 65535, err) ||
-        check_context("layernorm_modulate_backward_cuda", ctx, err)) return -1;
+        check_context("layernorm_modulate_backward_cuda", ctx, err) ||
+        check_tile_counters("layernorm_modulate_backward_cuda", B, C, err)) return -1;
     int rows = B * T;
     bool vec = C % VEC == 0 && aligned16(dout) && aligned16(inp);
     int splits = column_splits(B, T, C, 2, ctx->scratch_floats), split_rows = (T + splits - 1) / splits;
     float *partial = ctx->scratch;   // (B, splits, 2, C) when splits > 1
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), B * splits);
-    layernorm_modulate_dmod_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dshift, dscale, partial, dout, inp, mean, rstd,
-                                                                     T, C, mod_stride, splits, split_rows, vec);
+    layernorm_modulate_dmod_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dshift, dscale, partial, ctx->tile_counters, dout,
+                                                                     inp, mean, rstd, T, C, mod_stride, splits,
+                                                                     split_rows, vec);
     LAUNCH_CHECK(err, "layernorm_modulate_dmod_kernel", "B=%d T=%d C=%d splits=%d", B, T, C, splits);
-    if (splits > 1) {
-        column_partials_finish_kernel<<<blocks_for((size_t)B * C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
-            dshift, dscale, partial, B, splits, 2, C, mod_stride);
-        LAUNCH_CHECK(err, "column_partials_finish_kernel", "B=%d C=%d splits=%d", B, C, splits);
-    }
     if (!dinp) return 0;
     vec = vec && mod_stride % VEC == 0 && aligned16(dinp) && aligned16(scale);
 #define DINP(vpl) layernorm_modulate_dinp_kernel<vpl>

@@ -61,9 +61,10 @@ __global__ void gated_residual_dinp_kernel(bf16 *dres, bf16 *dh, float *dh_amax,
 
 // Block (column tile, image b, row range r) of the dgate sums (cuda_common.cuh's column
 // layout): Σ dout·h over the rows of range r of image b, fixed order; straight into dgate_b
-// when splits == 1, else into partial[(b·splits + r)·C + c] for column_partials_finish_kernel.
-__global__ void gated_residual_dgate_kernel(float *dgate, float *partial, const bf16 *dout, const bf16 *h,
-                                            int T, int C, int mod_stride, int splits, int split_rows, bool vec) {
+// when splits == 1, else through partial[(b·splits + r)·C + c] (column_sums_store).
+__global__ void gated_residual_dgate_kernel(float *dgate, float *partial, unsigned *counters, const bf16 *dout,
+                                            const bf16 *h, int T, int C, int mod_stride, int splits, int split_rows,
+                                            bool vec) {
     __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int c = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - c);
@@ -80,10 +81,7 @@ __global__ void gated_residual_dgate_kernel(float *dgate, float *partial, const 
         }
     }
     float total = sum_over_warps(sum, lanes);
-    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
-    if (col >= C) return;
-    if (splits == 1) dgate[(size_t)b * mod_stride + col] += total;
-    else partial[(size_t)blockIdx.y * C + col] = total;
+    column_sums_store(dgate, NULL, partial, counters, total, 0.0f, 1, b, blockIdx.y % splits, splits, C, mod_stride);
 }
 
 // (gelu(x): layers/cuda_common.cuh, shared with the FP8 linear's quantization)
@@ -146,7 +144,7 @@ __global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, float *am
 // its elements on the rows [chunk·chunk_rows, ...) and sums the bf16 values it stores as
 // dbias_partial_kernel would read and sum them (the same rows per warp in the same order, then
 // sum_over_warps), so the bias gradient has the bits of a separate pass: straight into dbias with
-// one chunk, else into partial[chunk·C + c] for column_partials_finish_kernel.
+// one chunk, else through partial[chunk·C + c] (column_sums_store).
 //   ROWS_DGELU: out ∘= GELU'(a) in place (out: the dGELU's d, a: the pre-activation);
 //   ROWS_GATE:  out = gate_b·a (a: the gated residual's dout, b = row / T; gate_b at
 //               b·mod_stride), and res += a when res is given.
@@ -154,8 +152,8 @@ __global__ void gelu_backward_inplace_kernel(bf16 *d, const bf16 *inp, float *am
 enum { ROWS_DGELU, ROWS_GATE };
 template <int OP, bool AMAX>
 __global__ void rows_dbias_kernel(bf16 *out, bf16 *res, const bf16 *a, const bf16 *gate, float *amax, float *dbias,
-                                  float *partial, int M, int C, int T, int mod_stride, int chunks, int chunk_rows,
-                                  bool vec, bool gate_vec) {
+                                  float *partial, unsigned *counters, int M, int C, int T, int mod_stride, int chunks,
+                                  int chunk_rows, bool vec, bool gate_vec) {
     __shared__ float lanes[COL_WARPS][COLS_PER_BLOCK];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int o = blockIdx.x * COLS_PER_BLOCK + lane * VEC, n = min(VEC, C - o);
@@ -189,27 +187,22 @@ __global__ void rows_dbias_kernel(bf16 *out, bf16 *res, const bf16 *a, const bf1
     }
     float total = sum_over_warps(sum, lanes);
     if (AMAX) block_amax_update(amax, most);   // every thread of the block calls both
-    int col = blockIdx.x * COLS_PER_BLOCK + threadIdx.x;
-    if (col >= C) return;
-    if (chunks == 1) dbias[col] += total;
-    else partial[(size_t)blockIdx.y * C + col] = total;
+    column_sums_store(dbias, NULL, partial, counters, total, 0.0f, 1, 0, blockIdx.y, chunks, C, C);
 }
 
-// rows_dbias_kernel over (M, C) with its bias-gradient pass (column_partials_finish_kernel when
-// the rows are split); ctx->scratch holds the partial sums (the caller checks its size).
+// rows_dbias_kernel over (M, C) with its bias gradient; ctx->scratch holds the partial sums when the
+// rows are split (the caller checks its size).
 template <int OP>
 static int launch_rows_dbias(const char *fn, bf16 *out, bf16 *res, const bf16 *a, const bf16 *gate, float *amax,
                              float *dbias, int M, int C, int T, int mod_stride, bool vec, bool gate_vec,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
     int chunks = dbias_chunks(M, C), chunk_rows = (M + chunks - 1) / chunks;
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), chunks);
+    if (check_tile_counters(fn, 1, C, err)) return -1;
     (amax ? rows_dbias_kernel<OP, true> : rows_dbias_kernel<OP, false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
-        out, res, a, gate, amax, dbias, ctx->scratch, M, C, T, mod_stride, chunks, chunk_rows, vec, gate_vec);
+        out, res, a, gate, amax, dbias, ctx->scratch, ctx->tile_counters, M, C, T, mod_stride, chunks, chunk_rows, vec,
+        gate_vec);
     LAUNCH_CHECK(err, "rows_dbias_kernel", "%s: M=%d C=%d chunks=%d", fn, M, C, chunks);
-    if (chunks == 1) return 0;
-    column_partials_finish_kernel<<<blocks_for(C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
-        dbias, NULL, ctx->scratch, 1, chunks, 1, C, C);
-    LAUNCH_CHECK(err, "column_partials_finish_kernel", "%s: C=%d chunks=%d", fn, C, chunks);
     return 0;
 }
 
@@ -295,20 +288,16 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
     const char *fn = "gated_residual_backward_cuda";
     if (check_btc(fn, B, T, C, mod_stride, err) || check_product(fn, "grid.y B", B, 1, 65535, err) ||
-        check_context(fn, ctx, err) || (dh_dbias && check_dbias_scratch(fn, B * T, C, ctx, err))) return -1;
+        check_context(fn, ctx, err) || check_tile_counters(fn, B, C, err) ||
+        (dh_dbias && check_dbias_scratch(fn, B * T, C, ctx, err))) return -1;
     size_t n = (size_t)B * T * C;
     bool vec = C % VEC == 0 && aligned16(dout) && aligned16(h);
     int splits = column_splits(B, T, C, 1, ctx->scratch_floats), split_rows = (T + splits - 1) / splits;
     float *partial = ctx->scratch;   // (B, splits, C) when splits > 1
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), B * splits);
-    gated_residual_dgate_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dgate, partial, dout, h, T, C, mod_stride,
-                                                                  splits, split_rows, vec);
+    gated_residual_dgate_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dgate, partial, ctx->tile_counters, dout, h, T, C,
+                                                                  mod_stride, splits, split_rows, vec);
     LAUNCH_CHECK(err, "gated_residual_dgate_kernel", "B=%d T=%d C=%d splits=%d", B, T, C, splits);
-    if (splits > 1) {
-        column_partials_finish_kernel<<<blocks_for((size_t)B * C, BLOCK_SIZE), BLOCK_SIZE, 0, stream>>>(
-            dgate, NULL, partial, B, splits, 1, C, mod_stride);
-        LAUNCH_CHECK(err, "column_partials_finish_kernel", "B=%d C=%d splits=%d", B, C, splits);
-    }
     if (dh_dbias) {   // dh with the next linear's bias gradient, in dbias_partial_kernel's layout
         bool rows_vec = vec && aligned16(dh) && (!dres || aligned16(dres));
         return launch_rows_dbias<ROWS_GATE>(fn, dh, dres, dout, gate, dh_amax, dh_dbias, B * T, C, T, mod_stride,

@@ -395,7 +395,7 @@ Test(linear_fp8, near_bf16_linear_at_dit_shapes) {
 // ---- argument checks (no GPU needed: they fail before any CUDA call) -----------------------
 
 Test(linear_fp8, rejects_bad_arguments) {
-    LayersCuda fake = {.scratch = (float *)256, .scratch_floats = 1};
+    LayersCuda fake = {.scratch = (float *)256, .scratch_floats = 1, .tile_counters = (unsigned *)256};
     bf16 *p = (bf16 *)4096;
     void *ws = (void *)8192;
     Fp8Saved saved = {(uint8_t *)4096, (float *)4352}, misaligned = {(uint8_t *)4104, (float *)4352};
