@@ -222,6 +222,7 @@ static inline int check_context(const char *fn, const LayersCuda *ctx, char *err
 // within `capacity` (the caller's LayersCuda scratch). The split depends on the sizes and the
 // capacity only, so the order of the additions, hence the bits, are the same on every run and GPU.
 #define COL_TARGET_BLOCKS 512
+static_assert(LAYERS_TILE_COUNTERS >= COL_TARGET_BLOCKS, "split column sums have B·tiles < COL_TARGET_BLOCKS");
 #define COL_MIN_SPLIT_ROWS 64
 
 static inline int column_splits(int B, int T, int C, int sums, size_t capacity) {
@@ -238,9 +239,10 @@ static inline int column_splits(int B, int T, int C, int sums, size_t capacity) 
 // `splits`) whose thread x holds sum_k (k < sums) of column col = blockIdx.x·COLS_PER_BLOCK + x.
 // One split: out_k[b·stride + col] += sum_k. Else the block stores its sums in
 // partial[((b·splits + s)·sums + k)·C + col], and the last of the tile's splits to arrive
-// (counters[b·gridDim.x + blockIdx.x], which it sets back to 0) adds Σ_s partial, s = 0, 1, ... in
-// order, into out_k: the same bits whichever block is last (the order of a second pass over the
-// partials, without its launch). out1 is used when sums == 2. Every thread of the block calls it.
+// (counters[b·gridDim.x + blockIdx.x], below COL_TARGET_BLOCKS since only that few tiles split;
+// it sets it back to 0) adds Σ_s partial, s = 0, 1, ... in order, into out_k: the same bits whichever
+// block is last (the order of a second pass over the partials, without its launch). out1 is used
+// when sums == 2. Every thread of the block calls it.
 __device__ inline void column_sums_store(float *out0, float *out1, float *partial, unsigned *counters, float sum0,
                                          float sum1, int sums, int b, int s, int splits, int C, int stride) {
     __shared__ bool last;
@@ -275,17 +277,6 @@ __device__ inline void column_sums_store(float *out0, float *out1, float *partia
     }
     out0[(size_t)b * stride + col] += total0;
     if (sums == 2) out1[(size_t)b * stride + col] += total1;
-}
-
-// 0, or -1 unless ctx's tile counters cover a split column sum of B images of C columns.
-static inline int check_tile_counters(const char *fn, int B, int C, char *err) {
-    long long tiles = (long long)B * ((C + COLS_PER_BLOCK - 1) / COLS_PER_BLOCK);
-    if (tiles > LAYERS_TILE_COUNTERS) {
-        dit_set_error(err, "%s: B·ceil(C/%d) = %lld column tiles, more than the context's %d counters (B=%d C=%d)",
-                      fn, COLS_PER_BLOCK, tiles, LAYERS_TILE_COUNTERS, B, C);
-        return -1;
-    }
-    return 0;
 }
 
 // Row chunks of a bias gradient: column_splits of the M rows (one chunk, no scratch, when M is small

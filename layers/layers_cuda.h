@@ -51,8 +51,9 @@ typedef struct {
     unsigned *tile_counters;     // LAYERS_TILE_COUNTERS arrival counts of the split column sums
                                  // (zero between calls: the last block of a tile resets its own)
 } LayersCuda;
-// Column tiles (image × 256 columns) one split column sum may have: dbias, dshift, dscale, dgate.
-#define LAYERS_TILE_COUNTERS 65536
+// Column tiles (image × 256 columns) a split column sum (dbias, dshift, dscale, dgate) may have:
+// the sums split their rows only while the tiles are fewer than the 512 blocks they aim for.
+#define LAYERS_TILE_COUNTERS 512
 // scratch_floats: at least the largest linear_backward_scratch_floats() and REDUCE_PARTIALS.
 int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err);
 void layers_cuda_destroy(LayersCuda *ctx);

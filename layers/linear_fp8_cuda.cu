@@ -414,8 +414,7 @@ int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, cons
                             const Fp8Scaling *inp_scaling, const Fp8Scaling *weight_scaling, void *workspace,
                             size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
     return forward("linear_fp8_forward_cuda", out, inp, false, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
-                   weight_scaling,
-                   workspace, workspace_bytes, ctx, stream, err);
+                   weight_scaling, workspace, workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_forward_gelu_input_cuda(bf16 *out, const bf16 *pre_gelu, const bf16 *weight, const bf16 *bias,
@@ -433,8 +432,7 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
                                  void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream,
                                  char *err) {
     if (linear_fp8_forward_cuda(pre_gelu, inp, weight, bias, M, IC, OC, save, save_weight, inp_scaling,
-                                weight_scaling, workspace,
-                                workspace_bytes, ctx, stream, err))
+                                weight_scaling, workspace, workspace_bytes, ctx, stream, err))
         return -1;
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
 }

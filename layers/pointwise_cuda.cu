@@ -198,7 +198,6 @@ static int launch_rows_dbias(const char *fn, bf16 *out, bf16 *res, const bf16 *a
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
     int chunks = dbias_chunks(M, C), chunk_rows = (M + chunks - 1) / chunks;
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), chunks);
-    if (check_tile_counters(fn, 1, C, err)) return -1;
     (amax ? rows_dbias_kernel<OP, true> : rows_dbias_kernel<OP, false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
         out, res, a, gate, amax, dbias, ctx->scratch, ctx->tile_counters, M, C, T, mod_stride, chunks, chunk_rows, vec,
         gate_vec);
@@ -288,8 +287,7 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const LayersCuda *ctx, cudaStream_t stream, char *err) {
     const char *fn = "gated_residual_backward_cuda";
     if (check_btc(fn, B, T, C, mod_stride, err) || check_product(fn, "grid.y B", B, 1, 65535, err) ||
-        check_context(fn, ctx, err) || check_tile_counters(fn, B, C, err) ||
-        (dh_dbias && check_dbias_scratch(fn, B * T, C, ctx, err))) return -1;
+        check_context(fn, ctx, err) || (dh_dbias && check_dbias_scratch(fn, B * T, C, ctx, err))) return -1;
     size_t n = (size_t)B * T * C;
     bool vec = C % VEC == 0 && aligned16(dout) && aligned16(h);
     int splits = column_splits(B, T, C, 1, ctx->scratch_floats), split_rows = (T + splits - 1) / splits;
