@@ -50,6 +50,25 @@ __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + tanhf(GELU_SCALE * (x + 0.044715f * x * x * x)));
 }
 
+// GELU'(x) = 0.5·(1 + tanh u) + 0.5·x·(1 - tanh² u)·sqrt(2/π)·(1 + 3·0.044715·x²): the dGELU passes'
+// (layers/pointwise_cuda.cu, and fp8_dout_cuda.cu's, which quantizes the result).
+__device__ __forceinline__ float gelu_grad(float x) {
+    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
+    float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+}
+
+// The 4 × 4 bytes r0..r3 (byte k of r_i: row i, column k) as 4 words by column (byte i of col[k]:
+// row i): the FP8 quantizations' transposes in registers.
+__device__ inline void transpose_4x4_bytes(uint32_t col[4], uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);   // r0,r1 interleaved
+    uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);   // r2,r3 interleaved
+    col[0] = __byte_perm(t0, t2, 0x5410);
+    col[1] = __byte_perm(t0, t2, 0x7632);
+    col[2] = __byte_perm(t1, t3, 0x5410);
+    col[3] = __byte_perm(t1, t3, 0x7632);
+}
+
 // Max over the 32 lanes of a warp (all active).
 __device__ inline float warp_max(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
@@ -280,9 +299,16 @@ __device__ inline void column_sums_store(float *out0, float *out1, float *partia
 }
 
 // Row chunks of a bias gradient: column_splits of the M rows (one chunk, no scratch, when M is small
-// or OC wide enough to fill the GPU by itself). linear_dbias_accumulate and
-// gelu_backward_inplace_dbias_cuda sum over the same chunks in the same order.
-static inline int dbias_chunks(int M, int OC) { return column_splits(1, M, OC, 1, SIZE_MAX); }
+// or OC wide enough to fill the GPU by itself), each of dbias_chunk_rows rows (the last one fewer): a
+// multiple of DBIAS_ROW_ALIGN, the groups in which fp8_dout_cuda.cu writes the transposed FP8 dout.
+// linear_dbias_accumulate, gelu_backward_inplace_dbias_cuda and the FP8 douts' passes sum over the
+// same chunks in the same order.
+#define DBIAS_ROW_ALIGN 64
+static inline int dbias_chunk_rows(int M, int OC) {
+    int chunks = column_splits(1, M, OC, 1, SIZE_MAX), rows = (M + chunks - 1) / chunks;
+    return (rows + DBIAS_ROW_ALIGN - 1) / DBIAS_ROW_ALIGN * DBIAS_ROW_ALIGN;
+}
+static inline int dbias_chunks(int M, int OC) { return (M + dbias_chunk_rows(M, OC) - 1) / dbias_chunk_rows(M, OC); }
 
 // dbias (OC) += Σ_m dout (M, OC) in a fixed order (layers/linear_cuda.cu; the bf16 and FP8 linear
 // backward share it). Needs linear_backward_scratch_floats(M, OC) of ctx->scratch.

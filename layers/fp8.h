@@ -28,6 +28,18 @@ static inline FP8_HOST_DEVICE int fp8_scale_exponent(float amax, Fp8Format forma
     return e < -126 ? -126 : e > 127 ? 127 : e;
 }
 
+// A guessed scale with headroom (Fp8Scaling.headroom = H >= 0, layers/linear_fp8_cuda.h): a pass
+// quantizes with a guessed exponent and keeps it when it lies in [e, e + 2H], e =
+// fp8_scale_exponent of the amax the pass took (no value saturates: amax·2^-used <= FP8_MAX;
+// at most 2H binades of range left unused at the bottom); otherwise it quantizes again with e + H.
+// The next guess is e + H. H = 0 is current scaling exactly.
+static inline FP8_HOST_DEVICE int fp8_guess_kept(int used, int e, int headroom) {
+    return used >= e && used <= e + 2 * headroom;
+}
+static inline FP8_HOST_DEVICE int fp8_next_guess(int e, int headroom) {
+    return e + headroom > 127 ? 127 : e + headroom;
+}
+
 #include <stddef.h>
 
 #ifdef __cplusplus

@@ -154,7 +154,8 @@ int gated_residual_forward_cuda(bf16 *out, const bf16 *res, const bf16 *h, const
 // dres must not alias dout. dh_amax: NULL, or raised to max |dh| (as out_amax above). dh_dbias:
 // NULL, or the bias gradient of the linear whose dout dh is (the block's proj and fc2): += Σ over
 // the B·T rows of dh, in the same pass and bitwise as that linear's backward would add it (which
-// then takes dbias NULL); needs linear_backward_scratch_floats(B·T, C) of ctx->scratch.
+// then takes dbias NULL); needs linear_backward_scratch_floats(B·T, C) of ctx->scratch. dh and
+// dres both NULL: dgate only (the FP8 model quantizes dh in a pass of its own: gated_dh_fp8_cuda).
 int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
                                  const bf16 *dout, const bf16 *h, const bf16 *gate,
                                  int B, int T, int C, int mod_stride, float *dh_amax, float *dh_dbias,

@@ -162,7 +162,7 @@ __global__ void dbias_partial_kernel(float *dbias, float *partial, unsigned *cou
 // dbias (OC) += Σ_m dout (M, OC) over a fixed chunking of the rows (deterministic).
 int linear_dbias_accumulate(float *dbias, const bf16 *dout, int M, int OC,
                             const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    int chunks = dbias_chunks(M, OC), chunk_rows = (M + chunks - 1) / chunks;
+    int chunks = dbias_chunks(M, OC), chunk_rows = dbias_chunk_rows(M, OC);
     if (linear_backward_scratch_floats(M, OC) > ctx->scratch_floats) {
         dit_set_error(err, "linear_backward_cuda: bias gradient of M=%d OC=%d needs %zu floats of scratch, the context has %zu",
                       M, OC, linear_backward_scratch_floats(M, OC), ctx->scratch_floats);

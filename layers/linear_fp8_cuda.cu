@@ -90,16 +90,6 @@ int fp8_amax_stacked_cuda(float *amax, size_t amax_stride, const bf16 *x, int co
 static_assert((QTILE_R / 4) * (QTILE_C / VEC) == BLOCK_SIZE && QTILE_C * 4 == BLOCK_SIZE,
               "one thread per 4 × VEC piece, and 4 per tile column");
 
-// the 4 × 4 bytes r0..r3 (byte k of r_i: row i, column k) as 4 words by column (byte i of col[k]: row i)
-__device__ inline void transpose_4x4_bytes(uint32_t col[4], uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);   // r0,r1 interleaved
-    uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);   // r2,r3 interleaved
-    col[0] = __byte_perm(t0, t2, 0x5410);
-    col[1] = __byte_perm(t0, t2, 0x7632);
-    col[2] = __byte_perm(t1, t3, 0x5410);
-    col[3] = __byte_perm(t1, t3, 0x7632);
-}
-
 // The tile at rows r0.., columns c0.. with the scale 2^e; returns max |x| over this thread's values
 // (NaN skipped, as fp8_amax_kernel). With qt, the shared tile is busy until the caller's next
 // __syncthreads.
@@ -169,20 +159,22 @@ __global__ void __launch_bounds__(BLOCK_SIZE, 6)
     if (GUESSED) block_amax_update(taken, m);
 }
 
-// The check after a guessed pass: e = the exponent of the amax it took; block 0 keeps e as the
-// next guess (guess[0]: read by no block of this kernel); when e differs from the exponent the pass
-// used (guess[1]), the whole tensor again with e (the tiles in turn over the grid) and *scale = 2^e.
+// The check after a guessed pass: e = the exponent of the amax it took; block 0 keeps
+// fp8_next_guess(e) as the next guess (guess[0]: read by no block of this kernel); unless the
+// exponent the pass used (guess[1]) is kept (fp8_guess_kept), the whole tensor again with
+// fp8_next_guess(e) (the tiles in turn over the grid) and *scale = 2^that.
 template <bool GELU>
 __global__ void __launch_bounds__(BLOCK_SIZE, 6)
     fp8_requantize_kernel(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, const float *amax, int *guess,
-                          int R, int C, Fp8Format format) {
+                          int headroom, int R, int C, Fp8Format format) {
     __shared__ uint32_t tile[QTILE_C][QTILE_WORDS];
-    int e = fp8_scale_exponent(*amax, format), used = guess[1];
+    int e_amax = fp8_scale_exponent(*amax, format), kept = fp8_guess_kept(guess[1], e_amax, headroom);
+    int e = fp8_next_guess(e_amax, headroom);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         guess[0] = e;
-        if (e != used) *scale = ldexpf(1.0f, e);
+        if (!kept) *scale = ldexpf(1.0f, e);
     }
-    if (e == used) return;
+    if (kept) return;
     int tiles_c = (C + QTILE_C - 1) / QTILE_C, tiles = tiles_c * ((fp8_padded_rows(R) + QTILE_R - 1) / QTILE_R);
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         quantize_tile<GELU>(tile, q, qt, x, R, C, t / tiles_c * QTILE_R, t % tiles_c * QTILE_C, e, format);
@@ -212,9 +204,10 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool g
     const float *amax = scaling ? scaling->amax : NULL;
     int *guess = scaling && !amax ? scaling->exponent : NULL;
     float *taken = scaling && !amax ? scaling->taken : NULL;
-    if (!guess != !taken || (uintptr_t)guess % 4 || (uintptr_t)taken % 4) {
+    if (!guess != !taken || (uintptr_t)guess % 4 || (uintptr_t)taken % 4 || (guess && scaling->headroom < 0)) {
         dit_set_error(err, "fp8 quantization of (%d, %d): a guessed Fp8Scaling needs both exponent and taken, 4-byte "
-                      "aligned (got %p, %p)", R, C, (void *)guess, (void *)taken);
+                      "aligned, and a headroom >= 0 (got %p, %p, %d)", R, C, (void *)guess, (void *)taken,
+                      scaling ? scaling->headroom : 0);
         return -1;
     }
     if (!amax && !guess) {
@@ -231,8 +224,8 @@ static int quantize(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, bool g
     if (!guess) return 0;
     unsigned int tiles = grid.x * grid.y;
     (gelu ? fp8_requantize_kernel<true> : fp8_requantize_kernel<false>)<<<
-        tiles < REQUANTIZE_BLOCKS ? tiles : REQUANTIZE_BLOCKS, BLOCK_SIZE, 0, stream>>>(q, qt, scale, x, taken, guess,
-                                                                                         R, C, format);
+        tiles < REQUANTIZE_BLOCKS ? tiles : REQUANTIZE_BLOCKS, BLOCK_SIZE, 0, stream>>>(
+        q, qt, scale, x, taken, guess, scaling->headroom, R, C, format);
     LAUNCH_CHECK(err, "fp8_requantize_kernel", "R=%d C=%d format=%d gelu=%d", R, C, (int)format, (int)gelu);
     return 0;
 }
@@ -246,7 +239,7 @@ int fp8_quantize_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int 
 int fp8_quantize_guessed_cuda(uint8_t *q, uint8_t *qt, float *scale, const bf16 *x, int R, int C,
                               Fp8Format format, int *exponent, float *amax, cudaStream_t stream, char *err) {
     if (check_quantize_args("fp8_quantize_guessed_cuda", q, qt, x, R, C, err)) return -1;
-    Fp8Scaling guessed = {NULL, exponent, amax};
+    Fp8Scaling guessed = {NULL, exponent, amax, 0};
     return quantize(q, qt, scale, x, false, R, C, format, &guessed, NULL, stream, err);
 }
 
@@ -437,31 +430,62 @@ int linear_fp8_gelu_forward_cuda(bf16 *out, bf16 *pre_gelu, const bf16 *inp, con
     return gelu_forward_cuda(out, pre_gelu, (size_t)M * OC, out_amax, stream, err);
 }
 
+int linear_fp8_dout_slots(Fp8Dout *dout, void *workspace, size_t workspace_bytes, int M, int IC, int OC, char *err) {
+    if (M <= 0 || IC <= 0 || OC <= 0 || !workspace || (uintptr_t)workspace % 256 ||
+        workspace_bytes < linear_fp8_workspace_bytes(M, IC, OC)) {
+        dit_set_error(err, "linear_fp8_dout_slots: need positive sizes and a 256-byte aligned workspace of at least "
+                      "%zu bytes (got %zu at %p; M=%d IC=%d OC=%d)", M > 0 && IC > 0 && OC > 0 ?
+                      linear_fp8_workspace_bytes(M, IC, OC) : 0, workspace_bytes, workspace, M, IC, OC);
+        return -1;
+    }
+    Workspace ws = {(float *)workspace, (float *)workspace + 3 * SLOT_FLOATS, (uint8_t *)workspace + HEADER_BYTES};
+    dout->q = take(&ws, (size_t)M * OC);   // where backward() takes them
+    dout->qt = take(&ws, (size_t)fp8_padded_rows(M) * OC);
+    dout->scale = ws.scale + T_DOUT;
+    return 0;
+}
+
 // dinp (bf16) = dinp_beta·dinp + dout·weight (dinp may be NULL); dweight = dweight_beta·dweight +
 // doutᵀ·inp (inp: the forward's saved inpᵀ and scale); dbias += Σ_m dout. dout_amax: max |dout| or
 // NULL (computed here); weight_saved: weightᵀ as the forward kept it, or NULL: quantized here
-// (weight_amax: max |weight|, or NULL).
+// (weight_amax: max |weight|, or NULL). dout8: the dout already quantized (dout, dout_amax and dbias
+// then unused), or NULL.
 static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta, float *dbias,
-                    const bf16 *dout, const Fp8Saved *inp, const bf16 *weight, const Fp8Saved *weight_saved, int M,
-                    int IC, int OC, Fp8Format grad_format, const float *dout_amax, const float *weight_amax,
-                    void *workspace, size_t workspace_bytes, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                    const bf16 *dout, const Fp8Dout *dout8, const Fp8Saved *inp, const bf16 *weight,
+                    const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format,
+                    const float *dout_amax, const float *weight_amax, void *workspace, size_t workspace_bytes,
+                    const LayersCuda *ctx, cudaStream_t stream, char *err) {
     Workspace ws;
     if (grad_format != FP8_E4M3 && grad_format != FP8_E5M2) {
         dit_set_error(err, "%s: grad_format must be FP8_E4M3 or FP8_E5M2 (got %d)", fn, (int)grad_format);
         return -1;
     }
-    if (check_args(fn, "dout", dout, weight, M, IC, OC, workspace, workspace_bytes, ctx, &ws, err) ||
+    if (dout8 && (!dout8->qt || !aligned16(dout8->qt) || (dinp && (!dout8->q || !aligned16(dout8->q))) ||
+                  !dout8->scale || (uintptr_t)dout8->scale % 4)) {
+        dit_set_error(err, "%s: dout must be an Fp8Dout with qt (and q, with dinp) 16-byte aligned and a scale "
+                      "(M=%d IC=%d OC=%d)", fn, M, IC, OC);
+        return -1;
+    }
+    if (check_args(fn, dout8 ? "weight" : "dout", dout8 ? weight : dout, weight, M, IC, OC, workspace,
+                   workspace_bytes, ctx, &ws, err) ||
         check_saved(fn, "inp", inp, true, M, IC, err) ||
         check_saved(fn, "weight_saved", weight_saved, false, OC, IC, err))
         return -1;
     int Mp = fp8_padded_rows(M);
     uint8_t *dout_q = take(&ws, (size_t)M * OC), *dout_qt = take(&ws, (size_t)Mp * OC);
     uint8_t *w_qt = take(&ws, (size_t)IC * OC);
+    const float *dout_scale = ws.scale + T_DOUT;
     cudaDataType_t grad_type = grad_format == FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
-    Fp8Scaling dout_known = {dout_amax, NULL, NULL}, weight_known = {weight_amax, NULL, NULL};
-    if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, false, M, OC, grad_format,
-                 dout_amax ? &dout_known : NULL, ws.amax + T_DOUT, stream, err))
+    Fp8Scaling dout_known = {dout_amax, NULL, NULL, 0}, weight_known = {weight_amax, NULL, NULL, 0};
+    if (dout8) {
+        dout_q = dout8->q;
+        dout_qt = dout8->qt;
+        dout_scale = dout8->scale;
+        dbias = NULL;
+    } else if (quantize(dinp ? dout_q : NULL, dout_qt, ws.scale + T_DOUT, dout, false, M, OC, grad_format,
+                        dout_amax ? &dout_known : NULL, ws.amax + T_DOUT, stream, err)) {
         return -1;
+    }
     char what[128];
     if (dinp) {
         // dinpᵀ (IC, M) = scale_w·scale_dout·w_qt·dout_qᵀ + dinp_beta·dinpᵀ
@@ -475,12 +499,12 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
         }
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, w_scale, dout_q, grad_type,
-                       ws.scale + T_DOUT, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
+                       dout_scale, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
     }
     // dWᵀ (IC, OC) = scale_inp·scale_dout·inp_qt·dout_qtᵀ + dweight_beta·dWᵀ in fp32, k = Mp (the pad is zero)
     snprintf(what, sizeof what, "%s: dweight M=%d (Mp=%d) IC=%d OC=%d", fn, M, Mp, IC, OC);
     if (fp8_matmul(dweight, CUDA_R_32F, inp->qt, CUDA_R_8F_E4M3, inp->scale, dout_qt, grad_type,
-                   ws.scale + T_DOUT, IC, OC, Mp, dweight_beta, NULL, what, ctx, stream, err)) return -1;
+                   dout_scale, IC, OC, Mp, dweight_beta, NULL, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 
@@ -489,9 +513,23 @@ int linear_fp8_backward_cuda(bf16 *dinp, float dinp_beta, float *dweight, float 
                              int M, int IC, int OC, Fp8Format grad_format, const float *dout_amax,
                              const float *weight_amax, void *workspace, size_t workspace_bytes,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, inp, weight,
-                    weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx,
-                    stream, err);
+    return backward("linear_fp8_backward_cuda", dinp, dinp_beta, dweight, dweight_beta, dbias, dout, NULL, inp,
+                    weight, weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace,
+                    workspace_bytes, ctx, stream, err);
+}
+
+int linear_fp8_backward_quantized_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta,
+                                       const Fp8Dout *dout, const Fp8Saved *inp, const bf16 *weight,
+                                       const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format,
+                                       const float *weight_amax, void *workspace, size_t workspace_bytes,
+                                       const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    if (!dout) {
+        dit_set_error(err, "linear_fp8_backward_quantized_cuda: dout is NULL (M=%d IC=%d OC=%d)", M, IC, OC);
+        return -1;
+    }
+    return backward("linear_fp8_backward_quantized_cuda", dinp, dinp_beta, dweight, dweight_beta, NULL, NULL, dout,
+                    inp, weight, weight_saved, M, IC, OC, grad_format, NULL, weight_amax, workspace,
+                    workspace_bytes, ctx, stream, err);
 }
 
 int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_beta, float *dbias,
@@ -502,7 +540,7 @@ int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_bet
                                    cudaStream_t stream, char *err) {
     // dpre = dout·weight written (beta = 0), then dpre ∘= GELU'(pre_gelu) in place (its amax, and the
     // next layer's dbias in the same pass when asked)
-    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, inp, weight,
+    if (backward("linear_fp8_dgelu_backward_cuda", dpre, 0.0f, dweight, dweight_beta, dbias, dout, NULL, inp, weight,
                  weight_saved, M, IC, OC, grad_format, dout_amax, weight_amax, workspace, workspace_bytes, ctx,
                  stream, err))
         return -1;

@@ -55,11 +55,16 @@ typedef struct {
 // guess, the exponent (layers/fp8.h) of x's scale at its last quantization, which the call replaces
 // by this one's (kept by the caller between calls; any int at first), exponent[1] scratch; taken is
 // where the quantization pass takes max |x| (zeroed by the caller; afterwards the exact amax, which
-// the backward can take as its weight_amax). Each pointer 4-byte aligned.
+// the backward can take as its weight_amax). Each pointer 4-byte aligned. headroom (guessed only):
+// 0, the scale of the amax taken exactly (a guess that differs costs a second pass, never a
+// different byte); H > 0, any exponent within H·2 binades above it is kept (fp8_guess_kept,
+// layers/fp8.h): fewer second passes for tensors whose amax moves from step to step (gradients),
+// at the price of up to 2H binades of e4m3's range unused at the bottom.
 typedef struct {
     const float *amax;
     int *exponent;
     float *taken;
+    int headroom;
 } Fp8Scaling;
 
 // Bytes of workspace one forward or backward call of these sizes needs (the larger of the two).
@@ -121,6 +126,42 @@ int linear_fp8_dgelu_backward_cuda(bf16 *dpre, float *dweight, float dweight_bet
                                    const float *dout_amax, const float *weight_amax, float *dpre_amax,
                                    float *dpre_dbias, void *workspace, size_t workspace_bytes, const LayersCuda *ctx,
                                    cudaStream_t stream, char *err);
+
+// ---- a dout quantized by the pass that computes it (layers/fp8_dout_cuda.cu) ---------------
+// q (M, OC) and qt (OC, Mp) as the backward's own quantization writes them (qt's pad columns zero),
+// in grad_format with the scale *scale = 2^e (a device float, 256-byte aligned: cuBLASLt reads it).
+typedef struct {
+    uint8_t *q, *qt;
+    float *scale;
+} Fp8Dout;
+
+// The room linear_fp8_backward_cuda of these sizes would quantize its dout into (within workspace),
+// for a producer to write the dout there before linear_fp8_backward_quantized_cuda reads it.
+int linear_fp8_dout_slots(Fp8Dout *dout, void *workspace, size_t workspace_bytes, int M, int IC, int OC, char *err);
+
+// linear_fp8_backward_cuda from a dout its producer quantized (dout: q used when dinp is given, qt
+// always); the bias gradient is the producer's.
+int linear_fp8_backward_quantized_cuda(bf16 *dinp, float dinp_beta, float *dweight, float dweight_beta,
+                                       const Fp8Dout *dout, const Fp8Saved *inp, const bf16 *weight,
+                                       const Fp8Saved *weight_saved, int M, int IC, int OC, Fp8Format grad_format,
+                                       const float *weight_amax, void *workspace, size_t workspace_bytes,
+                                       const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// The MLP's dGELU quantized as fc1's dout: out = fp8(bf16(GELU'(pre)·d)·2^-e) (M, C), both copies, e
+// guessed (scaling: exponent, taken and headroom; amax NULL); dbias (may be NULL) += Σ_m of the bf16
+// values, bitwise linear_dbias_accumulate's. The same bytes, scale, amax and guess as
+// gelu_backward_inplace_cuda then fp8_quantize_guessed_cuda of its result (headroom 0), without the bf16
+// result. C a multiple of 16; dbias needs linear_backward_scratch_floats(M, C) of ctx->scratch.
+int gelu_backward_fp8_cuda(const Fp8Dout *out, const bf16 *d, const bf16 *pre, float *dbias, int M, int C,
+                           Fp8Format format, const Fp8Scaling *scaling, const LayersCuda *ctx, cudaStream_t stream,
+                           char *err);
+
+// The gated residual's dh = gate_b·dout (b = row / T, gate_b at b·mod_stride) quantized likewise as the
+// next linear's dout (gated_residual_backward_cuda's dh, dh_dbias and dh_amax; its dgate is computed
+// there with dh NULL).
+int gated_dh_fp8_cuda(const Fp8Dout *dh, const bf16 *dout, const bf16 *gate, int B, int T, int C, int mod_stride,
+                      float *dbias, Fp8Format format, const Fp8Scaling *scaling, const LayersCuda *ctx,
+                      cudaStream_t stream, char *err);
 
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
 // -> q (R, C) and/or qt (C, Rp) = fp8(x·2^-e) (either may be NULL; Rp = fp8_padded_rows(R), qt's

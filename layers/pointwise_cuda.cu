@@ -105,13 +105,6 @@ __global__ void gelu_forward_kernel(bf16 *out, const bf16 *inp, float *amax, siz
     if (AMAX) block_amax_update(amax, m);
 }
 
-// GELU'(x) = 0.5·(1 + tanh u) + 0.5·x·(1 - tanh² u)·sqrt(2/π)·(1 + 3·0.044715·x²).
-__device__ __forceinline__ float gelu_grad(float x) {
-    float th = tanhf(GELU_SCALE * (x + 0.044715f * x * x * x));
-    float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
-}
-
 // dinp += GELU'(inp)·dout.
 __global__ void gelu_backward_kernel(bf16 *dinp, const bf16 *inp, const bf16 *dout, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -196,7 +189,7 @@ template <int OP>
 static int launch_rows_dbias(const char *fn, bf16 *out, bf16 *res, const bf16 *a, const bf16 *gate, float *amax,
                              float *dbias, int M, int C, int T, int mod_stride, bool vec, bool gate_vec,
                              const LayersCuda *ctx, cudaStream_t stream, char *err) {
-    int chunks = dbias_chunks(M, C), chunk_rows = (M + chunks - 1) / chunks;
+    int chunks = dbias_chunks(M, C), chunk_rows = dbias_chunk_rows(M, C);
     dim3 grid(blocks_for(C, COLS_PER_BLOCK), chunks);
     (amax ? rows_dbias_kernel<OP, true> : rows_dbias_kernel<OP, false>)<<<grid, BLOCK_SIZE, 0, stream>>>(
         out, res, a, gate, amax, dbias, ctx->scratch, ctx->tile_counters, M, C, T, mod_stride, chunks, chunk_rows, vec,
@@ -296,6 +289,11 @@ int gated_residual_backward_cuda(bf16 *dres, bf16 *dh, float *dgate,
     gated_residual_dgate_kernel<<<grid, BLOCK_SIZE, 0, stream>>>(dgate, partial, ctx->tile_counters, dout, h, T, C,
                                                                   mod_stride, splits, split_rows, vec);
     LAUNCH_CHECK(err, "gated_residual_dgate_kernel", "B=%d T=%d C=%d splits=%d", B, T, C, splits);
+    if (!dh) {
+        if (!dres) return 0;   // dgate only
+        dit_set_error(err, "%s: dh is NULL but dres is not (B=%d T=%d C=%d)", fn, B, T, C);
+        return -1;
+    }
     if (dh_dbias) {   // dh with the next linear's bias gradient, in dbias_partial_kernel's layout
         bool rows_vec = vec && aligned16(dh) && (!dres || aligned16(dres));
         return launch_rows_dbias<ROWS_GATE>(fn, dh, dres, dout, gate, dh_amax, dh_dbias, B * T, C, T, mod_stride,

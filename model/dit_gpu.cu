@@ -18,7 +18,7 @@
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
 #define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
 #define FP8_SCALE_SLOT (ALIGN_BYTES / sizeof(float))   // floats: each saved FP8 scale alone in 256 bytes
-#define FP8_GUESSES 6   // per block: the four weights, att_merged and GELU(fc1) (block_fp8_inputs)
+#define FP8_GUESSES 9   // per block: the four weights, att_merged, GELU(fc1), the douts of fc1, fc2, proj
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -343,6 +343,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     m->linear = linear;
     if (linear == DIT_LINEAR_FP8) TRY(check_fp8_linear(cfg, m->tokens, batch, &m->fp8_workspace_bytes, err));
     m->fp8_fused_inputs = linear == DIT_LINEAR_FP8;
+    m->fp8_grad_headroom = DIT_FP8_GRAD_HEADROOM;
     m->token_offset = (sp->ring_rank * sp->ulysses + sp->ulysses_rank) * m->tokens;
     m->batch = batch;
     m->attention = attention == DIT_ATTN_SAGE_FP16 ? DIT_ATTN_SAGE : attention;
@@ -996,6 +997,7 @@ typedef struct {
     Fp8Saved qkv, proj, fc1, fc2;
     Fp8Amax inp_amax, weight_amax, dout_amax;
     Fp8Scalings inp_scaling, weight_scaling;
+    Fp8Scalings dout_scaling;   // the douts of proj, fc1, fc2 quantized by their producers (qkv's unused)
     struct { Fp8Saved qkv, proj, fc1, fc2; } weight_t;   // the weights' transposed copies (qt NULL: none)
 } BlockFp8Inputs;
 
@@ -1024,15 +1026,20 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
         in.dout_amax = fp8_amax_slots(m, 2, l);
         int *guess = a->fp8_guess + (size_t)l * FP8_GUESSES * 2;   // two ints each (Fp8Scaling.exponent)
         const Fp8Amax *i = &in.inp_amax, *w = &in.weight_amax;
-        in.inp_scaling.qkv = (Fp8Scaling){i->qkv, NULL, NULL};
-        in.inp_scaling.proj = attention_merged(m) ? (Fp8Scaling){NULL, guess + 8, i->proj}
-                                                  : (Fp8Scaling){i->proj, NULL, NULL};
-        in.inp_scaling.fc1 = (Fp8Scaling){i->fc1, NULL, NULL};
-        in.inp_scaling.fc2 = (Fp8Scaling){NULL, guess + 10, i->fc2};
-        in.weight_scaling.qkv = (Fp8Scaling){NULL, guess, w->qkv};
-        in.weight_scaling.proj = (Fp8Scaling){NULL, guess + 2, w->proj};
-        in.weight_scaling.fc1 = (Fp8Scaling){NULL, guess + 4, w->fc1};
-        in.weight_scaling.fc2 = (Fp8Scaling){NULL, guess + 6, w->fc2};
+        in.inp_scaling.qkv = (Fp8Scaling){i->qkv, NULL, NULL, 0};
+        in.inp_scaling.proj = attention_merged(m) ? (Fp8Scaling){NULL, guess + 8, i->proj, 0}
+                                                  : (Fp8Scaling){i->proj, NULL, NULL, 0};
+        in.inp_scaling.fc1 = (Fp8Scaling){i->fc1, NULL, NULL, 0};
+        in.inp_scaling.fc2 = (Fp8Scaling){NULL, guess + 10, i->fc2, 0};
+        in.weight_scaling.qkv = (Fp8Scaling){NULL, guess, w->qkv, 0};
+        in.weight_scaling.proj = (Fp8Scaling){NULL, guess + 2, w->proj, 0};
+        in.weight_scaling.fc1 = (Fp8Scaling){NULL, guess + 4, w->fc1, 0};
+        in.weight_scaling.fc2 = (Fp8Scaling){NULL, guess + 6, w->fc2, 0};
+        const Fp8Amax *d = &in.dout_amax;   // (taken: the douts' amax slots)
+        int headroom = m->fp8_grad_headroom;
+        in.dout_scaling.fc1 = (Fp8Scaling){NULL, guess + 12, d->fc1, headroom};
+        in.dout_scaling.fc2 = (Fp8Scaling){NULL, guess + 14, d->fc2, headroom};
+        in.dout_scaling.proj = (Fp8Scaling){NULL, guess + 16, d->proj, headroom};
         // the weights' transposes (IC, OC), written by the forward's quantization, read by the backward
         uint8_t *wt = a->weight_fp8t + (size_t)l * 12 * h * h;
         float *wscales = a->fp8_scales + (size_t)(m->cfg.depth + l) * 4 * FP8_SCALE_SLOT;
@@ -1287,6 +1294,114 @@ static int zero_accumulated_grads(DitGpu *m, char *err) {
     return 0;
 }
 
+// ---- a block's MLP and attention projection backward ---------------------------------------
+// Block l's buffers: its activations, weights and gradients at the block's offsets.
+typedef struct {
+    const bf16 *ada;
+    float *dada;
+    size_t o1, o4;   // offsets of (B, T, h) and (B, T, 4h) activations
+} BlockAt;
+
+static BlockAt block_at(const DitGpu *m, int l, int B) {
+    size_t h = m->cfg.hidden, blk = (size_t)B * m->tokens * h;
+    return (BlockAt){m->acts.ada + l * 6 * h, m->grad_acts.ada + l * 6 * h, l * blk, l * 4 * blk};
+}
+
+// FP8 douts quantized by the passes that compute them (DitGpu.fp8_grad_headroom)
+static int fp8_douts_fused(const DitGpu *m) {
+    return m->linear == DIT_LINEAR_FP8 && m->fp8_fused_inputs && m->fp8_grad_headroom >= 0;
+}
+
+// x_next = x_mid + gate_mlp·fc2(gelu(fc1(ln2))): g->residual (dL/dx_next) to g->ln2. fc2's backward and
+// the GELU's are one GEMM (bf16). The bias gradients come with the passes that write the douts: fc2's
+// with the gated residual's, fc1's (FP8) with the dGELU; the linears' backwards then take dbias NULL.
+static int mlp_backward(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
+    const DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    const DitGpuWeights *w = &m->weights;
+    DitParams *dw = &m->grads;
+    int h = m->cfg.hidden, T = m->tokens, BT = B * T, stride = m->cfg.depth * 6 * h;
+    BlockAt at = block_at(m, l, B);
+    TRY(gated_residual_backward_cuda(NULL, g->fc2, at.dada + 5 * h, g->residual, a->fc2 + at.o1, at.ada + 5 * h, B, T,
+                                     h, stride, q8->dout_amax.fc2, dw->fc2_b + (size_t)l * h, &m->ctx, m->stream,
+                                     err));
+    float *fc1_dbias = dw->fc1_b + (size_t)l * 4 * h;
+    int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
+    TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, wb, NULL, g->fc2,
+                                    gelu_block(m, l, (size_t)BT * h), &q8->fc2, a->fc1 + at.o4,
+                                    w->fc2_w + (size_t)l * 4 * h * h, kept(&q8->weight_t.fc2), BT, 4 * h, h,
+                                    q8->dout_amax.fc2, q8->weight_amax.fc2, q8->dout_amax.fc1,
+                                    dbias_in_dgelu ? fc1_dbias : NULL, err));
+    return block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, wb, dbias_in_dgelu ? NULL : fc1_dbias,
+                                 g->fc1, a->ln2 + at.o1, &q8->fc1, w->fc1_w + (size_t)l * 4 * h * h,
+                                 kept(&q8->weight_t.fc1), BT, h, 4 * h, q8->dout_amax.fc1, q8->weight_amax.fc1, err);
+}
+
+// mlp_backward with the FP8 douts quantized where they are computed: fc2's by the gated residual's dh
+// pass, fc1's by the dGELU, each into the FP8 workspace's dout slots that the linear's backward reads.
+static int mlp_backward_fp8_douts(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
+    const DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    const DitGpuWeights *w = &m->weights;
+    DitParams *dw = &m->grads;
+    const LayersCuda *ctx = &m->ctx;
+    int h = m->cfg.hidden, T = m->tokens, BT = B * T, stride = m->cfg.depth * 6 * h;
+    BlockAt at = block_at(m, l, B);
+    Fp8Dout dout;
+    TRY(gated_residual_backward_cuda(NULL, NULL, at.dada + 5 * h, g->residual, a->fc2 + at.o1, at.ada + 5 * h, B, T,
+                                     h, stride, NULL, NULL, ctx, m->stream, err));
+    TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, 4 * h, h, err));
+    TRY(gated_dh_fp8_cuda(&dout, g->residual, at.ada + 5 * h, B, T, h, stride, dw->fc2_b + (size_t)l * h,
+                          FP8_GRAD_FORMAT, &q8->dout_scaling.fc2, ctx, m->stream, err));
+    TRY(linear_fp8_backward_quantized_cuda(g->fc1, 0.0f, dw->fc2_w + (size_t)l * 4 * h * h, wb, &dout, &q8->fc2,
+                                           w->fc2_w + (size_t)l * 4 * h * h, kept(&q8->weight_t.fc2), BT, 4 * h, h,
+                                           FP8_GRAD_FORMAT, q8->weight_amax.fc2, m->fp8_workspace,
+                                           m->fp8_workspace_bytes, ctx, m->stream, err));
+    TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, h, 4 * h, err));
+    TRY(gelu_backward_fp8_cuda(&dout, g->fc1, a->fc1 + at.o4, dw->fc1_b + (size_t)l * 4 * h, BT, 4 * h,
+                               FP8_GRAD_FORMAT, &q8->dout_scaling.fc1, ctx, m->stream, err));
+    return linear_fp8_backward_quantized_cuda(g->ln2, 0.0f, dw->fc1_w + (size_t)l * 4 * h * h, wb, &dout, &q8->fc1,
+                                              w->fc1_w + (size_t)l * 4 * h * h, kept(&q8->weight_t.fc1), BT, h,
+                                              4 * h, FP8_GRAD_FORMAT, q8->weight_amax.fc1, m->fp8_workspace,
+                                              m->fp8_workspace_bytes, ctx, m->stream, err);
+}
+
+// x_mid = x + gate_msa·proj(att_merged): g->residual to g->att_merged (proj's bias gradient with the
+// gated residual's dh pass).
+static int proj_backward(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
+    const DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    int h = m->cfg.hidden, T = m->tokens, stride = m->cfg.depth * 6 * h;
+    BlockAt at = block_at(m, l, B);
+    TRY(gated_residual_backward_cuda(NULL, g->proj, at.dada + 2 * h, g->residual, a->proj + at.o1, at.ada + 2 * h, B,
+                                     T, h, stride, q8->dout_amax.proj, m->grads.proj_b + (size_t)l * h, &m->ctx,
+                                     m->stream, err));
+    return block_linear_backward(m, g->att_merged, m->grads.proj_w + (size_t)l * h * h, wb, NULL, g->proj,
+                                 a->att_merged + at.o1, &q8->proj, m->weights.proj_w + (size_t)l * h * h,
+                                 kept(&q8->weight_t.proj), B * T, h, h, q8->dout_amax.proj, q8->weight_amax.proj,
+                                 err);
+}
+
+// proj_backward with its FP8 dout quantized by the gated residual's dh pass (as mlp_backward_fp8_douts)
+static int proj_backward_fp8_dout(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
+    const DitGpuActivations *a = &m->acts;
+    DitGpuGradActs *g = &m->grad_acts;
+    const LayersCuda *ctx = &m->ctx;
+    int h = m->cfg.hidden, T = m->tokens, BT = B * T, stride = m->cfg.depth * 6 * h;
+    BlockAt at = block_at(m, l, B);
+    Fp8Dout dout;
+    TRY(gated_residual_backward_cuda(NULL, NULL, at.dada + 2 * h, g->residual, a->proj + at.o1, at.ada + 2 * h, B, T,
+                                     h, stride, NULL, NULL, ctx, m->stream, err));
+    TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, h, h, err));
+    TRY(gated_dh_fp8_cuda(&dout, g->residual, at.ada + 2 * h, B, T, h, stride, m->grads.proj_b + (size_t)l * h,
+                          FP8_GRAD_FORMAT, &q8->dout_scaling.proj, ctx, m->stream, err));
+    return linear_fp8_backward_quantized_cuda(g->att_merged, 0.0f, m->grads.proj_w + (size_t)l * h * h, wb, &dout,
+                                              &q8->proj, m->weights.proj_w + (size_t)l * h * h,
+                                              kept(&q8->weight_t.proj), BT, h, h, FP8_GRAD_FORMAT,
+                                              q8->weight_amax.proj, m->fp8_workspace, m->fp8_workspace_bytes, ctx,
+                                              m->stream, err);
+}
+
 // Zeroes the activation gradients from `first` up to (not including) `end`: buffers that the
 // backward accumulates into (every CUDA backward adds, as the CPU ones).
 static int zero_range(DitGpu *m, const void *first, const void *end, char *err) {
@@ -1338,41 +1453,19 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
     for (int l = L - 1; l >= 0; l--) {
         const bf16 *ada = a->ada + (size_t)l * 6 * h;
         float *dada = g->ada + (size_t)l * 6 * h;
-        size_t o1 = l * blk, o4 = l * 4 * blk, ost = l * bt;
+        size_t o1 = l * blk, ost = l * bt;
         // FP8: the inputs the forward quantized, and the douts' amax (from the kernels writing them)
         BlockFp8Inputs q8 = block_fp8_inputs(m, l);
         // every activation gradient of the block is written by its one producer, except the head-major
         // dout of sequence parallelism, into which merge_heads_backward adds
         if (!attention_merged(m)) TRY(zero_range(m, g->att, g->att + blk, err));
 
-        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))): fc2's backward and the GELU's are one GEMM (bf16).
-        // The bias gradients come with the passes that write the douts: fc2's with the gated residual's,
-        // fc1's (FP8) with the dGELU; the linears' backwards then take dbias NULL.
-        TRY(gated_residual_backward_cuda(NULL, g->fc2, dada + 5 * h, g->residual, a->fc2 + o1, ada + 5 * h,
-                                         B, T, h, stride, q8.dout_amax.fc2, dw->fc2_b + (size_t)l * h, ctx, s, err));
-        float *fc1_dbias = dw->fc1_b + (size_t)l * 4 * h;
-        int dbias_in_dgelu = m->linear == DIT_LINEAR_FP8;
-        TRY(block_linear_dgelu_backward(m, g->fc1, dw->fc2_w + (size_t)l * 4 * h * h, wb, NULL,
-                                        g->fc2, gelu_block(m, l, blk), &q8.fc2, a->fc1 + o4,
-                                        w->fc2_w + (size_t)l * 4 * h * h, kept(&q8.weight_t.fc2), BT, 4 * h, h,
-                                        q8.dout_amax.fc2,
-                                        q8.weight_amax.fc2, q8.dout_amax.fc1, dbias_in_dgelu ? fc1_dbias : NULL, err));
-        TRY(block_linear_backward(m, g->ln2, dw->fc1_w + (size_t)l * 4 * h * h, wb, dbias_in_dgelu ? NULL : fc1_dbias,
-                                  g->fc1, a->ln2 + o1, &q8.fc1, w->fc1_w + (size_t)l * 4 * h * h,
-                                  kept(&q8.weight_t.fc1), BT, h, 4 * h,
-                                  q8.dout_amax.fc1, q8.weight_amax.fc1, err));
+        // x_next = x_mid + gate_mlp·fc2(gelu(fc1(...))), then x_mid = x + gate_msa·proj(attention(...))
+        TRY(fp8_douts_fused(m) ? mlp_backward_fp8_douts(m, l, &q8, B, wb, err) : mlp_backward(m, l, &q8, B, wb, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada + 3 * h, dada + 4 * h, g->ln2, a->x_mid + o1,
                                              a->ln2_mean + ost, a->ln2_rstd + ost, ada + 4 * h, B, T, h, stride,
                                              ctx, s, err));
-
-        // x_mid = x + gate_msa·proj(attention(...))
-        TRY(gated_residual_backward_cuda(NULL, g->proj, dada + 2 * h, g->residual, a->proj + o1, ada + 2 * h,
-                                         B, T, h, stride, q8.dout_amax.proj, dw->proj_b + (size_t)l * h, ctx, s,
-                                         err));
-        TRY(block_linear_backward(m, g->att_merged, dw->proj_w + (size_t)l * h * h, wb, NULL,
-                                  g->proj, a->att_merged + o1, &q8.proj, w->proj_w + (size_t)l * h * h,
-                                  kept(&q8.weight_t.proj), BT, h, h,
-                                  q8.dout_amax.proj, q8.weight_amax.proj, err));
+        TRY(fp8_douts_fused(m) ? proj_backward_fp8_dout(m, l, &q8, B, wb, err) : proj_backward(m, l, &q8, B, wb, err));
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split
         // into heads
         if (!attention_merged(m)) TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));

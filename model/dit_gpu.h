@@ -47,6 +47,7 @@ extern "C" {
 // current amax, fp32 accumulation; fc1's GELU and fc2's dGELU as separate passes). The patch
 // embedding, timestep MLP, adaLN and final layer stay bf16. dev/notes_linear_fp8.md.
 typedef enum { DIT_LINEAR_BF16 = 0, DIT_LINEAR_FP8 = 1 } DitLinear;
+#define DIT_FP8_GRAD_HEADROOM 3   // DitGpu.fp8_grad_headroom from create
 
 struct ncclComm;   // ncclComm_t
 #define DIT_ULYSSES_HEAD_GROUPS 4
@@ -189,6 +190,13 @@ typedef struct {
                                        // weights' transposes are kept for the backward. 0: each linear
                                        // reads a stored bf16 input and takes its amax in a pass of its
                                        // own (bitwise the same results: test_dit_fp8_cuda compares them)
+    int fp8_grad_headroom;             // DIT_LINEAR_FP8 with fused inputs: >= 0 (DIT_FP8_GRAD_HEADROOM from
+                                       // create): the douts of fc2, fc1 and proj are quantized by the passes
+                                       // that compute them (the gated residual's dh, the dGELU:
+                                       // layers/fp8_dout_cuda.cu) with a guessed exponent kept while within
+                                       // 2·headroom binades above its current amax's (Fp8Scaling.headroom;
+                                       // 0: current scaling's exact bytes, bitwise the -1 path);
+                                       // -1: stored in bf16 and quantized by the linears
     // parameter-sized buffers, one allocation: fp32 params, grads, AdamW m and v, EMA; bf16
     // copies of the params (updated by AdamW) and of the EMA (made before sampling). Each is
     // shards·shard_size elements (num_params padded with zeros; shard_size a multiple of 64);

@@ -48,15 +48,19 @@ static void require_fp8_gpu(void) {
 
 // One step (forward, loss, backward) of a model created with `linear` from cpu's weights: the
 // output (n floats), the loss and every parameter gradient. fused: FP8's fp8_fused_inputs (1:
-// create's default; 0: the linears read stored bf16 inputs and take their own amax).
-static float gpu_step(const Dit *cpu, DitLinear linear, int fused, const float *x0, const float *noise,
-                      const float *t, const int *labels, float *out, float *grads) {
+// create's default; 0: the linears read stored bf16 inputs and take their own amax); headroom: its
+// fp8_grad_headroom (DIT_FP8_GRAD_HEADROOM: create's default).
+static float gpu_step(const Dit *cpu, DitLinear linear, int fused, int headroom, const float *x0,
+                      const float *noise, const float *t, const int *labels, float *out, float *grads) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     float loss;
     OK(dit_gpu_create_sp(&m, &cpu->cfg, B, DIT_ATTN_EXACT, linear, NULL, err));
     if (linear == DIT_LINEAR_FP8) cr_assert_eq(m.fp8_fused_inputs, 1, "create must turn the fused inputs on");
+    if (linear == DIT_LINEAR_FP8)
+        cr_assert_eq(m.fp8_grad_headroom, DIT_FP8_GRAD_HEADROOM, "create must set the default dout headroom");
     m.fp8_fused_inputs = fused;
+    m.fp8_grad_headroom = headroom;
     OK(dit_gpu_upload(&m, cpu, err));
     OK(dit_gpu_set_flow_batch(&m, x0, noise, t, labels, B, err));
     OK(dit_gpu_forward(&m, &m.weights, B, err));
@@ -104,7 +108,8 @@ static void check_one_step(const DitConfig *c) {
         out[k] = malloc(n * sizeof(float));
         grads[k] = malloc(cpu.num_params * sizeof(float));
         cr_assert(out[k] && grads[k]);
-        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, 1, x0, noise, t, labels, out[k], grads[k]);
+        loss[k] = gpu_step(&cpu, k == 0 ? DIT_LINEAR_BF16 : DIT_LINEAR_FP8, 1, DIT_FP8_GRAD_HEADROOM, x0, noise, t,
+                           labels, out[k], grads[k]);
     }
 
     double e_out = rel_l2(out[1], out[0], n), e_loss = fabs(loss[1] - loss[0]) / loss[0];
@@ -146,9 +151,10 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
 }
 
 // The fused inputs (fp8_fused_inputs, the default: the producers' amax, GELU(fc1) recomputed by fc2's
-// quantization) against stored bf16 inputs and the linears' own amax passes: the same values and
-// scales, so bitwise the same output, loss and gradients (the attention backward in its
-// deterministic mode, so that two runs of the same step are comparable).
+// quantization) with the douts quantized by their producers at headroom 0 (fp8_grad_headroom:
+// current scaling's exponent) against stored bf16 inputs and douts and the linears' own amax passes
+// and quantizations: the same values and scales, so bitwise the same output, loss and gradients (the
+// attention backward in its deterministic mode, so that two runs of the same step are comparable).
 static void check_fused_inputs_are_exact(const DitConfig *c) {
     require_fp8_gpu();
     Dit cpu;
@@ -163,7 +169,7 @@ static void check_fused_inputs_are_exact(const DitConfig *c) {
         out[k] = malloc(n * sizeof(float));
         grads[k] = malloc(cpu.num_params * sizeof(float));
         cr_assert(out[k] && grads[k]);
-        loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1 - k, x0, noise, t, labels, out[k], grads[k]);
+        loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1 - k, 0, x0, noise, t, labels, out[k], grads[k]);
     }
     flash_backward_set_deterministic(was_deterministic);
     fprintf(stderr, "fp8, fused inputs vs stored ones, %d tokens: loss %.9g vs %.9g\n", dit_tokens(c),
@@ -185,6 +191,51 @@ Test(dit_fp8, fused_inputs_give_bitwise_the_same_step_100_tokens) {
     DitConfig c = fp8_config;
     c.image_size = 20;
     check_fused_inputs_are_exact(&c);
+}
+
+// The douts' scales with headroom (fp8_grad_headroom DIT_FP8_GRAD_HEADROOM = 3: up to 6 binades above
+// the current amax's; here 3, each guess starting wrong) against headroom 0: the forward untouched
+// (output and loss bitwise), the gradients moved only by the douts' values that fall below e4m3's
+// normal range (relative L2 per tensor <= 1e-2, against FP8's own 5e-2 from bf16), and moved
+// somewhere (the headroom is applied).
+Test(dit_fp8, grad_headroom_moves_only_the_smallest_values) {
+    require_fp8_gpu();
+    Dit cpu;
+    Rng rng;
+    float *x0, *noise, t[B] = {0.3f, 0.8f};
+    int labels[B] = {1, fp8_config.num_classes};
+    size_t n = make_model_and_batch(&cpu, &fp8_config, 23, &x0, &noise, &rng);
+    int was_deterministic = flash_backward_deterministic();
+    flash_backward_set_deterministic(1);
+    float *out[2], *grads[2], loss[2];
+    for (int k = 0; k < 2; k++) {
+        out[k] = malloc(n * sizeof(float));
+        grads[k] = malloc(cpu.num_params * sizeof(float));
+        cr_assert(out[k] && grads[k]);
+        loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1, k ? DIT_FP8_GRAD_HEADROOM : 0, x0, noise, t, labels, out[k],
+                           grads[k]);
+    }
+    flash_backward_set_deterministic(was_deterministic);
+    cr_expect(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "loss %.9g vs %.9g", loss[0], loss[1]);
+    cr_expect(memcmp(out[0], out[1], n * sizeof(float)) == 0, "the outputs differ");
+    int count = dit_num_tensors(&fp8_config);
+    DitTensorInfo *info = malloc(count * sizeof(DitTensorInfo));
+    cr_assert(info);
+    dit_tensor_infos(&fp8_config, info);
+    double worst = 0;
+    for (int i = 0; i < count; i++) {
+        double e = rel_l2(grads[1] + info[i].offset, grads[0] + info[i].offset, info[i].numel);
+        cr_expect(e <= 1e-2, "gradient %s: headroom %d vs 0 rel L2 %.3e > 1e-2", info[i].name, DIT_FP8_GRAD_HEADROOM,
+                  e);
+        worst = e > worst ? e : worst;
+    }
+    fprintf(stderr, "fp8, dout headroom %d vs 0: worst gradient rel L2 %.3e over %d tensors\n", DIT_FP8_GRAD_HEADROOM,
+            worst, count);
+    cr_expect(worst > 0, "no gradient moved: is the headroom applied?");
+    free(info);
+    for (int k = 0; k < 2; k++) { free(out[k]); free(grads[k]); }
+    free(x0); free(noise);
+    dit_free(&cpu);
 }
 
 // An unknown kind is refused before any CUDA call (no GPU needed); FP8 with 100 tokens is not

@@ -720,3 +720,31 @@ Test(cuda, token_reductions_are_deterministic) {
         cr_expect_eq(memcmp(dh, first_dh, n * sizeof(float)), 0, "dh differs between runs");
     }
 }
+
+// The split column sums (column_sums_store: the last block of a column tile adds the chunks'
+// partials and sets the tile's arrival counter back to 0) over many calls on one context, each with
+// new data, all into one bias gradient: a counter left off zero, or a block finishing before another's
+// partial is stored, would show as a wrong sum. M = 4096 rows in 64 chunks, OC = 128 (one tile), 64
+// calls against the CPU's double sum.
+Test(cuda, split_column_sums_over_many_calls) {
+    REQUIRE_GPU();
+    enum { CALLS = 64 };
+    int M = 4096, IC = 16, OC = 128;
+    size_t ny = (size_t)M * OC;
+    Rng rng;
+    rng_seed(&rng, 17);
+    float *dy = randn_bf16(&rng, ny * CALLS, 1.0f);
+    bf16 *d_dy = upload_bf16(dy, ny * CALLS), *d_x = upload_bf16(randn_bf16(&rng, (size_t)M * IC, 1.0f), (size_t)M * IC);
+    bf16 *d_w = upload_bf16(randn_bf16(&rng, (size_t)OC * IC, 0.1f), (size_t)OC * IC);
+    float *d_dw = device_alloc((size_t)OC * IC * sizeof(float)), *d_db = device_alloc(OC * sizeof(float));
+    CK(cudaMemset(d_db, 0, OC * sizeof(float)));
+    for (int k = 0; k < CALLS; k++)
+        OK(linear_backward_cuda(NULL, 1.0f, d_dw, 0.0f, d_db, d_dy + k * ny, d_x, d_w, M, IC, OC, &ctx, 0, err));
+    float *db = download_f32(d_db, OC), *ref = host_floats(OC);
+    for (int o = 0; o < OC; o++) {
+        double sum = 0;
+        for (size_t r = 0; r < (size_t)M * CALLS; r++) sum += dy[r * OC + o];
+        ref[o] = (float)sum;
+    }
+    EXPECT_CLOSE(db, ref, OC, TOL_F32, "dbias summed over 64 calls of 64 chunks");
+}

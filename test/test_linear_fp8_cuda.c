@@ -94,13 +94,16 @@ TestSuite(linear_fp8, .init = setup, .fini = teardown);
 
 // ---- quantization: bit-exact ---------------------------------------------------------------
 
-// The device copies of x (R, C) against the CPU's quantization: d_scale equal to its scale, every
-// byte of d_q (R, C) (may be NULL) and d_qt (C, Rp) worth the CPU's value, qt's pad columns 0.
-static void expect_quantized(const uint8_t *d_q, const uint8_t *d_qt, const float *d_scale, const float *x, int R,
-                             int C, Fp8Format format, const char *name) {
+// The device copies of x (R, C) against the CPU's quantization with the scale 2^e: d_scale equal to
+// it, every byte of d_q (R, C) (may be NULL) and d_qt (C, Rp) worth the CPU's value, qt's pad columns 0.
+static void expect_quantized_at(const uint8_t *d_q, const uint8_t *d_qt, const float *d_scale, const float *x, int R,
+                                int C, Fp8Format format, int e, const char *name) {
     size_t n = (size_t)R * C, Rp = fp8_padded_rows(R), nt = (size_t)C * Rp;
-    float *ref = host_floats(n), scale;
-    float ref_scale = fp8_fake_quantize(ref, x, n, format);
+    float *ref = host_floats(n), scale, ref_scale = ldexpf(1.0f, e);
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i] * ldexpf(1.0f, -e);
+        ref[i] = (format == FP8_E4M3 ? round_to_e4m3(v) : round_to_e5m2(v)) * ref_scale;
+    }
     uint8_t *q = host_alloc(n), *qt = host_alloc(nt);
     CK(cudaDeviceSynchronize());
     if (d_q) CK(cudaMemcpy(q, d_q, n, cudaMemcpyDeviceToHost));
@@ -127,6 +130,13 @@ static void expect_quantized(const uint8_t *d_q, const uint8_t *d_qt, const floa
     cr_expect_eq(bad_t, 0, "%s R=%d C=%d format %d: %zu of %zu qt differ", name, R, C, (int)format, bad_t, n);
     cr_expect_eq(bad_pad, 0, "%s R=%d C=%d: %zu of qt's %zu pad bytes are not 0", name, R, C, bad_pad,
                  (size_t)C * (Rp - R));
+}
+
+// expect_quantized_at with current scaling's exponent (of max |x|): fp8_fake_quantize's values.
+static void expect_quantized(const uint8_t *d_q, const uint8_t *d_qt, const float *d_scale, const float *x, int R,
+                             int C, Fp8Format format, const char *name) {
+    expect_quantized_at(d_q, d_qt, d_scale, x, R, C, format, fp8_scale_exponent(host_amax(x, (size_t)R * C), format),
+                        name);
 }
 
 // After a guessed quantization: the amax it took equal to the true one (d_amax) and the guess
@@ -615,8 +625,9 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     for (int k = 0; k < 4; k++) y[k] = poisoned(ny * sizeof(bf16));
     OK(linear_fp8_forward_cuda(y[0], d_x, d_w, d_b, M, IC, OC, &s[0], NULL, NULL, NULL, workspace, workspace_bytes,
                                &ctx, 0, err));
-    Fp8Scaling x_known = {d_x_amax, NULL, NULL}, w_known = {d_w_amax, NULL, NULL}, big_known = {d_big, NULL, NULL};
-    Fp8Scaling w_big_known = {d_w_big, NULL, NULL};
+    Fp8Scaling x_known = {d_x_amax, NULL, NULL, 0}, w_known = {d_w_amax, NULL, NULL, 0};
+    Fp8Scaling big_known = {d_big, NULL, NULL, 0};
+    Fp8Scaling w_big_known = {d_w_big, NULL, NULL, 0};
     OK(linear_fp8_forward_cuda(y[1], d_x, d_w, d_b, M, IC, OC, &s[1], NULL, &x_known, &w_known, workspace,
                                workspace_bytes, &ctx, 0, err));
     OK(linear_fp8_forward_cuda(y[2], d_x, d_w, d_b, M, IC, OC, &s[2], NULL, &big_known, NULL, workspace,
@@ -667,7 +678,7 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
     float *dy2 = randn_bf16(&rng, nx, 0.01f), dy2_amax = host_amax(dy2, nx);
     bf16 *d_dy2 = upload_bf16(dy2, nx), *d_w2 = upload_bf16(w, nw);
     float *d_dy2_amax = upload_f32(&dy2_amax, 1);
-    Fp8Scaling act_known = {act_amax, NULL, NULL};
+    Fp8Scaling act_known = {act_amax, NULL, NULL, 0};
     OK(linear_fp8_forward_cuda(y2, act[0], d_w2, NULL, M, OC, IC, &s_act, NULL, &act_known, NULL, workspace,
                                workspace_bytes, &ctx, 0, err));
     for (int k = 0; k < 2; k++) {
@@ -745,11 +756,11 @@ Test(linear_fp8, gelu_input_gives_the_bytes_of_a_stored_gelu) {
                                &ctx, 0, err));
     // k = 0: own amax passes; 1: amax given; 2, 3: guessed (exponents 0 and 3 off the right ones at
     // first: both re-quantized; then kept: the right ones, the guessing pass alone)
-    Fp8Scaling act_known = {act_amax, NULL, NULL}, w_known = {w_amax, NULL, NULL};
+    Fp8Scaling act_known = {act_amax, NULL, NULL, 0}, w_known = {w_amax, NULL, NULL, 0};
     int wrong[4] = {0, 0, fp8_scale_exponent(host_amax(download_bf16(act, n), n), FP8_E4M3) + 3, 0};
     int *exponents = upload_i32(wrong, 4);
     float *taken = zeroed(2 * sizeof(float));
-    Fp8Scaling act_guessed = {NULL, exponents, taken}, w_guessed = {NULL, exponents + 2, taken + 1};
+    Fp8Scaling act_guessed = {NULL, exponents, taken, 0}, w_guessed = {NULL, exponents + 2, taken + 1, 0};
     for (int k = 0; k < 4; k++) {
         bf16 *y = poisoned(ny * sizeof(bf16));
         Fp8Saved s = poisoned_saved(M, IC);
@@ -843,4 +854,104 @@ Test(linear_fp8, gated_dbias_gives_the_bytes_of_a_separate_dbias) {
         snprintf(what, sizeof what, "gated dh + dbias B=%d T=%d C=%d: amax", B, T, C);
         expect_same_bytes(amax_new, amax_ref, sizeof(float), what);
     }
+}
+
+// ---- douts quantized by their producers (layers/fp8_dout_cuda.cu) ----------------------------
+// The dGELU (gelu_backward_fp8_cuda) and the gated residual's dh (gated_dh_fp8_cuda) quantized in
+// the pass that computes them, against the bf16 pass (gelu_backward_inplace_cuda,
+// gated_residual_backward_cuda) whose result the CPU quantizes: every byte of q and qt (and qt's pad)
+// worth the CPU's value at the exponent the guess rules give (fp8_guess_kept: the guess kept within
+// [e, e + 2·headroom], else e + headroom, e of the amax), the scale, the amax taken, the next guess,
+// and the bias gradient bitwise a linear backward's own pass over the bf16 values. Shapes: C = 112
+// (one partial column tile) and 2048; M = 111 and 97 (qt pad), 5000 (chunks of 65 rows: qt written
+// by bytes, pad rows past the last group) and 16384 (many 64-row groups); e4m3 and e5m2.
+typedef struct { int B, T, C; } DoutShape;
+
+static void check_dout_fp8(int gate, DoutShape sh, Fp8Format format, int headroom, int offset, Rng *rng) {
+    int M = sh.B * sh.T, C = sh.C, stride = 6 * C, IC = 16, Rp = fp8_padded_rows(M);
+    size_t n = (size_t)M * C;
+    float *a = randn_bf16(rng, n, 1.0f), *b = randn_bf16(rng, gate ? (size_t)sh.B * stride : n, gate ? 0.5f : 2.0f);
+    float *h = randn_bf16(rng, n, 1.0f), *db0 = randn_bf16(rng, C, 1.0f);
+    bf16 *d_a = upload_bf16(a, n), *d_b = upload_bf16(b, gate ? (size_t)sh.B * stride : n);
+    bf16 *ref = poisoned(n * sizeof(bf16));
+    float *db_ref = upload_f32(db0, C), *db_new = upload_f32(db0, C);
+    if (gate) {   // dh = gate·dout (dgate into scratch)
+        float *dgate = zeroed((size_t)sh.B * stride * sizeof(float));
+        OK(gated_residual_backward_cuda(NULL, ref, dgate, d_a, upload_bf16(h, n), d_b, sh.B, sh.T, C, stride, NULL,
+                                        NULL, &ctx, 0, err));
+    } else {      // dpre = GELU'(pre)·d, in place on a copy of d
+        CK(cudaMemcpy(ref, d_a, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
+        OK(gelu_backward_inplace_cuda(ref, d_b, n, NULL, 0, err));
+    }
+    float *dw_unused = zeroed((size_t)C * IC * sizeof(float));
+    bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
+    OK(linear_backward_cuda(NULL, 1.0f, dw_unused, 1.0f, db_ref, ref, x_unused, w_unused, M, IC, C, &ctx, 0, err));
+    float *x = download_bf16(ref, n), amax = host_amax(x, n);
+    int e = fp8_scale_exponent(amax, format), guess = e + offset;
+    int used = fp8_guess_kept(guess, e, headroom) ? guess : fp8_next_guess(e, headroom);
+    int state[2] = {guess, 12345};
+    int *d_exponent = upload_i32(state, 2);
+    Fp8Scaling scaling = {NULL, d_exponent, zeroed(sizeof(float)), headroom};
+    Fp8Dout out = {poisoned(n), poisoned((size_t)C * Rp), poisoned(256)};
+    if (gate)
+        OK(gated_dh_fp8_cuda(&out, d_a, d_b, sh.B, sh.T, C, stride, db_new, format, &scaling, &ctx, 0, err));
+    else
+        OK(gelu_backward_fp8_cuda(&out, d_a, d_b, db_new, M, C, format, &scaling, &ctx, 0, err));
+    char what[128];
+    snprintf(what, sizeof what, "%s M=%d C=%d format %d headroom %d guess %+d", gate ? "gated_dh_fp8_cuda" :
+             "gelu_backward_fp8_cuda", M, C, (int)format, headroom, offset);
+    expect_quantized_at(out.q, out.qt, out.scale, x, M, C, format, used, what);
+    expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
+    float taken = download_f32(scaling.taken, 1)[0];
+    int next;
+    CK(cudaMemcpy(&next, d_exponent, sizeof next, cudaMemcpyDeviceToHost));
+    cr_expect_eq(taken, amax, "%s: amax taken %g, true %g", what, taken, amax);
+    cr_expect_eq(next, fp8_next_guess(e, headroom), "%s: next guess %d, want %d", what, next,
+                 fp8_next_guess(e, headroom));
+    free_buffers();
+}
+
+Test(linear_fp8, douts_quantized_by_their_producers) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 49);
+    const DoutShape shapes[] = {{3, 37, 112}, {1, 97, 2048}, {2, 2500, 512}};
+    const int cases[][2] = {{0, 0}, {0, -1}, {0, 3}, {2, 0}, {2, 4}, {2, 5}, {2, -1}};   // headroom, guess - e
+    for (int gate = 0; gate < 2; gate++)
+        for (int s = 0; s < 3; s++)
+            for (int k = 0; k < 7; k++)
+                check_dout_fp8(gate, shapes[s], k % 2 ? FP8_E5M2 : FP8_E4M3, cases[k][0], cases[k][1], &rng);
+    for (int gate = 0; gate < 2; gate++) {   // many groups and chunks
+        check_dout_fp8(gate, (DoutShape){2, 8192, 512}, FP8_E4M3, 0, 0, &rng);
+        check_dout_fp8(gate, (DoutShape){2, 8192, 512}, FP8_E4M3, 2, 5, &rng);
+    }
+}
+
+// The backward from a dout quantized beforehand into linear_fp8_dout_slots (as the producers above
+// write it) against the backward quantizing the same bf16 dout itself: the same dinp and dweight bytes.
+Test(linear_fp8, backward_from_a_quantized_dout_gives_the_same_bytes) {
+    REQUIRE_GPU();
+    Rng rng;
+    rng_seed(&rng, 50);
+    int M = 97, IC = 128, OC = 80;
+    size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
+    float *x = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.05f), *dy = randn_bf16(&rng, ny, 0.01f);
+    bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_dy = upload_bf16(dy, ny);
+    Fp8Saved saved = poisoned_saved(M, IC);
+    OK(linear_fp8_forward_cuda(poisoned(ny * sizeof(bf16)), d_x, d_w, NULL, M, IC, OC, &saved, NULL, NULL, NULL,
+                               workspace, workspace_bytes, &ctx, 0, err));
+    bf16 *dx[2] = {poisoned(nx * sizeof(bf16)), poisoned(nx * sizeof(bf16))};
+    float *dw[2] = {zeroed(nw * sizeof(float)), zeroed(nw * sizeof(float))};
+    OK(linear_fp8_backward_cuda(dx[0], 0.0f, dw[0], 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, FP8_E4M3, NULL,
+                                NULL, workspace, workspace_bytes, &ctx, 0, err));
+    Fp8Dout dout;
+    OK(linear_fp8_dout_slots(&dout, workspace, workspace_bytes, M, IC, OC, err));
+    OK(fp8_quantize_cuda(dout.q, dout.qt, dout.scale, d_dy, M, OC, FP8_E4M3, zeroed(sizeof(float)), 0, err));
+    OK(linear_fp8_backward_quantized_cuda(dx[1], 0.0f, dw[1], 1.0f, &dout, &saved, d_w, NULL, M, IC, OC, FP8_E4M3,
+                                          NULL, workspace, workspace_bytes, &ctx, 0, err));
+    expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp from the quantized dout");
+    expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dweight from the quantized dout");
+    cr_expect_eq(linear_fp8_backward_quantized_cuda(dx[1], 0.0f, dw[1], 1.0f, NULL, &saved, d_w, NULL, M, IC, OC,
+                                                    FP8_E4M3, NULL, workspace, workspace_bytes, &ctx, 0, err), -1);
+    cr_expect(strstr(err, "dout is NULL"), "message: %s", err);
 }
