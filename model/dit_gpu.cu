@@ -8,7 +8,6 @@
 #include "attention/hadamard.cuh"
 #include "attention/sage_cuda.h"
 #include "layers/cuda_common.cuh"
-#include "layers/fp8_dout.cuh"
 #include "layers/layers.h"
 #include "layers/linear_fp8_cuda.h"
 #include "model/dit_gpu.h"
@@ -19,10 +18,7 @@
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
 #define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
 #define FP8_SCALE_SLOT (ALIGN_BYTES / sizeof(float))   // floats: each saved FP8 scale alone in 256 bytes
-// The FP8 gradients are e4m3, not Transformer Engine's e5m2: with scales from the current amax
-// nothing needs e5m2's range, and e4m3 is 1.6x more accurate here (dev/notes_linear_fp8.md).
-#define FP8_GRAD_FORMAT FP8_E4M3
-#define FP8_GUESSES 10  // per block: the four weights, att_merged, GELU(fc1), the douts of fc1, fc2, proj, qkv
+#define FP8_GUESSES 9   // per block: the four weights, att_merged, GELU(fc1), the douts of fc1, fc2, proj
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -891,60 +887,6 @@ static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk,
     return 0;
 }
 
-// The qkv linear's FP8 dout quantized by the merge itself (layers/fp8_dout.cuh): the values
-// merge_qkv_grad_kernel stores, [bf16(dq·H) | bf16(dk·H) | dv] per row (H when rotate), dv read from
-// dqkv's v columns where the merged attention backward wrote it. A warp's 256 columns are whole heads
-// (D divides 256 and the hidden size), so the rotation's shuffles stay inside a head.
-template <int D>
-struct QkvGradSource {
-    static constexpr bool SHUFFLES = true;
-    static constexpr int BLOCKS_PER_SM = 3;   // (80 registers: at 4 per SM the rotation spills)
-    const float *dq, *dk;   // (B, H, T, D)
-    const bf16 *dqkv;       // (B·T, 3·hidden): the v columns
-    int T, H, hidden;
-    bool rotate;
-    float norm;
-    struct Rows { float x[DOUT_LOAD_ROWS][VEC]; };
-    __device__ __forceinline__ void load(Rows &r, int i, int m, int o, int n) const {
-        int which = o / hidden;
-        if (n <= 0) {
-            for (int j = 0; j < VEC; j++) r.x[i][j] = 0.0f;
-        } else if (which < 2) {
-            int b = m / T, t = m % T, head = o % hidden / D;
-            load_f32x8(r.x[i], (which ? dk : dq) + ((size_t)(b * H + head) * T + t) * D + o % D);
-        } else {
-            load_bf16x8(r.x[i], dqkv + (size_t)m * 3 * hidden + o, VEC, true);
-        }
-    }
-    __device__ __forceinline__ void values(float v[VEC], const Rows &r, int i, int, int o, int n) const {
-        float x[VEC];
-        for (int j = 0; j < VEC; j++) x[j] = r.x[i][j];
-        rotate_if<D>(x, rotate && o / hidden < 2, norm);   // every lane: the shuffles
-        if (n > 0)
-            for (int j = 0; j < VEC; j++) v[j] = bf16_rounded(x[j]);
-    }
-};
-
-// merge_qkv_grad (merged: dv in dqkv already) and the qkv linear's dout quantization in one pass into
-// out, with the bias gradient (dbias) and the guess of scaling.
-static int merge_qkv_grad_fp8(const DitGpu *m, const Fp8Dout *out, const float *dq, const float *dk,
-                              const bf16 *dqkv, float *dbias, const Fp8Scaling *scaling, int B, char *err) {
-    int T = m->tokens, H = m->cfg.heads, hidden = m->cfg.hidden, D = hidden / H;
-    float norm = 1.0f / sqrtf((float)D);
-    if (!aligned16(dq) || !aligned16(dk) || !aligned16(dqkv) || 256 % D) {
-        dit_set_error(err, "merge_qkv_grad_fp8: dq, dk, dqkv must be 16-byte aligned and D = %d divide 256", D);
-        return -1;
-    }
-    if (D == 128) {
-        QkvGradSource<128> src = {dq, dk, dqkv, T, H, hidden, sage_rotates(m), norm};
-        return launch_fp8_dout("merge_qkv_grad_fp8", src, B * T, 3 * hidden, out, dbias, FP8_GRAD_FORMAT, scaling,
-                               &m->ctx, m->stream, err);
-    }
-    QkvGradSource<64> src = {dq, dk, dqkv, T, H, hidden, sage_rotates(m), norm};
-    return launch_fp8_dout("merge_qkv_grad_fp8", src, B * T, 3 * hidden, out, dbias, FP8_GRAD_FORMAT, scaling,
-                           &m->ctx, m->stream, err);
-}
-
 // out (3 tensors of B·T·H rows of D: this rank's share, head-sharded) from dq, dk, dv fp32 of
 // the same layout, on the rows of the (b, head) pairs first .. first + count.
 static int round_qkv_grad(const DitGpu *m, bf16 *out, const float *dq, const float *dk, const float *dv, int B,
@@ -1035,6 +977,9 @@ static int ulysses_attention_backward(DitGpu *m, int l, const bf16 *dout, int B,
 }
 
 // ---- the block linears: bf16 or FP8 (m->linear) ------------------------------------------
+// The FP8 gradients are e4m3, not Transformer Engine's e5m2: with scales from the current amax
+// nothing needs e5m2's range, and e4m3 is 1.6x more accurate here (dev/notes_linear_fp8.md).
+#define FP8_GRAD_FORMAT FP8_E4M3
 
 // Block l's FP8 inputs saved by the forward for the backward (m->acts: ln1_fp8t .. fp8_scales):
 // (IC, Mp) at block stride IC·Mp of the full batch, one scale slot per linear; and the amax slots
@@ -1052,7 +997,7 @@ typedef struct {
     Fp8Saved qkv, proj, fc1, fc2;
     Fp8Amax inp_amax, weight_amax, dout_amax;
     Fp8Scalings inp_scaling, weight_scaling;
-    Fp8Scalings dout_scaling;   // the douts quantized by their producers (fp8_douts_fused)
+    Fp8Scalings dout_scaling;   // the douts of proj, fc1, fc2 quantized by their producers (qkv's unused)
     struct { Fp8Saved qkv, proj, fc1, fc2; } weight_t;   // the weights' transposed copies (qt NULL: none)
 } BlockFp8Inputs;
 
@@ -1095,7 +1040,6 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
         in.dout_scaling.fc1 = (Fp8Scaling){NULL, guess + 12, d->fc1, headroom};
         in.dout_scaling.fc2 = (Fp8Scaling){NULL, guess + 14, d->fc2, headroom};
         in.dout_scaling.proj = (Fp8Scaling){NULL, guess + 16, d->proj, headroom};
-        in.dout_scaling.qkv = (Fp8Scaling){NULL, guess + 18, d->qkv, headroom};
         // the weights' transposes (IC, OC), written by the forward's quantization, read by the backward
         uint8_t *wt = a->weight_fp8t + (size_t)l * 12 * h * h;
         float *wscales = a->fp8_scales + (size_t)(m->cfg.depth + l) * 4 * FP8_SCALE_SLOT;
@@ -1533,25 +1477,13 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
             // (merged: dv goes straight into g->qkv's v columns, as bf16, with its amax)
             TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->qkv,
                                        q8.dout_amax.qkv, attention_merged(m) ? g->att_merged : g->att, err));
+            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, attention_merged(m) ? NULL : g->dv, sage_rotates(m),
+                               q8.dout_amax.qkv, B, err));
         }
-        if (!ulysses && attention_merged(m) && fp8_douts_fused(m)) {   // the merge writes the FP8 dout
-            Fp8Dout dout;
-            TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, h, 3 * h, err));
-            TRY(merge_qkv_grad_fp8(m, &dout, g->dq, g->dk, g->qkv, dw->qkv_b + (size_t)l * 3 * h,
-                                   &q8.dout_scaling.qkv, B, err));
-            TRY(linear_fp8_backward_quantized_cuda(g->ln1, 0.0f, dw->qkv_w + (size_t)l * 3 * h * h, wb, &dout, &q8.qkv,
-                                                   w->qkv_w + (size_t)l * 3 * h * h, kept(&q8.weight_t.qkv), BT, h,
-                                                   3 * h, FP8_GRAD_FORMAT, q8.weight_amax.qkv, m->fp8_workspace,
-                                                   m->fp8_workspace_bytes, ctx, s, err));
-        } else {
-            if (!ulysses)
-                TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, attention_merged(m) ? NULL : g->dv, sage_rotates(m),
-                                   q8.dout_amax.qkv, B, err));
-            TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, wb,
-                                      dw->qkv_b + (size_t)l * 3 * h, g->qkv, a->ln1 + o1, &q8.qkv,
-                                      w->qkv_w + (size_t)l * 3 * h * h, kept(&q8.weight_t.qkv), BT, h, 3 * h,
-                                      q8.dout_amax.qkv, q8.weight_amax.qkv, err));
-        }
+        TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, wb, dw->qkv_b + (size_t)l * 3 * h,
+                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h,
+                                  kept(&q8.weight_t.qkv), BT, h, 3 * h,
+                                  q8.dout_amax.qkv, q8.weight_amax.qkv, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));

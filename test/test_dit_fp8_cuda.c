@@ -22,7 +22,6 @@
 #include "layers/common.h"
 #include "layers/layers.h"
 #include "attention/flash_cuda.h"
-#include "attention/sage_cuda.h"
 #include "model/dit.h"
 #include "model/dit_gpu.h"
 #include "test/compare.h"
@@ -50,21 +49,18 @@ static void require_fp8_gpu(void) {
 // One step (forward, loss, backward) of a model created with `linear` from cpu's weights: the
 // output (n floats), the loss and every parameter gradient. fused: FP8's fp8_fused_inputs (1:
 // create's default; 0: the linears read stored bf16 inputs and take their own amax); headroom: its
-// fp8_grad_headroom (DIT_FP8_GRAD_HEADROOM: create's default). The attention exact (bf16 flash) unless
-// step_attention says otherwise.
-static DitAttention step_attention = DIT_ATTN_EXACT;
+// fp8_grad_headroom (DIT_FP8_GRAD_HEADROOM: create's default).
 static float gpu_step(const Dit *cpu, DitLinear linear, int fused, int headroom, const float *x0,
                       const float *noise, const float *t, const int *labels, float *out, float *grads) {
     char err[DIT_ERR_LEN];
     DitGpu m;
     float loss;
-    OK(dit_gpu_create_sp(&m, &cpu->cfg, B, step_attention, linear, NULL, err));
+    OK(dit_gpu_create_sp(&m, &cpu->cfg, B, DIT_ATTN_EXACT, linear, NULL, err));
     if (linear == DIT_LINEAR_FP8) cr_assert_eq(m.fp8_fused_inputs, 1, "create must turn the fused inputs on");
     if (linear == DIT_LINEAR_FP8)
         cr_assert_eq(m.fp8_grad_headroom, DIT_FP8_GRAD_HEADROOM, "create must set the default dout headroom");
     m.fp8_fused_inputs = fused;
     m.fp8_grad_headroom = headroom;
-    m.sage.rotate = 1;   // (sage: train_dit's default)
     OK(dit_gpu_upload(&m, cpu, err));
     OK(dit_gpu_set_flow_batch(&m, x0, noise, t, labels, B, err));
     OK(dit_gpu_forward(&m, &m.weights, B, err));
@@ -156,10 +152,9 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
 
 // The fused inputs (fp8_fused_inputs, the default: the producers' amax, GELU(fc1) recomputed by fc2's
 // quantization) with the douts quantized by their producers at headroom 0 (fp8_grad_headroom:
-// current scaling's exponent; the qkv dout by the dq/dk merge, which rotates them back with sage)
-// against stored bf16 inputs and douts and the linears' own amax passes and quantizations: the same
-// values and scales, so bitwise the same output, loss and gradients (the attention backward in its
-// deterministic mode, so that two runs of the same step are comparable).
+// current scaling's exponent) against stored bf16 inputs and douts and the linears' own amax passes
+// and quantizations: the same values and scales, so bitwise the same output, loss and gradients (the
+// attention backward in its deterministic mode, so that two runs of the same step are comparable).
 static void check_fused_inputs_are_exact(const DitConfig *c) {
     require_fp8_gpu();
     Dit cpu;
@@ -167,9 +162,8 @@ static void check_fused_inputs_are_exact(const DitConfig *c) {
     float *x0, *noise, t[B] = {0.3f, 0.8f};
     int labels[B] = {1, c->num_classes};
     size_t n = make_model_and_batch(&cpu, c, 22, &x0, &noise, &rng);
-    int was_deterministic = flash_backward_deterministic(), sage_was = sage_backward_deterministic();
+    int was_deterministic = flash_backward_deterministic();
     flash_backward_set_deterministic(1);
-    sage_backward_set_deterministic(1);
     float *out[2], *grads[2], loss[2];
     for (int k = 0; k < 2; k++) {
         out[k] = malloc(n * sizeof(float));
@@ -178,7 +172,6 @@ static void check_fused_inputs_are_exact(const DitConfig *c) {
         loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1 - k, 0, x0, noise, t, labels, out[k], grads[k]);
     }
     flash_backward_set_deterministic(was_deterministic);
-    sage_backward_set_deterministic(sage_was);
     fprintf(stderr, "fp8, fused inputs vs stored ones, %d tokens: loss %.9g vs %.9g\n", dit_tokens(c),
             loss[0], loss[1]);
     cr_expect(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "loss %.9g vs %.9g", loss[0], loss[1]);
@@ -198,13 +191,6 @@ Test(dit_fp8, fused_inputs_give_bitwise_the_same_step_100_tokens) {
     DitConfig c = fp8_config;
     c.image_size = 20;
     check_fused_inputs_are_exact(&c);
-}
-
-// The same with sage attention, rotation on (undone in the qkv dout's merge).
-Test(dit_fp8, fused_inputs_give_bitwise_the_same_step_sage) {
-    step_attention = DIT_ATTN_SAGE;
-    check_fused_inputs_are_exact(&fp8_config);
-    step_attention = DIT_ATTN_EXACT;
 }
 
 // The douts' scales with headroom (fp8_grad_headroom DIT_FP8_GRAD_HEADROOM = 3: up to 6 binades above
