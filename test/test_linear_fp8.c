@@ -1,5 +1,5 @@
 // The CPU definition of the FP8 linear layer (layers/fp8.h, layers/linear_fp8.c): the power-of-two
-// scale, the fake quantization (the e4m3 / e5m2 roundings are tested in test_attention_cpu.c),
+// scale and the guessed scale's headroom rule, the fake quantization (the e4m3 / e5m2 roundings are tested in test_attention_cpu.c),
 // and the layer's error against the fp32 linear (it must round, and no coarser than e4m3 / e5m2
 // should).
 #include <criterion/criterion.h>
@@ -32,6 +32,37 @@ Test(fp8, scale_exponent) {
             cr_assert(ldexpf(amax, -e) <= fmax && ldexpf(amax, 1 - e) > fmax, "amax %g format %d: e %d", amax, f, e);
         }
     }
+}
+
+// The guessed scale with headroom (Fp8Scaling.headroom, layers/fp8.h): an exponent used is kept
+// exactly when e <= used <= e + 2H (e of the amax), the next guess is e + H (at most 127); and what
+// the claim that rests on it says: with any kept exponent no value saturates, and every value whose
+// scaled magnitude is still in e4m3's normal range (>= 2^-6) rounds to the same number as with
+// current scaling's e, so only the smallest values of a tensor can differ.
+Test(fp8, headroom_rule) {
+    for (int H = 0; H <= 3; H++)
+        for (int d = -3; d <= 2 * H + 3; d++)
+            cr_expect_eq(fp8_guess_kept(5 + d, 5, H), d >= 0 && d <= 2 * H, "H %d, used e%+d", H, d);
+    cr_expect_eq(fp8_next_guess(-7, 3), -4);
+    cr_expect_eq(fp8_next_guess(126, 3), 127);
+    Rng rng;
+    rng_seed(&rng, 4);
+    int small = 0;
+    for (int i = 0; i < 100000; i++) {
+        float amax = ldexpf(0.5f + rng_uniform(&rng), -20 + (int)(rng_u32(&rng) % 40));
+        float x = amax * rng_uniform(&rng) * ldexpf(1.0f, -(int)(rng_u32(&rng) % 16));
+        int e = fp8_scale_exponent(amax, FP8_E4M3), used = e + (int)(rng_u32(&rng) % 7);   // kept with H = 3
+        cr_assert(fp8_guess_kept(used, e, 3));
+        float scaled = ldexpf(x, -used), current = round_to_e4m3(ldexpf(x, -e)) * ldexpf(1.0f, e);
+        cr_assert(ldexpf(amax, -used) <= 448.0f, "amax %g saturates at e%+d", amax, used - e);
+        if (fabsf(scaled) >= ldexpf(1.0f, -6))
+            cr_assert_eq(round_to_e4m3(scaled) * ldexpf(1.0f, used), current, "x %g amax %g: e%+d rounds differently",
+                         x, amax, used - e);
+        else
+            small++;
+    }
+    cr_expect(small > 1000 && small < 50000, "%d of 100000 values below the normal range: the test must see both",
+              small);
 }
 
 Test(fp8, fake_quantize) {
