@@ -1,4 +1,5 @@
-// Microbenchmark of the memory-bound layer kernels (layers/*_cuda.cu) at the shapes of config a
+// Microbenchmark of the memory-bound layer kernels (layers/*_cuda.cu, and the FP8 douts' passes of
+// layers/fp8_dout_cuda.cu against the bf16 passes plus a quantize pass) at the shapes of config a
 // (DiT-B/2: hidden 768, 12 heads of 64, depth 12, 256 tokens × 64 images) and config c (hidden
 // 2048, 16 heads of 128, depth 4, 16384 tokens × 1 image): per call the median of 50 CUDA-event
 // timed runs after 5 warm-up runs, the bytes the call must move at least, GB/s and the share of
@@ -16,6 +17,7 @@
 #include <cuda_runtime_api.h>
 #include "layers/common.h"
 #include "layers/layers_cuda.h"
+#include "layers/linear_fp8_cuda.h"
 #include "dev/bench_cuda.h"
 
 #define PEAK_GBS 4000.0
@@ -60,6 +62,10 @@ typedef struct {
     OptimizerStepConstants *step;   // the optimizer's per-step values (device)
     size_t nparams;
     int oc;   // the dbias case's width
+    Fp8Dout d8;                // an FP8 dout (q, qt, scale) of the widest linear
+    Fp8Scaling fused, alone;   // the guesses of the fused passes (headroom 3, as the model's douts)
+                               // and of the quantize pass alone (0, current scaling)
+    bf16 *wide;                // (M, 4h) bf16 for the quantize pass alone
 } Case;
 
 typedef void (*Op)(Case *);
@@ -114,6 +120,39 @@ static void op_adamw(Case *cs) {
 static void op_adamw_ema(Case *cs) {
     OK(adamw_update_cuda(cs->f0, cs->pbf, cs->f1, cs->f2, cs->f3, cs->f4, cs->nparams, cs->step, 0.9f, 0.95f, 1e-8f,
                          0.0f, NULL, 0.0f, 0, err));
+}
+// The FP8 douts: fc1's (M, 4h) by the dGELU and fc2's (M, h) by the gated residual's dh, each with
+// its bias gradient: the bf16 pass (with the amax) plus the linear's own quantization pass, against
+// one fused pass (layers/fp8_dout_cuda.cu). The guesses are right after the first call, as in
+// training (the quantize pass alone reads unchanging data; the in-place dGELU's values drift, which
+// its speed does not see).
+static void op_dgelu_bf16(Case *cs) {
+    OK(gelu_backward_inplace_dbias_cuda(cs->dx, cs->x, cs->db, cs->c->B * cs->c->T, 4 * cs->c->h, cs->alone.taken + 1,
+                                        &ctx, 0, err));
+}
+static void op_quantize_wide(Case *cs) {
+    OK(fp8_quantize_guessed_cuda(cs->d8.q, cs->d8.qt, cs->d8.scale, cs->wide, cs->c->B * cs->c->T, 4 * cs->c->h,
+                                 FP8_E4M3, cs->alone.exponent, cs->alone.taken, 0, err));
+}
+static void op_dgelu_fp8(Case *cs) {
+    int M = cs->c->B * cs->c->T, C = 4 * cs->c->h;
+    OK(gelu_backward_fp8_cuda(&cs->d8, cs->dx, cs->x, cs->db, M, C, FP8_E4M3, &cs->fused, &ctx, 0, err));
+}
+static void op_gated_bf16(Case *cs) {   // dgate, then dh with its dbias and amax
+    int h = cs->c->h;
+    OK(gated_residual_backward_cuda(NULL, cs->dx, cs->dmod + 2 * h, cs->dy, cs->x, cs->mod + 2 * h, BTC(cs), 6 * h,
+                                    cs->alone.taken + 1, cs->db, &ctx, 0, err));
+}
+static void op_quantize_h(Case *cs) {
+    OK(fp8_quantize_guessed_cuda(cs->d8.q, cs->d8.qt, cs->d8.scale, cs->dx, cs->c->B * cs->c->T, cs->c->h, FP8_E4M3,
+                                 cs->alone.exponent + 2, cs->alone.taken + 2, 0, err));
+}
+static void op_gated_fp8(Case *cs) {    // dgate, then the fused dh
+    int h = cs->c->h;
+    OK(gated_residual_backward_cuda(NULL, NULL, cs->dmod + 2 * h, cs->dy, cs->x, cs->mod + 2 * h, BTC(cs), 6 * h, NULL,
+                                    NULL, &ctx, 0, err));
+    OK(gated_dh_fp8_cuda(&cs->d8, cs->dy, cs->mod + 2 * h, BTC(cs), 6 * h, cs->db, FP8_E4M3, &cs->fused, &ctx, 0,
+                         err));
 }
 static void op_norm(Case *cs) { OK(sum_squares_cuda(cs->f4 + cs->nparams, cs->f1, cs->nparams, &ctx, 0, err)); }
 
@@ -172,7 +211,31 @@ static void bench_config(const Config *c) {
         report(&cs, what, with - without, 2.0 * M * widths[i], L);
     }
     cs.dy = saved_dy;
-    CK(cudaFree(dy_wide));
+
+    // the FP8 douts (x: fc1's pre-activation and dx: its dout, (M, 4h) here; dx is also the gated
+    // residual's dh)
+    bf16 *saved_x = cs.x, *saved_dx = cs.dx;
+    cs.x = dy_wide, cs.dx = random_buffer(M * 4 * h * 2), cs.wide = random_buffer(M * 4 * h * 2);
+    cs.d8 = (Fp8Dout){random_buffer(M * 4 * h), random_buffer((M + 16) * 4 * h), random_buffer(256)};
+    int *guesses = random_buffer(6 * sizeof(int));
+    float *taken = random_buffer(4 * sizeof(float));
+    CK(cudaMemset(guesses, 0, 6 * sizeof(int)));
+    CK(cudaMemset(taken, 0, 4 * sizeof(float)));
+    cs.fused = (Fp8Scaling){NULL, guesses, taken, 3};
+    cs.alone = (Fp8Scaling){NULL, guesses + 2, taken + 1, 0};
+    double pass = time_op(op_dgelu_bf16, &cs), quantize = time_op(op_quantize_wide, &cs);
+    double fused = time_op(op_dgelu_fp8, &cs);
+    report(&cs, "dgelu (bf16) + dbias", pass, 24.0 * M * h, L);
+    report(&cs, "  + quantize pass", pass + quantize, 24.0 * M * h + 16.0 * M * h, L);
+    report(&cs, "dgelu fp8 (fused)", fused, 16.0 * M * h + 8.0 * M * h, L);
+    cs.x = saved_x;
+    pass = time_op(op_gated_bf16, &cs), quantize = time_op(op_quantize_h, &cs), fused = time_op(op_gated_fp8, &cs);
+    report(&cs, "gated dgate+dh (bf16)", pass, 8.0 * N, 2 * L);
+    report(&cs, "  + quantize pass", pass + quantize, 8.0 * N + 4.0 * N, 2 * L);
+    report(&cs, "gated dgate+dh fp8", fused, 8.0 * N, 2 * L);
+    void *fp8_bufs[] = {cs.dx, cs.wide, cs.d8.q, cs.d8.qt, cs.d8.scale, guesses, taken, dy_wide};
+    for (size_t i = 0; i < sizeof fp8_bufs / sizeof *fp8_bufs; i++) CK(cudaFree(fp8_bufs[i]));
+    cs.dx = saved_dx;
 
     // optimizer over the blocks' parameters (fp32 params, grads, m, v, ema; bf16 copy)
     cs.f0 = random_buffer(cs.nparams * 4), cs.f1 = random_buffer(cs.nparams * 4), cs.f2 = random_buffer(cs.nparams * 4);
