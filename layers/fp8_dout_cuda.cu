@@ -44,10 +44,10 @@ typedef struct {
 } DoutArgs;
 
 // One group: the dout's bf16 values at rows g0 + warp + 8k (k < 8; zero at rows >= end or columns
-// >= C; loaded DOUT_LOAD_ROWS rows at a time before any is used: the q stores below may alias, uint8_t
-// may alias anything), computed as the bf16 passes store them (rows_dbias_kernel), quantized with 2^-e into q
-// (rows < end) and the shared tile; with `first`, each lane adds them to its column sums (rows in
-// order: the dbias order). Returns max |value|.
+// >= C; loaded DOUT_LOAD_ROWS rows at a time before any is used: the q stores below may alias,
+// uint8_t may alias anything), computed as the bf16 passes store them (rows_dbias_kernel), quantized
+// with 2^-e into q (rows < end) and the shared tile; with `first`, each lane adds them to its column
+// sums (rows in order: the dbias order). Returns max |value|.
 template <int OP>
 __device__ inline float dout_group(uint8_t (*tile)[TILE_PITCH], const DoutArgs &a, int g0, int end, int o, int n,
                                    float down, float sum[VEC], bool first) {
