@@ -266,6 +266,11 @@ typedef struct {
     uint8_t *next;         // the next free byte of the fp8 copies
 } Workspace;
 
+// The slots and the first free byte of the 256-byte aligned workspace.
+static Workspace workspace_at(void *workspace) {
+    return (Workspace){(float *)workspace, (float *)workspace + 3 * SLOT_FLOATS, (uint8_t *)workspace + HEADER_BYTES};
+}
+
 static uint8_t *take(Workspace *ws, size_t bytes) {
     uint8_t *p = ws->next;
     ws->next += round256(bytes);
@@ -290,9 +295,7 @@ static int check_args(const char *fn, const char *x_name, const bf16 *x, const b
                       fn, linear_fp8_workspace_bytes(M, IC, OC), workspace_bytes, workspace, M, IC, OC);
         return -1;
     }
-    ws->amax = (float *)workspace;
-    ws->scale = ws->amax + 3 * SLOT_FLOATS;
-    ws->next = (uint8_t *)workspace + HEADER_BYTES;
+    *ws = workspace_at(workspace);
     return 0;
 }
 
@@ -438,7 +441,7 @@ int linear_fp8_dout_slots(Fp8Dout *dout, void *workspace, size_t workspace_bytes
                       linear_fp8_workspace_bytes(M, IC, OC) : 0, workspace_bytes, workspace, M, IC, OC);
         return -1;
     }
-    Workspace ws = {(float *)workspace, (float *)workspace + 3 * SLOT_FLOATS, (uint8_t *)workspace + HEADER_BYTES};
+    Workspace ws = workspace_at(workspace);
     dout->q = take(&ws, (size_t)M * OC);   // where backward() takes them
     dout->qt = take(&ws, (size_t)fp8_padded_rows(M) * OC);
     dout->scale = ws.scale + T_DOUT;

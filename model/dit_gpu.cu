@@ -1337,6 +1337,21 @@ static int mlp_backward(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float
                                  kept(&q8->weight_t.fc1), BT, h, 4 * h, q8->dout_amax.fc1, q8->weight_amax.fc1, err);
 }
 
+// A gated residual's backward (x_next = x + gate·h, the gate at columns gate·hidden.. of block l's
+// modulation; h_act the block's h) with dh quantized as the next linear's FP8 dout: dgate, then dh
+// into the FP8 workspace's dout slots for (B·T, IC, hidden), with that linear's bias gradient dbias.
+static int gated_backward_fp8_dout(DitGpu *m, int l, int B, int gate, const bf16 *h_act, int IC, float *dbias,
+                                   const Fp8Scaling *scaling, Fp8Dout *dout, char *err) {
+    DitGpuGradActs *g = &m->grad_acts;
+    int h = m->cfg.hidden, T = m->tokens, stride = m->cfg.depth * 6 * h;
+    BlockAt at = block_at(m, l, B);
+    TRY(gated_residual_backward_cuda(NULL, NULL, at.dada + gate * h, g->residual, h_act, at.ada + gate * h, B, T, h,
+                                     stride, NULL, NULL, &m->ctx, m->stream, err));
+    TRY(linear_fp8_dout_slots(dout, m->fp8_workspace, m->fp8_workspace_bytes, B * T, IC, h, err));
+    return gated_dh_fp8_cuda(dout, g->residual, at.ada + gate * h, B, T, h, stride, dbias, FP8_GRAD_FORMAT, scaling,
+                             &m->ctx, m->stream, err);
+}
+
 // mlp_backward with the FP8 douts quantized where they are computed: fc2's by the gated residual's dh
 // pass, fc1's by the dGELU, each into the FP8 workspace's dout slots that the linear's backward reads.
 static int mlp_backward_fp8_douts(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
@@ -1345,14 +1360,11 @@ static int mlp_backward_fp8_douts(DitGpu *m, int l, const BlockFp8Inputs *q8, in
     const DitGpuWeights *w = &m->weights;
     DitParams *dw = &m->grads;
     const LayersCuda *ctx = &m->ctx;
-    int h = m->cfg.hidden, T = m->tokens, BT = B * T, stride = m->cfg.depth * 6 * h;
+    int h = m->cfg.hidden, BT = B * m->tokens;
     BlockAt at = block_at(m, l, B);
     Fp8Dout dout;
-    TRY(gated_residual_backward_cuda(NULL, NULL, at.dada + 5 * h, g->residual, a->fc2 + at.o1, at.ada + 5 * h, B, T,
-                                     h, stride, NULL, NULL, ctx, m->stream, err));
-    TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, 4 * h, h, err));
-    TRY(gated_dh_fp8_cuda(&dout, g->residual, at.ada + 5 * h, B, T, h, stride, dw->fc2_b + (size_t)l * h,
-                          FP8_GRAD_FORMAT, &q8->dout_scaling.fc2, ctx, m->stream, err));
+    TRY(gated_backward_fp8_dout(m, l, B, 5, a->fc2 + at.o1, 4 * h, dw->fc2_b + (size_t)l * h, &q8->dout_scaling.fc2,
+                                &dout, err));
     TRY(linear_fp8_backward_quantized_cuda(g->fc1, 0.0f, dw->fc2_w + (size_t)l * 4 * h * h, wb, &dout, &q8->fc2,
                                            w->fc2_w + (size_t)l * 4 * h * h, kept(&q8->weight_t.fc2), BT, 4 * h, h,
                                            FP8_GRAD_FORMAT, q8->weight_amax.fc2, m->fp8_workspace,
@@ -1384,22 +1396,16 @@ static int proj_backward(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, floa
 
 // proj_backward with its FP8 dout quantized by the gated residual's dh pass (as mlp_backward_fp8_douts)
 static int proj_backward_fp8_dout(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
-    const DitGpuActivations *a = &m->acts;
-    DitGpuGradActs *g = &m->grad_acts;
-    const LayersCuda *ctx = &m->ctx;
-    int h = m->cfg.hidden, T = m->tokens, BT = B * T, stride = m->cfg.depth * 6 * h;
+    int h = m->cfg.hidden, BT = B * m->tokens;
     BlockAt at = block_at(m, l, B);
     Fp8Dout dout;
-    TRY(gated_residual_backward_cuda(NULL, NULL, at.dada + 2 * h, g->residual, a->proj + at.o1, at.ada + 2 * h, B, T,
-                                     h, stride, NULL, NULL, ctx, m->stream, err));
-    TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, h, h, err));
-    TRY(gated_dh_fp8_cuda(&dout, g->residual, at.ada + 2 * h, B, T, h, stride, m->grads.proj_b + (size_t)l * h,
-                          FP8_GRAD_FORMAT, &q8->dout_scaling.proj, ctx, m->stream, err));
-    return linear_fp8_backward_quantized_cuda(g->att_merged, 0.0f, m->grads.proj_w + (size_t)l * h * h, wb, &dout,
-                                              &q8->proj, m->weights.proj_w + (size_t)l * h * h,
+    TRY(gated_backward_fp8_dout(m, l, B, 2, m->acts.proj + at.o1, h, m->grads.proj_b + (size_t)l * h,
+                                &q8->dout_scaling.proj, &dout, err));
+    return linear_fp8_backward_quantized_cuda(m->grad_acts.att_merged, 0.0f, m->grads.proj_w + (size_t)l * h * h, wb,
+                                              &dout, &q8->proj, m->weights.proj_w + (size_t)l * h * h,
                                               kept(&q8->weight_t.proj), BT, h, h, FP8_GRAD_FORMAT,
-                                              q8->weight_amax.proj, m->fp8_workspace, m->fp8_workspace_bytes, ctx,
-                                              m->stream, err);
+                                              q8->weight_amax.proj, m->fp8_workspace, m->fp8_workspace_bytes,
+                                              &m->ctx, m->stream, err);
 }
 
 // Zeroes the activation gradients from `first` up to (not including) `end`: buffers that the

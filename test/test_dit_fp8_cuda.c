@@ -150,6 +150,23 @@ Test(dit_fp8, one_step_near_the_bf16_model_100_tokens) {
     check_one_step(&c);
 }
 
+// Two steps of the FP8 model (step k with fp8_fused_inputs fused[k] and fp8_grad_headroom
+// headroom[k]) from cpu's weights and one batch, the attention backward in its deterministic mode so
+// that the two are comparable: out[k] (n floats), grads[k] (allocated here) and loss[k].
+static void two_fp8_steps(const Dit *cpu, const float *x0, const float *noise, const float *t, const int *labels,
+                          size_t n, const int fused[2], const int headroom[2], float *out[2], float *grads[2],
+                          float loss[2]) {
+    int was_deterministic = flash_backward_deterministic();
+    flash_backward_set_deterministic(1);
+    for (int k = 0; k < 2; k++) {
+        out[k] = malloc(n * sizeof(float));
+        grads[k] = malloc(cpu->num_params * sizeof(float));
+        cr_assert(out[k] && grads[k]);
+        loss[k] = gpu_step(cpu, DIT_LINEAR_FP8, fused[k], headroom[k], x0, noise, t, labels, out[k], grads[k]);
+    }
+    flash_backward_set_deterministic(was_deterministic);
+}
+
 // The fused inputs (fp8_fused_inputs, the default: the producers' amax, GELU(fc1) recomputed by fc2's
 // quantization) with the douts quantized by their producers at headroom 0 (fp8_grad_headroom:
 // current scaling's exponent) against stored bf16 inputs and douts and the linears' own amax passes
@@ -162,16 +179,8 @@ static void check_fused_inputs_are_exact(const DitConfig *c) {
     float *x0, *noise, t[B] = {0.3f, 0.8f};
     int labels[B] = {1, c->num_classes};
     size_t n = make_model_and_batch(&cpu, c, 22, &x0, &noise, &rng);
-    int was_deterministic = flash_backward_deterministic();
-    flash_backward_set_deterministic(1);
     float *out[2], *grads[2], loss[2];
-    for (int k = 0; k < 2; k++) {
-        out[k] = malloc(n * sizeof(float));
-        grads[k] = malloc(cpu.num_params * sizeof(float));
-        cr_assert(out[k] && grads[k]);
-        loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1 - k, 0, x0, noise, t, labels, out[k], grads[k]);
-    }
-    flash_backward_set_deterministic(was_deterministic);
+    two_fp8_steps(&cpu, x0, noise, t, labels, n, (const int[2]){1, 0}, (const int[2]){0, 0}, out, grads, loss);
     fprintf(stderr, "fp8, fused inputs vs stored ones, %d tokens: loss %.9g vs %.9g\n", dit_tokens(c),
             loss[0], loss[1]);
     cr_expect(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "loss %.9g vs %.9g", loss[0], loss[1]);
@@ -205,17 +214,9 @@ Test(dit_fp8, grad_headroom_moves_only_the_smallest_values) {
     float *x0, *noise, t[B] = {0.3f, 0.8f};
     int labels[B] = {1, fp8_config.num_classes};
     size_t n = make_model_and_batch(&cpu, &fp8_config, 23, &x0, &noise, &rng);
-    int was_deterministic = flash_backward_deterministic();
-    flash_backward_set_deterministic(1);
     float *out[2], *grads[2], loss[2];
-    for (int k = 0; k < 2; k++) {
-        out[k] = malloc(n * sizeof(float));
-        grads[k] = malloc(cpu.num_params * sizeof(float));
-        cr_assert(out[k] && grads[k]);
-        loss[k] = gpu_step(&cpu, DIT_LINEAR_FP8, 1, k ? DIT_FP8_GRAD_HEADROOM : 0, x0, noise, t, labels, out[k],
-                           grads[k]);
-    }
-    flash_backward_set_deterministic(was_deterministic);
+    two_fp8_steps(&cpu, x0, noise, t, labels, n, (const int[2]){1, 1}, (const int[2]){0, DIT_FP8_GRAD_HEADROOM}, out,
+                  grads, loss);
     cr_expect(memcmp(&loss[0], &loss[1], sizeof(float)) == 0, "loss %.9g vs %.9g", loss[0], loss[1]);
     cr_expect(memcmp(out[0], out[1], n * sizeof(float)) == 0, "the outputs differ");
     int count = dit_num_tensors(&fp8_config);

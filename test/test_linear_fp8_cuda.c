@@ -19,7 +19,11 @@
 //   exponents (wrong, then right); a bias gradient taken in the pass that writes the
 //   dout (the dGELU's, the gated residual's dh) against a separate dbias pass: bitwise the same;
 // - the weight's transpose kept by the forward and read by the backwards: bit-exact, and the same
-//   gradients as the backwards quantizing the weight themselves;
+//   gradients as the backwards quantizing the weight themselves, and as the backward from a dout
+//   quantized beforehand (linear_fp8_backward_quantized_cuda);
+// - the douts quantized by their producers (the dGELU, the gated residual's dh) byte for byte against
+//   the bf16 pass and the CPU quantization at the exponent the headroom rule gives, their bias
+//   gradients bitwise a separate pass's;
 // - the argument checks (no GPU needed).
 // GPU tests skip when no CUDA GPU is found. Outputs a call writes are poisoned first (0xFF bytes).
 #include <criterion/criterion.h>
@@ -696,7 +700,9 @@ Test(linear_fp8, given_amax_gives_the_same_bytes) {
 // ---- the weight's transpose kept by the forward (save_weight / weight_saved) ----------------
 // The forward's copy of weightᵀ bit-exact against the CPU quantization; the backward and the dGELU
 // backward reading it write the same dinp (dpre), dweight and dbias bytes as when they quantize the
-// weight themselves. M = 97 rows, OC = 80 (the copy's rows), IC = 128.
+// weight themselves, and so does the backward from a dout quantized beforehand into
+// linear_fp8_dout_slots (as the douts' producers write it). M = 97 rows, OC = 80 (the copy's rows),
+// IC = 128.
 Test(linear_fp8, kept_weight_gives_the_same_backward) {
     REQUIRE_GPU();
     Rng rng;
@@ -711,18 +717,30 @@ Test(linear_fp8, kept_weight_gives_the_same_backward) {
     OK(linear_fp8_forward_cuda(poisoned(ny * sizeof(bf16)), d_x, d_w, NULL, M, IC, OC, &s, &wt, NULL, NULL, workspace,
                                workspace_bytes, &ctx, 0, err));
     expect_quantized(NULL, wt.qt, wt.scale, w, OC, IC, FP8_E4M3, "the forward's kept weightᵀ");
-    bf16 *dx[2], *dpre[2];
-    float *dw[2], *db[2];
-    for (int k = 0; k < 2; k++) {
+    bf16 *dx[3], *dpre[2];
+    float *dw[3], *db[2];
+    for (int k = 0; k < 3; k++) {
         dx[k] = poisoned(nx * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
+    }
+    for (int k = 0; k < 2; k++) {
         db[k] = zeroed(OC * sizeof(float));
         OK(linear_fp8_backward_cuda(dx[k], 0.0f, dw[k], 1.0f, db[k], d_dy, &s, d_w, k ? &wt : NULL, M, IC, OC, FP8_E4M3,
                                     NULL, NULL, workspace, workspace_bytes, &ctx, 0, err));
     }
+    Fp8Dout dout;
+    OK(linear_fp8_dout_slots(&dout, workspace, workspace_bytes, M, IC, OC, err));
+    OK(fp8_quantize_cuda(dout.q, dout.qt, dout.scale, d_dy, M, OC, FP8_E4M3, zeroed(sizeof(float)), 0, err));
+    OK(linear_fp8_backward_quantized_cuda(dx[2], 0.0f, dw[2], 1.0f, &dout, &s, d_w, &wt, M, IC, OC, FP8_E4M3, NULL,
+                                          workspace, workspace_bytes, &ctx, 0, err));
     expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp from the kept weightᵀ");
     expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dweight with the kept weightᵀ");
     expect_same_bytes(db[1], db[0], OC * sizeof(float), "dbias with the kept weightᵀ");
+    expect_same_bytes(dx[2], dx[0], nx * sizeof(bf16), "dinp from the quantized dout");
+    expect_same_bytes(dw[2], dw[0], nw * sizeof(float), "dweight from the quantized dout");
+    cr_expect_eq(linear_fp8_backward_quantized_cuda(dx[2], 0.0f, dw[2], 1.0f, NULL, &s, d_w, &wt, M, IC, OC, FP8_E4M3,
+                                                    NULL, workspace, workspace_bytes, &ctx, 0, err), -1);
+    cr_expect(strstr(err, "dout is NULL"), "message: %s", err);
     for (int k = 0; k < 2; k++) {
         dpre[k] = poisoned(nx * sizeof(bf16));
         dw[k] = zeroed(nw * sizeof(float));
@@ -925,33 +943,4 @@ Test(linear_fp8, douts_quantized_by_their_producers) {
         check_dout_fp8(gate, (DoutShape){2, 8192, 512}, FP8_E4M3, 0, 0, &rng);
         check_dout_fp8(gate, (DoutShape){2, 8192, 512}, FP8_E4M3, 2, 5, &rng);
     }
-}
-
-// The backward from a dout quantized beforehand into linear_fp8_dout_slots (as the producers above
-// write it) against the backward quantizing the same bf16 dout itself: the same dinp and dweight bytes.
-Test(linear_fp8, backward_from_a_quantized_dout_gives_the_same_bytes) {
-    REQUIRE_GPU();
-    Rng rng;
-    rng_seed(&rng, 50);
-    int M = 97, IC = 128, OC = 80;
-    size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
-    float *x = randn_bf16(&rng, nx, 1.0f), *w = randn_bf16(&rng, nw, 0.05f), *dy = randn_bf16(&rng, ny, 0.01f);
-    bf16 *d_x = upload_bf16(x, nx), *d_w = upload_bf16(w, nw), *d_dy = upload_bf16(dy, ny);
-    Fp8Saved saved = poisoned_saved(M, IC);
-    OK(linear_fp8_forward_cuda(poisoned(ny * sizeof(bf16)), d_x, d_w, NULL, M, IC, OC, &saved, NULL, NULL, NULL,
-                               workspace, workspace_bytes, &ctx, 0, err));
-    bf16 *dx[2] = {poisoned(nx * sizeof(bf16)), poisoned(nx * sizeof(bf16))};
-    float *dw[2] = {zeroed(nw * sizeof(float)), zeroed(nw * sizeof(float))};
-    OK(linear_fp8_backward_cuda(dx[0], 0.0f, dw[0], 1.0f, NULL, d_dy, &saved, d_w, NULL, M, IC, OC, FP8_E4M3, NULL,
-                                NULL, workspace, workspace_bytes, &ctx, 0, err));
-    Fp8Dout dout;
-    OK(linear_fp8_dout_slots(&dout, workspace, workspace_bytes, M, IC, OC, err));
-    OK(fp8_quantize_cuda(dout.q, dout.qt, dout.scale, d_dy, M, OC, FP8_E4M3, zeroed(sizeof(float)), 0, err));
-    OK(linear_fp8_backward_quantized_cuda(dx[1], 0.0f, dw[1], 1.0f, &dout, &saved, d_w, NULL, M, IC, OC, FP8_E4M3,
-                                          NULL, workspace, workspace_bytes, &ctx, 0, err));
-    expect_same_bytes(dx[1], dx[0], nx * sizeof(bf16), "dinp from the quantized dout");
-    expect_same_bytes(dw[1], dw[0], nw * sizeof(float), "dweight from the quantized dout");
-    cr_expect_eq(linear_fp8_backward_quantized_cuda(dx[1], 0.0f, dw[1], 1.0f, NULL, &saved, d_w, NULL, M, IC, OC,
-                                                    FP8_E4M3, NULL, workspace, workspace_bytes, &ctx, 0, err), -1);
-    cr_expect(strstr(err, "dout is NULL"), "message: %s", err);
 }
