@@ -45,10 +45,12 @@ enum { SCORES_BF16 = 0, SCORES_SAGE = 1 };
 // Inputs and outputs of one backward, (B,H,N,D) / (B,H,N) as in flash_cuda.h and sage_cuda.h, but
 // dout (and the out of the delta) in the layout merged_heads says (attention_rows.cuh).
 // qv: the sage forward's quantized tensors (q8, k8, q_scale, k_scale, k_mean); unused for SCORES_BF16.
-// dV goes to dv (fp32, (B,H,N,D)), or, with dv_rows (merged layout only), as bf16 into the rows of a
-// token-major tensor: dV of key t of head h of batch b at dv_rows + (b·N + t)·dv_row_stride + h·D
-// (the v part of the qkv projection's input gradient), with max |dV| (of the bf16 values) raised into
-// *dv_amax when that is not NULL.
+// dK and dV go to dk, dv (fp32, (B,H,N,D)), or, with kv_rows (merged layout only), as bf16 into the
+// rows of a token-major tensor: dK of key t of head h of batch b at dk_rows + (b·N + t)·row_stride +
+// h·D (the k part of the qkv projection's input gradient), multiplied by the normalized Hadamard
+// matrix first when dk_hadamard_norm != 0 (= 1/sqrt(D): the gradient of a k the caller rotated), dV
+// likewise at dv_rows, with max |dK|, |dV| (of the bf16 values) raised into *kv_amax when that is
+// not NULL.
 typedef struct {
     float *dq, *dk, *dv;
     const __nv_bfloat16 *dout, *q, *k, *v;
@@ -56,60 +58,126 @@ typedef struct {
     SageCudaQuant qv;
     int N, merged_heads;
     int *dq_turn;   // (B·H, ceil(N/64)) counters, zeroed: ordered dQ adds; NULL: unordered atomics
-    __nv_bfloat16 *dv_rows;
-    size_t dv_row_stride;
-    float *dv_amax;
+    __nv_bfloat16 *dk_rows, *dv_rows;
+    size_t row_stride;
+    float dk_hadamard_norm;
+    float *kv_amax;
 } AttnBwdArgs;
 
-// a's dV destination from the call's AttnDvRows (NULL: the fp32 dv already in a).
-static inline void set_dv_rows(AttnBwdArgs *a, const AttnDvRows *r) {
+// a's dK, dV destination from the call's AttnKvRows (NULL: the fp32 dk, dv already in a).
+static inline void set_kv_rows(AttnBwdArgs *a, const AttnKvRows *r, int D) {
     if (!r) return;
-    a->dv_rows = (__nv_bfloat16 *)r->rows;
-    a->dv_row_stride = r->row_stride;
-    a->dv_amax = r->amax;
+    a->dk_rows = (__nv_bfloat16 *)r->dk;
+    a->dv_rows = (__nv_bfloat16 *)r->dv;
+    a->row_stride = r->row_stride;
+    a->dk_hadamard_norm = r->hadamard_dk ? 1.0f / sqrtf((float)D) : 0.0f;   // (host: merge_qkv_grad's norm)
+    a->kv_amax = r->amax;
 }
 
-// The checks of a call's dV destination: fp32 dv 16-byte aligned, or rows 4-byte aligned (bf16
-// pairs), row_stride >= H·D and even, amax NULL or 4-byte aligned.
-static inline int check_dv_out(const char *fn, const float *dv, const AttnDvRows *r, int H, int D, char *err) {
+// The checks of a call's dK, dV destination: fp32 dk, dv 16-byte aligned, or rows 4-byte aligned
+// (bf16 pairs), row_stride >= H·D and even, amax NULL or 4-byte aligned.
+static inline int check_kv_out(const char *fn, const float *dk, const float *dv, const AttnKvRows *r, int H, int D,
+                               char *err) {
     if (!r) {
-        CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dv, 16));
+        CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dk, 16), DEVICE_ARG(dv, 16));
         return 0;
     }
     if (r->row_stride < (size_t)H * D || r->row_stride % 2) {
-        dit_set_error(err, "%s: dv_row_stride must be even and at least H·D = %d (got %zu)", fn, H * D, r->row_stride);
+        dit_set_error(err, "%s: row_stride must be even and at least H·D = %d (got %zu)", fn, H * D, r->row_stride);
         return -1;
     }
-    const uint16_t *rows = r->rows;
-    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(rows, 4));
+    const uint16_t *dk_rows = r->dk, *dv_rows = r->dv;
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dk_rows, 4), DEVICE_ARG(dv_rows, 4));
     if (r->amax) {
-        const float *dv_amax = r->amax;
-        CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dv_amax, 4));
+        const float *amax = r->amax;
+        CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(amax, 4));
     }
     return 0;
 }
 
-// One pair of dV values (key t of head bh, columns col and col + 1) where AttnBwdArgs says; returns
-// max |stored| of the bf16 pair (0 for fp32), for store_dv_amax.
+// The Walsh-Hadamard transform of the rows held by quads, times norm: lane c = lane % 4 of a quad
+// holds columns 8j + 2c + e of one row at x[4j + e] (j < D/8, e < 2; the m16n8 and wgmma
+// accumulator layout, a second row at x[4j + 2 + e], transformed alike). The butterflies of
+// walsh_hadamard (hadamard.cuh) in its order (stage h pairs columns i and i + h: a + b, a - b), so
+// each value is bitwise walsh_hadamard's. Every lane of the warp calls it.
 template <int D>
-__device__ __forceinline__ float store_dv_pair(const AttnBwdArgs &a, int bh, int t, int col, float x, float y) {
-    if (!a.dv_rows) {
-        *(float2 *)(a.dv + ((size_t)bh * a.N + t) * D + col) = make_float2(x, y);
-        return 0.0f;
+__device__ __forceinline__ void walsh_hadamard_quads(float *x, float norm) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < D / 2; i += 2) {   // h = 1: the lane's column pairs
+        float a = x[i], b = x[i + 1];
+        x[i] = a + b;
+        x[i + 1] = a - b;
     }
-    int b = bh / a.merged_heads, h = bh % a.merged_heads;
-    __nv_bfloat162 p = __floats2bfloat162_rn(x, y);
-    *(__nv_bfloat162 *)(a.dv_rows + ((size_t)b * a.N + t) * a.dv_row_stride + (size_t)h * D + col) = p;
-    return fmaxf(fabsf(__low2float(p)), fabsf(__high2float(p)));
+#pragma unroll
+    for (int bit = 1; bit <= 2; bit *= 2) {   // h = 2, 4: the partner lane is lane ^ bit
+        const bool high = lane & bit;
+#pragma unroll
+        for (int i = 0; i < D / 2; i++) {
+            float other = __shfl_xor_sync(0xffffffffu, x[i], bit);
+            x[i] = high ? other - x[i] : x[i] + other;
+        }
+    }
+#pragma unroll
+    for (int hj = 1; hj < D / 8; hj *= 2)   // h = 8·hj: columns 8j and 8(j + hj) of the lane
+#pragma unroll
+        for (int j = 0; j < D / 8; j++)
+            if (!(j & hj))
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float a = x[4 * j + e], b = x[4 * (j + hj) + e];
+                    x[4 * j + e] = a + b;
+                    x[4 * (j + hj) + e] = a - b;
+                }
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) x[i] *= norm;
 }
 
-// *a.dv_amax = max(*a.dv_amax, the warp's m) (m >= 0: its bits order as unsigned ints, so atomicMax
-// on them is exact and order-free); every lane of the warp calls it.
-__device__ __forceinline__ void store_dv_amax(const AttnBwdArgs &a, float m) {
-    if (!a.dv_amax) return;
-    unsigned int most = __reduce_max_sync(0xffffffffu, __float_as_uint(m));
-    if (threadIdx.x % 32 == 0 && most > __float_as_uint(__ldcg(a.dv_amax)))
-        atomicMax((unsigned int *)a.dv_amax, most);
+// The end of a key block: dK·dk_scale and dV of this thread's keys t0 and t0 + 8 (valid[r]: key
+// t0 + 8r < N) of head bh, held as in walsh_hadamard_quads (dk[4j + 2r + e], dv likewise), where
+// AttnBwdArgs says (dk is overwritten). Every lane of the warp calls it.
+template <int D>
+__device__ __forceinline__ void store_key_block_grads(const AttnBwdArgs &a, int bh, int t0, const bool valid[2],
+                                                      float *dk, const float *dv, float dk_scale) {
+    const int c = threadIdx.x % 4;
+#pragma unroll
+    for (int i = 0; i < D / 2; i++) dk[i] = __fmul_rn(dk[i], dk_scale);   // (no FMA with the transform's adds)
+    if (!a.dv_rows) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (!valid[r]) continue;
+            size_t at = ((size_t)bh * a.N + t0 + 8 * r) * D + 2 * c;
+#pragma unroll
+            for (int j = 0; j < D / 8; j++) {
+                *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * r], dk[4 * j + 2 * r + 1]);
+                *(float2 *)(a.dv + at + 8 * j) = make_float2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+            }
+        }
+        return;
+    }
+    if (a.dk_hadamard_norm != 0.0f) walsh_hadamard_quads<D>(dk, a.dk_hadamard_norm);
+    const int b = bh / a.merged_heads, h = bh % a.merged_heads;
+    float most = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (!valid[r]) continue;
+        size_t at = ((size_t)b * a.N + t0 + 8 * r) * a.row_stride + (size_t)h * D + 2 * c;
+#pragma unroll
+        for (int j = 0; j < D / 8; j++) {
+            __nv_bfloat162 k2 = __floats2bfloat162_rn(dk[4 * j + 2 * r], dk[4 * j + 2 * r + 1]);
+            __nv_bfloat162 v2 = __floats2bfloat162_rn(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+            *(__nv_bfloat162 *)(a.dk_rows + at + 8 * j) = k2;
+            *(__nv_bfloat162 *)(a.dv_rows + at + 8 * j) = v2;
+            most = fmaxf(most, fmaxf(fmaxf(fabsf(__low2float(k2)), fabsf(__high2float(k2))),
+                                     fmaxf(fabsf(__low2float(v2)), fabsf(__high2float(v2)))));
+        }
+    }
+    // *a.kv_amax = max(*a.kv_amax, the warp's most) (most >= 0: its bits order as unsigned ints,
+    // so atomicMax on them is exact and order-free)
+    if (!a.kv_amax) return;
+    unsigned int warp_most = __reduce_max_sync(0xffffffffu, __float_as_uint(most));
+    if (threadIdx.x % 32 == 0 && warp_most > __float_as_uint(__ldcg(a.kv_amax)))
+        atomicMax((unsigned int *)a.kv_amax, warp_most);
 }
 
 template <int D, int WARPS, int SRC> struct AttnBwdSmem {
@@ -447,19 +515,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) attention_backward_kernel(AttnB
         if (tid == 0) hand_on_dq_turn(turn + nqb - 1);
     }
 
-    float dv_max = 0.0f;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (!key_valid[h]) continue;
-        int t = k0 + warp * 16 + g + 8 * h;
-        size_t at = head + (size_t)t * D + 2 * c;
-#pragma unroll
-        for (int j = 0; j < NT; j++) {
-            dv_max = fmaxf(dv_max, store_dv_pair<D>(a, bh, t, 8 * j + 2 * c, dv_acc[j][2 * h], dv_acc[j][2 * h + 1]));
-            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk_acc[j][2 * h] * inv_sqrt_d, dk_acc[j][2 * h + 1] * inv_sqrt_d);
-        }
-    }
-    store_dv_amax(a, dv_max);
+    store_key_block_grads<D>(a, bh, k0 + warp * 16 + g, key_valid, &dk_acc[0][0], &dv_acc[0][0], inv_sqrt_d);
 }
 
 template <int D, int WARPS, int SRC, bool ORDERED>

@@ -21,17 +21,19 @@ __host__ __device__ __forceinline__ size_t attn_row_stride(int D, int merged_hea
     return merged_heads ? (size_t)merged_heads * D : (size_t)D;
 }
 
-// dV as bf16 rows of a token-major tensor (the merged backward calls, sage_cuda.h): dV of key t of
-// head h of batch b at rows + (b·N + t)·row_stride + h·D, max |dV| raised into *amax (may be NULL).
+// dK and dV as bf16 rows of a token-major tensor (the merged backward calls, sage_cuda.h): dK of key
+// t of head h of batch b at dk + (b·N + t)·row_stride + h·D, dV likewise at dv; dK multiplied by the
+// normalized Hadamard matrix first when hadamard_dk; max |dK|, |dV| raised into *amax (may be NULL).
 typedef struct {
-    uint16_t *rows;
+    uint16_t *dk, *dv;
     size_t row_stride;
+    int hadamard_dk;
     float *amax;
-} AttnDvRows;
+} AttnKvRows;
 
 // The calls behind the public entry points, with the layout of out (and dout) as an argument
-// (the public ones pass 0, the *_merged_cuda ones H) and, for the backwards, where dV goes (NULL:
-// fp32 dv; the merged calls: their AttnDvRows). Arguments and checks as in sage_cuda.h and
+// (the public ones pass 0, the *_merged_cuda ones H) and, for the backwards, where dK and dV go
+// (NULL: fp32 dk, dv; the merged calls: their AttnKvRows). Arguments and checks as in sage_cuda.h and
 // flash_cuda.h.
 // The Hopper sage forward computes both P·V modes (FP8, FP16) at both head dims (64, 128).
 static inline int sage_forward_sm90_takes(SagePV pv, int D) {
@@ -45,10 +47,10 @@ int sage_forward_sm90_quantized_rows(uint16_t *out, float *lse, const void *work
 int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
                             const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             const uint16_t *out, const float *lse, const float *delta, int B, int H, int N, int D,
-                            SagePV pv, int merged_heads, const AttnDvRows *dv_rows, cudaStream_t stream, char *err);
+                            SagePV pv, int merged_heads, const AttnKvRows *kv_rows, cudaStream_t stream, char *err);
 int flash_forward_sm90_rows(uint16_t *out, float *lse, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             int B, int H, int N, int D, int merged_heads, cudaStream_t stream, char *err);
 int flash_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
                              const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                              const float *lse, int B, int H, int N, int D, int merged_heads,
-                             const AttnDvRows *dv_rows, cudaStream_t stream, char *err);
+                             const AttnKvRows *kv_rows, cudaStream_t stream, char *err);

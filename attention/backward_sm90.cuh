@@ -595,19 +595,7 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     }
     publish_dq_half();   // the last step's
 
-    float dv_max = 0.0f;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (!key_valid[h]) continue;
-        int t = k0 + kr + 8 * h;
-        size_t at = head + (size_t)t * D + 2 * c;
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            dv_max = fmaxf(dv_max, store_dv_pair<D>(a, bh, t, 8 * j + 2 * c, dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]));
-            *(float2 *)(a.dk + at + 8 * j) = make_float2(dk[4 * j + 2 * h] * inv_sqrt_d, dk[4 * j + 2 * h + 1] * inv_sqrt_d);
-        }
-    }
-    store_dv_amax(a, dv_max);
+    store_key_block_grads<D>(a, bh, k0 + kr, key_valid, dk, dv, inv_sqrt_d);
 #else
     __trap();   // built without sm_90a code: *_backward_sm90_available() says 0
 #endif

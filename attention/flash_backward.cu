@@ -23,27 +23,27 @@ extern "C" size_t flash_cuda_backward_workspace_size(int B, int H, int N, int D)
     return attention_backward_workspace_bytes(B, H, N);
 }
 
-// flash_backward_cuda (merged_heads 0, fp32 dv) and flash_backward_merged_cuda (merged_heads H, dv_rows).
+// flash_backward_cuda (merged_heads 0, fp32 dk, dv) and flash_backward_merged_cuda (merged_heads H, kv_rows).
 static int backward(const char *fn, float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
                     const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out, const float *lse,
-                    int B, int H, int N, int D, int merged_heads, const AttnDvRows *dv_rows, cudaStream_t stream,
+                    int B, int H, int N, int D, int merged_heads, const AttnKvRows *kv_rows, cudaStream_t stream,
                     char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535) {
         dit_set_error(err, "%s: need D in {64, 128}, B, H, N >= 1, B·H <= 65535 (got B=%d H=%d N=%d D=%d)", fn, B,
                       H, N, D);
         return -1;
     }
-    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16), DEVICE_ARG(workspace, 4),
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(dq, 16), DEVICE_ARG(workspace, 4),
                       DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16),
                       DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4));
-    if (check_dv_out(fn, dv, dv_rows, H, D, err)) return -1;
+    if (check_kv_out(fn, dk, dv, kv_rows, H, D, err)) return -1;
     // Hopper: the wgmma kernel (flash_backward_sm90.cu); DIT_FLASH_MMA_SYNC=1 keeps this one.
     if (!getenv("DIT_FLASH_MMA_SYNC") && (long long)B * H * N <= INT_MAX && flash_backward_sm90_available())
         return flash_backward_sm90_rows(dq, dk, dv, workspace, dout, q, k, v, out, lse, B, H, N, D, merged_heads,
-                                        dv_rows, stream, err);
+                                        kv_rows, stream, err);
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, NULL, {}, N, merged_heads, NULL};
-    set_dv_rows(&a, dv_rows);
+    set_kv_rows(&a, kv_rows, D);
     if (attention_backward_prepare(&a, workspace, out, B * H, D, flash_deterministic, stream, err) != 0) return -1;
     if (D == 64) return launch_attention_backward<64, SCORES_BF16>(a, B * H, stream, err);
     return launch_attention_backward<128, SCORES_BF16>(a, B * H, stream, err);
@@ -56,12 +56,12 @@ extern "C" int flash_backward_cuda(float *dq, float *dk, float *dv, void *worksp
                     err);
 }
 
-extern "C" int flash_backward_merged_cuda(float *dq, float *dk, uint16_t *dv, size_t dv_row_stride, float *dv_amax,
-                                          void *workspace, const uint16_t *dout, const uint16_t *q,
+extern "C" int flash_backward_merged_cuda(float *dq, uint16_t *dk, uint16_t *dv, size_t row_stride, int hadamard_dk,
+                                          float *amax, void *workspace, const uint16_t *dout, const uint16_t *q,
                                           const uint16_t *k, const uint16_t *v, const uint16_t *out,
                                           const float *lse, int B, int H, int N, int D, cudaStream_t stream,
                                           char *err) {
-    AttnDvRows rows = {dv, dv_row_stride, dv_amax};
-    return backward("flash_backward_merged_cuda", dq, dk, NULL, workspace, dout, q, k, v, out, lse, B, H, N, D, H,
+    AttnKvRows rows = {dk, dv, row_stride, hadamard_dk, amax};
+    return backward("flash_backward_merged_cuda", dq, NULL, NULL, workspace, dout, q, k, v, out, lse, B, H, N, D, H,
                     &rows, stream, err);
 }

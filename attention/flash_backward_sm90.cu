@@ -39,17 +39,17 @@ static int launch_flash_backward_sm90(const AttnBwdArgs &a, int BH, cudaStream_t
 int flash_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const uint16_t *dout,
                              const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                              const float *lse, int B, int H, int N, int D, int merged_heads,
-                             const AttnDvRows *dv_rows, cudaStream_t stream, char *err) {
+                             const AttnKvRows *kv_rows, cudaStream_t stream, char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         (long long)B * H * N > INT_MAX) {
         dit_set_error(err, "flash_backward_sm90_cuda: need D in {64, 128}, B, H, N >= 1, B·H <= 65535 and "
                            "B·H·N < 2^31 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
-    CHECK_DEVICE_ARGS("flash_backward_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16),
-                      DEVICE_ARG(workspace, 4), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
-                      DEVICE_ARG(v, 16), DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4));
-    if (check_dv_out("flash_backward_sm90_cuda", dv, dv_rows, H, D, err)) return -1;
+    CHECK_DEVICE_ARGS("flash_backward_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(workspace, 4),
+                      DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16),
+                      DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4));
+    if (check_kv_out("flash_backward_sm90_cuda", dk, dv, kv_rows, H, D, err)) return -1;
     if (!flash_backward_sm90_available()) {
         dit_set_error(err, "flash_backward_sm90_cuda: needs a compute capability 9.0 device and a build with "
                            "sm_90a code (-gencode=arch=compute_90a,code=sm_90a)");
@@ -57,7 +57,7 @@ int flash_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, c
     }
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, NULL, {}, N, merged_heads, NULL};
-    set_dv_rows(&a, dv_rows);
+    set_kv_rows(&a, kv_rows, D);
     if (attention_backward_prepare(&a, workspace, out, B * H, D, flash_backward_deterministic(), stream, err) != 0)
         return -1;
     if (D == 64) return launch_flash_backward_sm90<64>(a, B * H, stream, err);

@@ -49,13 +49,14 @@ int flash_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const 
                         const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *out,
                         const float *lse, int B, int H, int N, int D, cudaStream_t stream, char *err);
 
-// flash_backward_cuda with dout and out in the merged layout (B, N, H, D); dq, dk stay (B, H, N, D)
-// fp32, and dv is written as bf16 (16-bit patterns) into rows of a token-major tensor: dV of key t of
-// head h of batch b at dv + (b·N + t)·dv_row_stride + h·D (dv_row_stride >= H·D, even; e.g. the v
-// columns of the qkv projection's input gradient, stride 3·H·D), max |dV| raised into *dv_amax (NULL:
-// not taken). Bitwise the values of flash_backward_cuda on the transposed dout and out (dv rounded
-// to bf16; dq: in deterministic mode).
-int flash_backward_merged_cuda(float *dq, float *dk, uint16_t *dv, size_t dv_row_stride, float *dv_amax,
+// flash_backward_cuda with dout and out in the merged layout (B, N, H, D); dq stays (B, H, N, D)
+// fp32, and dk, dv are written as bf16 (16-bit patterns) into rows of a token-major tensor: dK of key
+// t of head h of batch b at dk + (b·N + t)·row_stride + h·D, dV at dv + the same (row_stride >=
+// H·D, even; e.g. the k and v columns of the qkv projection's input gradient, stride 3·H·D), max
+// |dK|, |dV| raised into *amax (NULL: not taken); hadamard_dk as in sage_backward_merged_cuda.
+// Bitwise the values of flash_backward_cuda on the transposed dout and out (dk, dv rounded to bf16;
+// dq: in deterministic mode).
+int flash_backward_merged_cuda(float *dq, uint16_t *dk, uint16_t *dv, size_t row_stride, int hadamard_dk, float *amax,
                                void *workspace, const uint16_t *dout, const uint16_t *q, const uint16_t *k,
                                const uint16_t *v, const uint16_t *out, const float *lse, int B, int H, int N, int D,
                                cudaStream_t stream, char *err);

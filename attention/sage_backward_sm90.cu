@@ -38,7 +38,7 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
 int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
                             const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             const uint16_t *out, const float *lse, const float *delta, int B, int H, int N, int D,
-                            SagePV pv, int merged_heads, const AttnDvRows *dv_rows, cudaStream_t stream,
+                            SagePV pv, int merged_heads, const AttnKvRows *kv_rows, cudaStream_t stream,
                             char *err) {
     if ((D != 64 && D != 128) || B < 1 || H < 1 || N < 1 || (long long)B * H > 65535 ||
         (long long)B * H * N >= (1ll << 31)) {
@@ -46,10 +46,10 @@ int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, co
                            "B·H·N < 2^31 (got B=%d H=%d N=%d D=%d)", B, H, N, D);
         return -1;
     }
-    CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(dk, 16),
-                      DEVICE_ARG(fwd_workspace, 16), DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
-                      DEVICE_ARG(v, 16), DEVICE_ARG(lse, 4));
-    if (check_dv_out("sage_backward_sm90_cuda", dv, dv_rows, H, D, err)) return -1;
+    CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(dq, 16), DEVICE_ARG(fwd_workspace, 16),
+                      DEVICE_ARG(dout, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16),
+                      DEVICE_ARG(lse, 4));
+    if (check_kv_out("sage_backward_sm90_cuda", dk, dv, kv_rows, H, D, err)) return -1;
     CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(workspace, 4));
     if (delta) CHECK_DEVICE_ARGS("sage_backward_sm90_cuda", err, DEVICE_ARG(delta, 4));
     else CHECK_DEVICE_ARGS("sage_backward_sm90_cuda (delta = NULL: computed from out)", err, DEVICE_ARG(out, 16));
@@ -61,7 +61,7 @@ int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, co
     AttnBwdArgs a = {dq, dk, dv, (const __nv_bfloat16 *)dout, (const __nv_bfloat16 *)q, (const __nv_bfloat16 *)k,
                      (const __nv_bfloat16 *)v, lse, delta,
                      sage_cuda_quant_view((void *)fwd_workspace, B, H, N, D, pv), N, merged_heads, NULL};
-    set_dv_rows(&a, dv_rows);
+    set_kv_rows(&a, kv_rows, D);
     if (attention_backward_prepare(&a, workspace, out, B * H, D, sage_backward_deterministic(), stream, err) != 0)
         return -1;
     if (D == 64) return launch_backward_sm90<64>(a, dout, q, v, B * H, stream, err);

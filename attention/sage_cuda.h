@@ -114,13 +114,15 @@ int sage_backward_cuda(float *dq, float *dk, float *dv, void *workspace, const v
                        cudaStream_t stream, char *err);
 
 // sage_backward_cuda with dout and out in the merged layout (B, N, H, D) of sage_forward_merged_cuda
-// (dout: the projection's input gradient as it comes). dq, dk stay (B, H, N, D) fp32; dv is written
-// as bf16 (16-bit patterns) into rows of a token-major tensor: dV of key t of head h of batch b at
-// dv + (b·N + t)·dv_row_stride + h·D (dv_row_stride >= H·D, even; e.g. the v columns of the qkv
-// projection's input gradient, stride 3·H·D), max |dV| raised into *dv_amax (NULL: not taken).
-// Bitwise the values of sage_backward_cuda on the transposed dout and out (dv rounded to bf16; dq:
-// in deterministic mode).
-int sage_backward_merged_cuda(float *dq, float *dk, uint16_t *dv, size_t dv_row_stride, float *dv_amax,
+// (dout: the projection's input gradient as it comes). dq stays (B, H, N, D) fp32; dk and dv are
+// written as bf16 (16-bit patterns) into rows of a token-major tensor: dK of key t of head h of
+// batch b at dk + (b·N + t)·row_stride + h·D, dV at dv + the same (row_stride >= H·D, even; e.g.
+// the k and v columns of the qkv projection's input gradient, stride 3·H·D), max |dK|, |dV| raised
+// into *amax (NULL: not taken). hadamard_dk = 1: dK multiplied by the normalized Hadamard matrix
+// before rounding (hadamard_cuda.h's transform: the gradient of the k before a rotation the caller
+// applied to q and k). Bitwise the values of sage_backward_cuda on the transposed dout and out (dk,
+// dv rounded to bf16, dk after hadamard_rotate_f32_cuda when hadamard_dk; dq: in deterministic mode).
+int sage_backward_merged_cuda(float *dq, uint16_t *dk, uint16_t *dv, size_t row_stride, int hadamard_dk, float *amax,
                               void *workspace, const void *fwd_workspace, const uint16_t *dout, const uint16_t *q,
                               const uint16_t *k, const uint16_t *v, const uint16_t *out, const float *lse,
                               const float *delta, int B, int H, int N, int D, SagePV pv,

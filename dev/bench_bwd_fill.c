@@ -75,13 +75,12 @@ int main(void) {
     size_t n = (size_t)B * H * N * D;
     void *q = random_bf16(n, 1.0f, 1), *k = random_bf16(n, 1.0f, 2), *v = random_bf16(n, 1.0f, 3);
     void *dout = random_bf16(n, 1.0f, 4), *out, *fws, *bws;
-    float *lse, *dq, *dk;
-    uint16_t *dv;   // bf16 rows (B·N, H·D), as the model's merged backward writes them
+    float *lse, *dq;
+    uint16_t *dkv;   // bf16 rows (B·N, 2·H·D) [dk | dv], as the model's merged backward writes them
     CK(cudaMalloc(&out, n * 2));
     CK(cudaMalloc((void **)&lse, (size_t)B * H * N * 4));
     CK(cudaMalloc((void **)&dq, n * 4));
-    CK(cudaMalloc((void **)&dk, n * 4));
-    CK(cudaMalloc((void **)&dv, n * 2));
+    CK(cudaMalloc((void **)&dkv, 2 * n * 2));
     CK(cudaMalloc(&fws, sage_cuda_forward_workspace_size(B, H, N, D, SAGE_PV_FP8)));
     CK(cudaMalloc(&bws, sage_cuda_backward_workspace_size(B, H, N, D)));
     OK(sage_forward_merged_cuda((uint16_t *)out, lse, fws, (uint16_t *)q, (uint16_t *)k, (uint16_t *)v, B, H, N, D,
@@ -117,9 +116,9 @@ int main(void) {
             CK(cudaStreamWaitEvent(sg, start, 0));
             if (mode == 1 || mode == 3) run_gemms(&g, sg);
             if (mode != 1)
-                OK(sage_backward_merged_cuda(dq, dk, dv, (size_t)H * D, NULL, bws, fws, (uint16_t *)dout,
-                                             (uint16_t *)q, (uint16_t *)k, (uint16_t *)v, (uint16_t *)out, lse, NULL,
-                                             B, H, N, D, SAGE_PV_FP8, sa, err));
+                OK(sage_backward_merged_cuda(dq, dkv, dkv + (size_t)H * D, 2 * (size_t)H * D, 1, NULL, bws, fws,
+                                             (uint16_t *)dout, (uint16_t *)q, (uint16_t *)k, (uint16_t *)v,
+                                             (uint16_t *)out, lse, NULL, B, H, N, D, SAGE_PV_FP8, sa, err));
             if (mode == 2 || mode == 4) run_gemms(&g, sg);
             CK(cudaEventRecord(a_end, sa));
             CK(cudaEventRecord(g_end, sg));

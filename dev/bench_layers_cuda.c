@@ -154,6 +154,16 @@ static void op_gated_fp8(Case *cs) {    // dgate, then the fused dh
     OK(gated_dh_fp8_cuda(&cs->d8, cs->dy, cs->mod + 2 * h, BTC(cs), 6 * h, cs->db, FP8_E4M3, &cs->fused, &ctx, 0,
                          err));
 }
+// qkv's dout (M, 3h), written by the attention: the linear's quantization pass (its bias gradient
+// is the "dbias OC=3h" row), against dout_fp8_cuda (both in one pass)
+static void op_quantize_qkv(Case *cs) {
+    OK(fp8_quantize_guessed_cuda(cs->d8.q, cs->d8.qt, cs->d8.scale, cs->wide, cs->c->B * cs->c->T, 3 * cs->c->h,
+                                 FP8_E4M3, cs->alone.exponent + 4, cs->alone.taken + 3, 0, err));
+}
+static void op_qkv_fp8(Case *cs) {
+    Fp8Scaling scaling = {NULL, cs->fused.exponent + 8, cs->fused.taken + 5, 3};
+    OK(dout_fp8_cuda(&cs->d8, cs->wide, cs->db, cs->c->B * cs->c->T, 3 * cs->c->h, FP8_E4M3, &scaling, &ctx, 0, err));
+}
 static void op_norm(Case *cs) { OK(sum_squares_cuda(cs->f4 + cs->nparams, cs->f1, cs->nparams, &ctx, 0, err)); }
 
 static void report(const Case *cs, const char *what, double ms, double bytes, int calls) {
@@ -203,12 +213,13 @@ static void bench_config(const Config *c) {
     cs.w = random_buffer((size_t)4 * h * 8 * 2);
     cs.dw = random_buffer((size_t)4 * h * 8 * 4), cs.db = random_buffer((size_t)4 * h * 4);
     const int widths[4] = {3 * h, h, 4 * h, h};
+    double dbias_ms[4];
     for (int i = 0; i < 4; i++) {
         cs.oc = widths[i];
         double with = time_op(op_linear_dbias, &cs), without = time_op(op_linear_nobias, &cs);
         char what[32];
         snprintf(what, sizeof what, "dbias OC=%d", widths[i]);
-        report(&cs, what, with - without, 2.0 * M * widths[i], L);
+        report(&cs, what, dbias_ms[i] = with - without, 2.0 * M * widths[i], L);
     }
     cs.dy = saved_dy;
 
@@ -217,10 +228,10 @@ static void bench_config(const Config *c) {
     bf16 *saved_x = cs.x, *saved_dx = cs.dx;
     cs.x = dy_wide, cs.dx = random_buffer(M * 4 * h * 2), cs.wide = random_buffer(M * 4 * h * 2);
     cs.d8 = (Fp8Dout){random_buffer(M * 4 * h), random_buffer((M + 16) * 4 * h), random_buffer(256)};
-    int *guesses = random_buffer(6 * sizeof(int));
-    float *taken = random_buffer(4 * sizeof(float));
-    CK(cudaMemset(guesses, 0, 6 * sizeof(int)));
-    CK(cudaMemset(taken, 0, 4 * sizeof(float)));
+    int *guesses = random_buffer(10 * sizeof(int));
+    float *taken = random_buffer(6 * sizeof(float));
+    CK(cudaMemset(guesses, 0, 10 * sizeof(int)));
+    CK(cudaMemset(taken, 0, 6 * sizeof(float)));
     cs.fused = (Fp8Scaling){NULL, guesses, taken, 3};
     cs.alone = (Fp8Scaling){NULL, guesses + 2, taken + 1, 0};
     double pass = time_op(op_dgelu_bf16, &cs), quantize = time_op(op_quantize_wide, &cs);
@@ -233,6 +244,9 @@ static void bench_config(const Config *c) {
     report(&cs, "gated dgate+dh (bf16)", pass, 8.0 * N, 2 * L);
     report(&cs, "  + quantize pass", pass + quantize, 8.0 * N + 4.0 * N, 2 * L);
     report(&cs, "gated dgate+dh fp8", fused, 8.0 * N, 2 * L);
+    quantize = time_op(op_quantize_qkv, &cs), fused = time_op(op_qkv_fp8, &cs);
+    report(&cs, "qkv quantize + dbias", quantize + dbias_ms[0], 6.0 * N + 6.0 * N + 6.0 * N, L);
+    report(&cs, "qkv dout fp8 (1 pass)", fused, 6.0 * N + 6.0 * N, L);
     void *fp8_bufs[] = {cs.dx, cs.wide, cs.d8.q, cs.d8.qt, cs.d8.scale, guesses, taken, dy_wide};
     for (size_t i = 0; i < sizeof fp8_bufs / sizeof *fp8_bufs; i++) CK(cudaFree(fp8_bufs[i]));
     cs.dx = saved_dx;

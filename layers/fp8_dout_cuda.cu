@@ -1,5 +1,6 @@
 // The douts of the FP8 linears quantized by the passes that compute them (layers/linear_fp8_cuda.h,
-// Fp8Dout): the dGELU (the MLP's fc1) and the gated residual's dh (fc2, proj). Each pass writes the
+// Fp8Dout): the dGELU (the MLP's fc1) and the gated residual's dh (fc2, proj); and a bf16 dout
+// quantized with its bias gradient in one pass (qkv, whose dout the attention writes). Each pass writes the
 // e4m3/e5m2 row-major and transposed copies the backward's GEMMs read, with a guessed exponent and
 // headroom (Fp8Scaling), sums the bias gradient of the bf16 values it quantizes in
 // linear_dbias_accumulate's order (the same bits), and takes their amax; the bf16 dout itself is never
@@ -27,13 +28,14 @@ static_assert(DOUT_GROUP == 8 * COL_WARPS, "a group is 8 rows of each warp");
 static_assert(2 * COLS_PER_BLOCK * TILE_PITCH >= sizeof(float) * COL_WARPS * COLS_PER_BLOCK, "lanes fit the tiles");
 static_assert(DBIAS_ROW_ALIGN % DOUT_GROUP == 0, "the bias gradient's chunks are whole groups");
 
-enum { DOUT_DGELU, DOUT_GATE };
+enum { DOUT_DGELU, DOUT_GATE, DOUT_COPY };
 
 typedef struct {
     uint8_t *q, *qt;
     float *scale;
     const bf16 *a, *b;          // DGELU: a = d (dout·weight), b = the pre-activation; GATE: a = the gated
-                                // residual's dout, b = the gate (image m / T at (m / T)·mod_stride)
+                                // residual's dout, b = the gate (image m / T at (m / T)·mod_stride);
+                                // COPY: a = the dout, b unused
     float *dbias, *partial;     // dbias NULL: none
     unsigned *counters;
     int *guess;                 // Fp8Scaling.exponent
@@ -63,8 +65,8 @@ __device__ inline float dout_group(uint8_t (*tile)[TILE_PITCH], const DoutArgs &
             int m = g0 + warp + 8 * (k0 + i);
             if (n <= 0 || m >= end) continue;
             ra[i] = load_bf16x8_raw(a.a + (size_t)m * a.C + o, n, a.vec);
-            rb[i] = OP == DOUT_DGELU ? load_bf16x8_raw(a.b + (size_t)m * a.C + o, n, a.vec)
-                                     : load_bf16x8_raw(a.b + (size_t)(m / a.T) * a.mod_stride + o, n, a.gate_vec);
+            if (OP == DOUT_DGELU) rb[i] = load_bf16x8_raw(a.b + (size_t)m * a.C + o, n, a.vec);
+            if (OP == DOUT_GATE) rb[i] = load_bf16x8_raw(a.b + (size_t)(m / a.T) * a.mod_stride + o, n, a.gate_vec);
         }
 #pragma unroll
         for (int i = 0; i < DOUT_LOAD_ROWS; i++) {
@@ -73,9 +75,9 @@ __device__ inline float dout_group(uint8_t (*tile)[TILE_PITCH], const DoutArgs &
             float v[VEC] = {0}, x[VEC], y[VEC];
             if (here) {
                 unpack_bf16x8(x, ra[i]);
-                unpack_bf16x8(y, rb[i]);
+                if (OP != DOUT_COPY) unpack_bf16x8(y, rb[i]);
                 for (int j = 0; j < VEC; j++) {
-                    v[j] = bf16_rounded(OP == DOUT_DGELU ? gelu_grad(y[j]) * x[j] : y[j] * x[j]);
+                    v[j] = OP == DOUT_COPY ? x[j] : bf16_rounded(OP == DOUT_DGELU ? gelu_grad(y[j]) * x[j] : y[j] * x[j]);
                     if (first) sum[j] += v[j];
                     most = fmaxf(most, fabsf(v[j]));
                 }
@@ -220,10 +222,14 @@ static int launch_dout(const char *fn, int op, DoutArgs *a, const Fp8Dout *out, 
     a->chunks = dbias_chunks(a->M, a->C);
     a->chunk_rows = dbias_chunk_rows(a->M, a->C);   // linear_dbias_accumulate's chunks
     dim3 grid(blocks_for(a->C, COLS_PER_BLOCK), a->chunks);
-    (op == DOUT_DGELU ? fp8_dout_kernel<DOUT_DGELU> : fp8_dout_kernel<DOUT_GATE>)<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
+    void (*pass)(DoutArgs) = op == DOUT_DGELU ? fp8_dout_kernel<DOUT_DGELU>
+                             : op == DOUT_GATE ? fp8_dout_kernel<DOUT_GATE> : fp8_dout_kernel<DOUT_COPY>;
+    void (*check)(DoutArgs) = op == DOUT_DGELU ? fp8_dout_requantize_kernel<DOUT_DGELU>
+                              : op == DOUT_GATE ? fp8_dout_requantize_kernel<DOUT_GATE>
+                                                : fp8_dout_requantize_kernel<DOUT_COPY>;
+    pass<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
     LAUNCH_CHECK(err, "fp8_dout_kernel", "%s: M=%d C=%d chunks=%d", fn, a->M, a->C, a->chunks);
-    (op == DOUT_DGELU ? fp8_dout_requantize_kernel<DOUT_DGELU> : fp8_dout_requantize_kernel<DOUT_GATE>)<<<
-        grid, BLOCK_SIZE, 0, stream>>>(*a);
+    check<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
     LAUNCH_CHECK(err, "fp8_dout_requantize_kernel", "%s: M=%d C=%d chunks=%d", fn, a->M, a->C, a->chunks);
     return 0;
 }
@@ -263,4 +269,17 @@ int gated_dh_fp8_cuda(const Fp8Dout *dh, const bf16 *dout, const bf16 *gate, int
     a.gate_vec = mod_stride % VEC == 0 && aligned16(gate);
     a.format = format;
     return launch_dout("gated_dh_fp8_cuda", DOUT_GATE, &a, dh, scaling, ctx, stream, err);
+}
+
+int dout_fp8_cuda(const Fp8Dout *out, const bf16 *dout, float *dbias, int M, int C, Fp8Format format,
+                  const Fp8Scaling *scaling, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+    DoutArgs a = {};
+    a.a = dout;
+    a.dbias = dbias;
+    a.M = M;
+    a.C = C;
+    a.T = 1;
+    a.vec = aligned16(dout);
+    a.format = format;
+    return launch_dout("dout_fp8_cuda", DOUT_COPY, &a, out, scaling, ctx, stream, err);
 }

@@ -163,6 +163,12 @@ int gated_dh_fp8_cuda(const Fp8Dout *dh, const bf16 *dout, const bf16 *gate, int
                       float *dbias, Fp8Format format, const Fp8Scaling *scaling, const LayersCuda *ctx,
                       cudaStream_t stream, char *err);
 
+// A bf16 dout (M, C) quantized likewise, with its bias gradient, in one pass: for a dout whose
+// producer cannot quantize it (the attention's qkv gradient). At headroom 0 the same bytes, scale,
+// amax and guess as fp8_quantize_guessed_cuda, and dbias bitwise linear_dbias_accumulate's.
+int dout_fp8_cuda(const Fp8Dout *out, const bf16 *dout, float *dbias, int M, int C, Fp8Format format,
+                  const Fp8Scaling *scaling, const LayersCuda *ctx, cudaStream_t stream, char *err);
+
 // The quantization step by itself (for tests and for callers that keep fp8 copies): x (R, C) bf16
 // -> q (R, C) and/or qt (C, Rp) = fp8(x·2^-e) (either may be NULL; Rp = fp8_padded_rows(R), qt's
 // columns R..Rp-1 zero), *scale = 2^e (a device float), e from the amax of x (layers/fp8.h).

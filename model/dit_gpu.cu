@@ -18,7 +18,7 @@
 #define ALIGN_BYTES 256   // every buffer starts on a 256-byte boundary (cuBLASLt, vector loads)
 #define SHARD_ALIGN 64    // optimizer slices start on 256 bytes of fp32 (128 of bf16)
 #define FP8_SCALE_SLOT (ALIGN_BYTES / sizeof(float))   // floats: each saved FP8 scale alone in 256 bytes
-#define FP8_GUESSES 9   // per block: the four weights, att_merged, GELU(fc1), the douts of fc1, fc2, proj
+#define FP8_GUESSES 10   // per block: the four weights, att_merged, GELU(fc1), the douts of fc1, fc2, proj, qkv
 
 // Run a call that follows the error convention; return -1 from the caller if it fails.
 #define TRY(call) do { if ((call) != 0) return -1; } while (0)
@@ -43,6 +43,8 @@ static int ring_shard_tokens(const DitGpu *m) { return m->tokens * m->sp.ulysses
 // input (B, T, H·D) and reads its gradient from there (the *_merged_cuda calls): no head merge or
 // split pass, no head-major copies of out and dout.
 static bool attention_merged(const DitGpu *m) { return sp_size(m) == 1; }
+// Sage's Hadamard rotation of q and k (before the attention) and of their gradients (after it).
+static bool sage_rotates(const DitGpu *m) { return m->attention == DIT_ATTN_SAGE && m->sage.rotate; }
 
 // The Ulysses pipeline's groups for a batch of B: G = head_groups (at most the B·H/U pairs), and
 // group g's (b, head) pairs first .. first + count of the flattened b·H/U + h' (sizes differ by
@@ -129,8 +131,10 @@ static size_t activation_layout(DitGpu *m, char *base) {
     if (!attention_merged(m)) TAKE(ar, g->att, BT * h);
     TAKE(ar, g->ln1, BT * h);
     TAKE(ar, g->fc1, BT * 4 * h); TAKE(ar, g->qkv, BT * 3 * h);
-    TAKE(ar, g->dq, BT * h); TAKE(ar, g->dk, BT * h);
-    if (!attention_merged(m)) TAKE(ar, g->dv, BT * h);   // merged: dv goes straight into g->qkv
+    TAKE(ar, g->dq, BT * h);
+    if (!attention_merged(m)) {   // merged: dk and dv go straight into g->qkv
+        TAKE(ar, g->dk, BT * h); TAKE(ar, g->dv, BT * h);
+    }
     g->att_workspace = arena_take(ar, (m->head_groups > 1 ? 2 : 1) * attention_backward_workspace_bytes(m, m->batch));
     if (m->linear == DIT_LINEAR_FP8) {   // (bf16: none of it, the layout of before)
         size_t Mp = fp8_padded_rows((int)BT), first;
@@ -696,11 +700,11 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int 
 }
 
 // dq, dk, dv of the same pairs from dout (the layout of the forward's out: merged, or head-major;
-// the pointers are the whole tensors'). Merged: dv is written as bf16 into the v columns of dqkv (the
-// qkv linear's input gradient, (B·T, 3·hidden)) with its amax raised into dv_amax (may be NULL),
-// and the fp32 dv is not used.
+// the pointers are the whole tensors'). Merged: dk (rotated back when sage rotates) and dv are
+// written as bf16 into the k and v columns of dqkv (the qkv linear's input gradient, (B·T,
+// 3·hidden)) with their amax raised into kv_amax (may be NULL), and dk, dv are not used (NULL).
 static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int count, float *dq, float *dk,
-                                  float *dv, bf16 *dqkv, float *dv_amax, const bf16 *dout, char *err) {
+                                  float *dv, bf16 *dqkv, float *kv_amax, const bf16 *dout, char *err) {
     int H = heads_here(m), D = m->cfg.hidden / m->cfg.heads, T = ring_shard_tokens(m);
     size_t blk = (size_t)B * m->tokens * m->cfg.hidden, stats = (size_t)B * H * D, pair = (size_t)T * D;
     int whole = first == 0 && count == B * H, Bc = whole ? B : 1, Hc = whole ? H : count;
@@ -715,7 +719,7 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
     const uint16_t *dy = (const uint16_t *)(dout + first * pair);
     const float *lse = a->att_lse + (size_t)l * B * H * T + (size_t)first * T;
     dq += first * pair;
-    dk += first * pair;
+    if (dk) dk += first * pair;
     if (dv) dv += first * pair;
     if (m->sp.ring > 1) {   // the ring accumulates
         CUDA_CHECK(err, cudaMemsetAsync(dq, 0, blk * sizeof(float), m->stream), "zeroing dq");
@@ -725,13 +729,13 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
                           m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
                           m->sp_bufs.v_scale ? m->sp_bufs.v_scale + l * stats : NULL, B, err));
     } else if (attention_merged(m)) {
-        uint16_t *dv_rows = (uint16_t *)(dqkv + 2 * m->cfg.hidden);
+        uint16_t *dk_rows = (uint16_t *)(dqkv + m->cfg.hidden), *dv_rows = (uint16_t *)(dqkv + 2 * m->cfg.hidden);
         size_t stride = 3 * (size_t)m->cfg.hidden;
         if (m->attention == DIT_ATTN_EXACT)
-            return flash_backward_merged_cuda(dq, dk, dv_rows, stride, dv_amax, ws, dy, q, k, v, out, lse, B, H, T, D,
-                                              stream, err);
-        return sage_backward_merged_cuda(dq, dk, dv_rows, stride, dv_amax, ws, fwd_ws, dy, q, k, v, out, lse, NULL, B,
-                                         H, T, D, m->sage.pv, stream, err);
+            return flash_backward_merged_cuda(dq, dk_rows, dv_rows, stride, 0, kv_amax, ws, dy, q, k, v, out, lse, B,
+                                              H, T, D, stream, err);
+        return sage_backward_merged_cuda(dq, dk_rows, dv_rows, stride, sage_rotates(m), kv_amax, ws, fwd_ws, dy, q, k,
+                                         v, out, lse, NULL, B, H, T, D, m->sage.pv, stream, err);
     } else if (m->attention == DIT_ATTN_EXACT) {
         return flash_backward_cuda(dq, dk, dv, ws, dy, q, k, v, out, lse, Bc, Hc, T, D, stream, err);
     } else {
@@ -743,12 +747,22 @@ static int attention_backward_gpu(DitGpu *m, int l, int B, int g, int first, int
 
 // ---- small kernels of the model (the layers are in layers/) --------------------------------
 
-// x (B, T, C) += pos (T, C): the fixed positions after the patch embedding.
-__global__ void add_positions_kernel(bf16 *x, const bf16 *pos, int T, int C, size_t n) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+// x (B, T, C) += pos (T, C): the fixed positions after the patch embedding, VEC values per thread
+// (vec: x and pos 16-byte aligned and C a multiple of VEC, so that the VEC values of x share one
+// piece of pos; else one value at a time).
+__global__ void add_positions_kernel(bf16 *x, const bf16 *pos, int T, int C, size_t n, bool vec) {
+    size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * VEC, tc = (size_t)T * C;
     if (i >= n) return;
-    size_t j = i % ((size_t)T * C);
-    x[i] = __float2bfloat16(__bfloat162float(x[i]) + __bfloat162float(pos[j]));
+    if (vec) {
+        float a[VEC], b[VEC];
+        load_bf16x8(a, x + i, VEC, true);
+        load_bf16x8(b, pos + i % tc, VEC, true);
+        for (int j = 0; j < VEC; j++) a[j] += b[j];
+        store_bf16x8(x + i, a, VEC, true);
+        return;
+    }
+    for (size_t j = i; j < i + VEC && j < n; j++)
+        x[j] = __float2bfloat16(__bfloat162float(x[j]) + __bfloat162float(pos[j % tc]));
 }
 
 // The attention's head split and its adjoint, fused with sage's Hadamard rotation of q and k
@@ -798,8 +812,8 @@ __device__ __forceinline__ void load_grad8(float (&x)[HADAMARD_VALUES_PER_LANE],
 
 // dqkv (B, T, 3·H·D) = [dq | dk | dv] with dq, dk, dv (B, H, T, D) fp32 (or bf16):
 // split_heads_backward (layers/reshape.c) into a zeroed dqkv, dq and dk multiplied by H when
-// rotate, rounded to bf16 once (bf16 inputs: copied bit for bit when rotate is off). parts 2: dq
-// and dk only (dv is there already: the merged attention backward wrote it).
+// rotate, rounded to bf16 once (bf16 inputs: copied bit for bit when rotate is off). parts 1: dq
+// only (dk and dv are there already: the merged attention backward wrote them).
 // AMAX: *amax = max(*amax, max |what it writes|) (the FP8 qkv linear's dout).
 template <int D, bool AMAX, typename G>
 __global__ void merge_qkv_grad_kernel(bf16 *dqkv, float *amax, const G *dq, const G *dk, const G *dv, int T, int H,
@@ -850,8 +864,6 @@ __global__ void round_qkv_grad_kernel(bf16 *out, const float *dq, const float *d
         else kernel<64><<<blocks_, 256, 0, s>>>(__VA_ARGS__, rows);                                   \
     } while (0)
 
-static bool sage_rotates(const DitGpu *m) { return m->attention == DIT_ATTN_SAGE && m->sage.rotate; }
-
 static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv, int B, char *err) {
     int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H;
     size_t rows = (size_t)B * T * 3 * H;
@@ -865,12 +877,16 @@ static int split_qkv(const DitGpu *m, bf16 *q, bf16 *k, bf16 *v, const bf16 *qkv
 }
 
 // rotate: sage's rotation of dq and dk here (off when round_qkv_grad has applied it already).
-// amax: NULL, or raised to max |dqkv| (the kernel without it: the work of before). dv NULL: dqkv's
-// v columns are written already (the merged attention backward), only dq and dk are merged.
+// amax: NULL, or raised to max |dqkv| (the kernel without it: the work of before). dk and dv NULL:
+// dqkv's k and v columns are written already (the merged attention backward), only dq is merged.
 template <typename G>
 static int merge_qkv_grad(const DitGpu *m, bf16 *dqkv, const G *dq, const G *dk, const G *dv, bool rotate,
                           float *amax, int B, char *err) {
-    int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H, parts = dv ? 3 : 2;
+    int T = m->tokens, H = m->cfg.heads, D = m->cfg.hidden / H, parts = dk ? 3 : 1;
+    if (!dk != !dv) {
+        dit_set_error(err, "merge_qkv_grad: dk and dv must both be given or both be NULL");
+        return -1;
+    }
     size_t rows = (size_t)B * T * parts * H;
     if ((size_t)B * T * 3 * H * (D / HADAMARD_VALUES_PER_LANE) >= ((size_t)1 << 32)) {
         dit_set_error(err, "merge_qkv_grad: B·T·3·H = %zu rows of D = %d exceed the kernel's 32-bit indices",
@@ -997,7 +1013,7 @@ typedef struct {
     Fp8Saved qkv, proj, fc1, fc2;
     Fp8Amax inp_amax, weight_amax, dout_amax;
     Fp8Scalings inp_scaling, weight_scaling;
-    Fp8Scalings dout_scaling;   // the douts of proj, fc1, fc2 quantized by their producers (qkv's unused)
+    Fp8Scalings dout_scaling;   // the douts quantized by their producers (qkv's: with its bias gradient)
     struct { Fp8Saved qkv, proj, fc1, fc2; } weight_t;   // the weights' transposed copies (qt NULL: none)
 } BlockFp8Inputs;
 
@@ -1040,6 +1056,7 @@ static BlockFp8Inputs block_fp8_inputs(const DitGpu *m, int l) {
         in.dout_scaling.fc1 = (Fp8Scaling){NULL, guess + 12, d->fc1, headroom};
         in.dout_scaling.fc2 = (Fp8Scaling){NULL, guess + 14, d->fc2, headroom};
         in.dout_scaling.proj = (Fp8Scaling){NULL, guess + 16, d->proj, headroom};
+        in.dout_scaling.qkv = (Fp8Scaling){NULL, guess + 18, d->qkv, headroom};
         // the weights' transposes (IC, OC), written by the forward's quantization, read by the backward
         uint8_t *wt = a->weight_fp8t + (size_t)l * 12 * h * h;
         float *wscales = a->fp8_scales + (size_t)(m->cfg.depth + l) * 4 * FP8_SCALE_SLOT;
@@ -1173,8 +1190,9 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         TRY(patchify_forward_cuda(a->patches, a->x_t, B, c->channels, c->image_size, c->patch, s, err));
     }
     TRY(linear_forward_cuda(a->residual, a->patches, w->patch_w, w->patch_b, BT, P, h, ctx, s, err));
-    add_positions_kernel<<<blocks_for(blk, BLOCK_SIZE), BLOCK_SIZE, 0, s>>>(
-        a->residual, m->pos_embed + (size_t)m->token_offset * h, T, h, blk);
+    const bf16 *pos = m->pos_embed + (size_t)m->token_offset * h;
+    bool vec = h % VEC == 0 && alignment_of(a->residual) >= 16 && alignment_of(pos) >= 16;
+    add_positions_kernel<<<blocks_for(blk, BLOCK_SIZE * VEC), BLOCK_SIZE, 0, s>>>(a->residual, pos, T, h, blk, vec);
     LAUNCH_CHECK(err, "add_positions_kernel", "B·T=%d C=%d", BT, h);
 
     // conditioning c = MLP(timestep features) + class embedding; every adaLN reads SiLU(c)
@@ -1408,6 +1426,30 @@ static int proj_backward_fp8_dout(DitGpu *m, int l, const BlockFp8Inputs *q8, in
                                               &m->ctx, m->stream, err);
 }
 
+// The qkv linear from its dout g->qkv (the attention's gradients, merged) to g->ln1.
+static int qkv_backward(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
+    int h = m->cfg.hidden;
+    BlockAt at = block_at(m, l, B);
+    return block_linear_backward(m, m->grad_acts.ln1, m->grads.qkv_w + (size_t)l * 3 * h * h, wb,
+                                 m->grads.qkv_b + (size_t)l * 3 * h, m->grad_acts.qkv, m->acts.ln1 + at.o1, &q8->qkv,
+                                 m->weights.qkv_w + (size_t)l * 3 * h * h, kept(&q8->weight_t.qkv), B * m->tokens, h,
+                                 3 * h, q8->dout_amax.qkv, q8->weight_amax.qkv, err);
+}
+
+// qkv_backward with its FP8 dout and bias gradient from one pass over g->qkv (dout_fp8_cuda)
+static int qkv_backward_fp8_dout(DitGpu *m, int l, const BlockFp8Inputs *q8, int B, float wb, char *err) {
+    int h = m->cfg.hidden, BT = B * m->tokens;
+    Fp8Dout dout;
+    TRY(linear_fp8_dout_slots(&dout, m->fp8_workspace, m->fp8_workspace_bytes, BT, h, 3 * h, err));
+    TRY(dout_fp8_cuda(&dout, m->grad_acts.qkv, m->grads.qkv_b + (size_t)l * 3 * h, BT, 3 * h, FP8_GRAD_FORMAT,
+                      &q8->dout_scaling.qkv, &m->ctx, m->stream, err));
+    return linear_fp8_backward_quantized_cuda(m->grad_acts.ln1, 0.0f, m->grads.qkv_w + (size_t)l * 3 * h * h, wb,
+                                              &dout, &q8->qkv, m->weights.qkv_w + (size_t)l * 3 * h * h,
+                                              kept(&q8->weight_t.qkv), BT, h, 3 * h, FP8_GRAD_FORMAT,
+                                              q8->weight_amax.qkv, m->fp8_workspace, m->fp8_workspace_bytes,
+                                              &m->ctx, m->stream, err);
+}
+
 // Zeroes the activation gradients from `first` up to (not including) `end`: buffers that the
 // backward accumulates into (every CUDA backward adds, as the CPU ones).
 static int zero_range(DitGpu *m, const void *first, const void *end, char *err) {
@@ -1475,21 +1517,20 @@ static int backward(DitGpu *m, int B, int fresh, char *err) {
         // the attention's dout: the projection's input gradient as it is (attention_merged), or split
         // into heads
         if (!attention_merged(m)) TRY(merge_heads_backward_cuda(g->att, g->att_merged, B, T, H, D, s, err));
+        // qkv's dout: its amax taken by the passes that write it, or by the pass that quantizes it
+        float *qkv_amax = fp8_douts_fused(m) ? NULL : q8.dout_amax.qkv;
         if (ulysses) {   // the adjoint of the forward's moves: dout to heads, the gradients back
             TRY(ulysses_attention_backward(m, l, g->att, B, err));
             TRY(merge_qkv_grad(m, g->qkv, sb->dqkv_local, sb->dqkv_local + blk, sb->dqkv_local + 2 * blk, false,
-                               q8.dout_amax.qkv, B, err));
+                               qkv_amax, B, err));
         } else {
-            // (merged: dv goes straight into g->qkv's v columns, as bf16, with its amax)
-            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->qkv,
-                                       q8.dout_amax.qkv, attention_merged(m) ? g->att_merged : g->att, err));
-            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, attention_merged(m) ? NULL : g->dv, sage_rotates(m),
-                               q8.dout_amax.qkv, B, err));
+            // (merged: dk and dv go straight into g->qkv's k and v columns, as bf16, with their amax;
+            // g->dk and g->dv are NULL)
+            TRY(attention_backward_gpu(m, l, B, 0, 0, B * heads_here(m), g->dq, g->dk, g->dv, g->qkv, qkv_amax,
+                                       attention_merged(m) ? g->att_merged : g->att, err));
+            TRY(merge_qkv_grad(m, g->qkv, g->dq, g->dk, g->dv, sage_rotates(m), qkv_amax, B, err));
         }
-        TRY(block_linear_backward(m, g->ln1, dw->qkv_w + (size_t)l * 3 * h * h, wb, dw->qkv_b + (size_t)l * 3 * h,
-                                  g->qkv, a->ln1 + o1, &q8.qkv, w->qkv_w + (size_t)l * 3 * h * h,
-                                  kept(&q8.weight_t.qkv), BT, h, 3 * h,
-                                  q8.dout_amax.qkv, q8.weight_amax.qkv, err));
+        TRY(fp8_douts_fused(m) ? qkv_backward_fp8_dout(m, l, &q8, B, wb, err) : qkv_backward(m, l, &q8, B, wb, err));
         TRY(layernorm_modulate_backward_cuda(g->residual, dada, dada + h, g->ln1, a->residual + o1,
                                              a->ln1_mean + ost, a->ln1_rstd + ost, ada + h, B, T, h, stride,
                                              ctx, s, err));

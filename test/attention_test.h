@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "attention/attention.h"
 #include "layers/common.h"
 #include "test/compare.h"
 
@@ -171,42 +172,48 @@ static inline size_t count_merged_bf16_differences(const uint16_t *merged, const
     return differing;
 }
 
-// The merged backwards' dv: bf16 rows of the token-major `rows` (device; row b·N + t, columns
-// [offset + h·D, + D) of head h, `stride` bf16 per row, the rest of each row poison) against the
-// head-major fp32 `dv` (device) rounded to bf16, and *amax (device) against max |those bf16|.
-// Counts the values that differ (or are NaN) and the poison overwritten.
-static inline size_t count_dv_rows_differences(const uint16_t *rows, size_t stride, size_t offset, const float *d_amax,
-                                               const float *dv, int B, int H, int N, int D, const char *what) {
-    size_t n = (size_t)B * H * N * D, nrows = (size_t)B * N * stride, differing = 0, overwritten = 0;
+// The merged backwards' dk or dv: bf16 rows of the token-major `rows` (device; row b·N + t, columns
+// [offset + h·D, + D) of head h, `stride` bf16 per row) against the head-major fp32 `want` (device),
+// first multiplied by the Hadamard matrix (hadamard_rotate) when `rotate`, rounded to bf16. Counts
+// the values that differ (or are NaN) and raises *most to max |those bf16|.
+static inline size_t count_rows_differences(const uint16_t *rows, size_t stride, size_t offset, const float *want,
+                                            int rotate, float *most, int B, int H, int N, int D, const char *what) {
+    size_t n = (size_t)B * H * N * D, nrows = (size_t)B * N * stride, differing = 0;
     uint16_t *got = xmalloc(nrows * 2);
-    float *want = xmalloc(n * 4), amax = 0.0f, want_amax = 0.0f;
+    float *w = xmalloc(n * 4);
     CUDA_OK(cudaMemcpy(got, rows, nrows * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(want, dv, n * 4, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(&amax, d_amax, 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(w, want, n * 4, cudaMemcpyDeviceToHost));
+    if (rotate) hadamard_rotate(w, n / D, D);
     for (int b = 0; b < B; b++)
-        for (int t = 0; t < N; t++) {
-            const uint16_t *row = got + ((size_t)b * N + t) * stride;
-            for (size_t col = 0; col < stride; col++) {
-                int h = (int)((col - offset) / D);
-                if (col < offset || col >= offset + (size_t)H * D) {
-                    overwritten += row[col] != 0xffff;
-                    continue;
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < N; t++)
+                for (int d = 0; d < D; d++) {
+                    uint16_t g = got[((size_t)b * N + t) * stride + offset + (size_t)h * D + d];
+                    uint16_t x = to_bf16(w[(((size_t)b * H + h) * N + t) * D + d]);
+                    *most = fmaxf(*most, fabsf(from_bf16(x)));
+                    if (g == x && !isnan(from_bf16(x))) continue;
+                    if (differing++ == 0)
+                        cr_expect_fail("%s: row %zu col %zu (b=%d h=%d t=%d d=%d) = %g (0x%04x), bf16 of the head-major "
+                                       "value%s %g (0x%04x)", what, (size_t)b * N + t, offset + (size_t)h * D + d, b,
+                                       h, t, d, from_bf16(g), g, rotate ? " rotated" : "", from_bf16(x), x);
                 }
-                int d = (int)((col - offset) % D);
-                uint16_t w = to_bf16(want[(((size_t)b * H + h) * N + t) * D + d]);
-                want_amax = fmaxf(want_amax, fabsf(from_bf16(w)));
-                if (row[col] == w && !isnan(from_bf16(w))) continue;
-                if (differing++ == 0)
-                    cr_expect_fail("%s: dv row %zu col %zu (b=%d h=%d t=%d d=%d) = %g (0x%04x), bf16 of the head-major "
-                                   "dv %g (0x%04x)", what, (size_t)b * N + t, col, b, h, t, d, from_bf16(row[col]),
-                                   row[col], from_bf16(w), w);
-            }
-        }
-    cr_expect(overwritten == 0, "%s: %zu poison values outside dv's columns overwritten", what, overwritten);
-    cr_expect(amax == want_amax, "%s: dv amax %.9g, the values' max %.9g", what, amax, want_amax);
     free(got);
-    free(want);
-    return differing + overwritten + (amax != want_amax);
+    free(w);
+    return differing;
+}
+
+// The poison (0xffff) of the token-major `rows` outside columns [first, end) of every row: the count
+// overwritten.
+static inline size_t count_poison_overwritten(const uint16_t *rows, size_t nrows, size_t stride, size_t first,
+                                              size_t end) {
+    uint16_t *got = xmalloc(nrows * stride * 2);
+    size_t overwritten = 0;
+    CUDA_OK(cudaMemcpy(got, rows, nrows * stride * 2, cudaMemcpyDeviceToHost));
+    for (size_t r = 0; r < nrows; r++)
+        for (size_t col = 0; col < stride; col++)
+            overwritten += (col < first || col >= end) && got[r * stride + col] != 0xffff;
+    free(got);
+    return overwritten;
 }
 
 // lse, dq, dk, dv: fp32 `got` and `want` (device) in the same layout (B, H, N, D); D = 1 for lse.
@@ -232,25 +239,34 @@ static inline size_t count_f32_differences(const float *got, const float *want, 
 }
 
 // Every output of a merged-layout call pair (sage or flash) against the head-major pair's, each as
-// above: out (merged bf16), lse, dq and dk (grads_m: the merged backward's dq, dk; grads_h: the
-// head-major one's dq, dk, dv, n values each) and dv, written as bf16 rows at dv_rows (row
-// stride, column offset) with its amax. Logs the counts on stderr.
+// above: out (merged bf16), lse, dq (dq_m: the merged backward's; grads_h: the head-major one's dq,
+// dk, dv, n values each), and dk and dv, written as bf16 rows of kv_rows (row stride; dK at column
+// offset k_offset, rotated when rotate_dk, dV at k_offset + H·D; the other columns poison) with
+// their amax. Logs the counts on stderr.
 static inline void expect_merged_like_head_major(const uint16_t *out_m, const uint16_t *out_h, const float *lse_m,
-                                                 const float *lse_h, const float *grads_m, const float *grads_h,
-                                                 size_t n, const uint16_t *dv_rows, size_t stride, size_t offset,
-                                                 const float *dv_amax, int B, int H, int N, int D, const char *what) {
+                                                 const float *lse_h, const float *dq_m, const float *grads_h,
+                                                 size_t n, const uint16_t *kv_rows, size_t stride, size_t k_offset,
+                                                 int rotate_dk, const float *d_amax, int B, int H, int N, int D,
+                                                 const char *what) {
     char name[200];
-    size_t differing[5];
+    size_t differing[5], hd = (size_t)H * D;
+    float amax = 0.0f, want_amax = 0.0f;
     snprintf(name, sizeof name, "%s: out", what);
     differing[0] = count_merged_bf16_differences(out_m, out_h, B, H, N, D, name);
     snprintf(name, sizeof name, "%s: lse", what);
     differing[1] = count_f32_differences(lse_m, lse_h, B, H, N, 1, name);
+    snprintf(name, sizeof name, "%s: dq", what);
+    differing[2] = count_f32_differences(dq_m, grads_h, B, H, N, D, name);
     for (int t = 0; t < 2; t++) {
-        snprintf(name, sizeof name, "%s: d%c", what, "qk"[t]);
-        differing[2 + t] = count_f32_differences(grads_m + t * n, grads_h + t * n, B, H, N, D, name);
+        snprintf(name, sizeof name, "%s: d%c rows", what, "kv"[t]);
+        differing[3 + t] = count_rows_differences(kv_rows, stride, k_offset + t * hd, grads_h + (1 + t) * n,
+                                                  t == 0 && rotate_dk, &want_amax, B, H, N, D, name);
     }
-    snprintf(name, sizeof name, "%s: dv rows", what);
-    differing[4] = count_dv_rows_differences(dv_rows, stride, offset, dv_amax, grads_h + 2 * n, B, H, N, D, name);
-    fprintf(stderr, "%s vs head-major: differing out %zu, lse %zu, dq %zu, dk %zu, dv %zu\n", what, differing[0],
-            differing[1], differing[2], differing[3], differing[4]);
+    size_t overwritten = count_poison_overwritten(kv_rows, (size_t)B * N, stride, k_offset, k_offset + 2 * hd);
+    cr_expect(overwritten == 0, "%s: %zu poison values outside dk's and dv's columns overwritten", what, overwritten);
+    CUDA_OK(cudaMemcpy(&amax, d_amax, 4, cudaMemcpyDeviceToHost));
+    cr_expect(amax == want_amax, "%s: dk, dv amax %.9g, the values' max %.9g", what, amax, want_amax);
+    fprintf(stderr, "%s vs head-major: differing out %zu, lse %zu, dq %zu, dk %zu, dv %zu; poison overwritten %zu, "
+            "amax %s\n", what, differing[0], differing[1], differing[2], differing[3], differing[4], overwritten,
+            amax == want_amax ? "equal" : "DIFFERS");
 }

@@ -101,7 +101,7 @@ Test(cuda_api, flash_attention_rejects_head_dim_sizes_and_grid_overflow) {
                                      300, 300, 64, 64, 0, err), err, "B=300 H=300");
     EXPECT_ERROR(flash_forward_merged_cuda(NULL, NULL, NULL, NULL, NULL, 1, 2, 64, 96, 0, err), err,
                  "flash_forward_merged_cuda", "D in {64, 128}", "D=96");
-    EXPECT_ERROR(flash_backward_merged_cuda(NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+    EXPECT_ERROR(flash_backward_merged_cuda(NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                             300, 300, 64, 64, 0, err), err, "flash_backward_merged_cuda",
                  "B=300 H=300");
     cr_assert_eq(flash_forward_cuda(NULL, NULL, NULL, NULL, NULL, 1, 1, 1, 96, 0, NULL), -1, "err may be NULL");
@@ -120,7 +120,7 @@ Test(cuda_api, sage_attention_rejects_head_dim_sizes_and_grid_overflow) {
                                     65536, 65536, 64, 64, SAGE_PV_FP8, 0, err), err, "B·H <= 65535");
     EXPECT_ERROR(sage_forward_merged_cuda(NULL, NULL, NULL, NULL, NULL, NULL, 1, 2, 64, 96, SAGE_PV_FP16, 0, err),
                  err, "sage_forward_merged_cuda", "D=96");
-    EXPECT_ERROR(sage_backward_merged_cuda(NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+    EXPECT_ERROR(sage_backward_merged_cuda(NULL, NULL, NULL, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
                                            NULL, 65536, 65536, 64, 64, SAGE_PV_FP8, 0, err), err,
                  "sage_backward_merged_cuda", "B·H <= 65535");
 }
@@ -158,17 +158,20 @@ Test(cuda_api, attention_rejects_null_device_pointers_by_name) {
     // the merged calls check every pointer, out and dout (whose layout differs) included
     EXPECT_ERROR(flash_forward_merged_cuda(NULL, f, b, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_merged_cuda",
                  "out must be", "NULL");
-    EXPECT_ERROR(flash_backward_merged_cuda(f, f, b, 128, NULL, DEV, NULL, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+    EXPECT_ERROR(flash_backward_merged_cuda(f, b, b, 128, 0, NULL, DEV, NULL, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
                  "flash_backward_merged_cuda", "dout must be", "NULL");
-    // and dv's rows: a stride below H·D, or odd
-    EXPECT_ERROR(flash_backward_merged_cuda(f, f, b, 127, NULL, DEV, b, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
-                 "flash_backward_merged_cuda", "dv_row_stride", "H·D = 128", "got 127");
-    EXPECT_ERROR(sage_backward_merged_cuda(f, f, b, 385, f, DEV, DEV, b, b, b, b, b, f, NULL, 1, 2, 64, 64,
-                                           SAGE_PV_FP8, 0, err), err, "sage_backward_merged_cuda", "dv_row_stride",
+    // and dk's and dv's rows: a stride below H·D, or odd; NULL rows
+    EXPECT_ERROR(flash_backward_merged_cuda(f, b, b, 127, 0, NULL, DEV, b, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+                 "flash_backward_merged_cuda", "row_stride", "H·D = 128", "got 127");
+    EXPECT_ERROR(sage_backward_merged_cuda(f, b, b, 385, 1, f, DEV, DEV, b, b, b, b, b, f, NULL, 1, 2, 64, 64,
+                                           SAGE_PV_FP8, 0, err), err, "sage_backward_merged_cuda", "row_stride",
                  "got 385");
+    EXPECT_ERROR(sage_backward_merged_cuda(f, NULL, b, 384, 1, f, DEV, DEV, b, b, b, b, b, f, NULL, 1, 2, 64, 64,
+                                           SAGE_PV_FP8, 0, err), err, "sage_backward_merged_cuda", "dk_rows must be",
+                 "NULL");
     EXPECT_ERROR(sage_forward_merged_cuda(b, f, DEV, NULL, b, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
                  "sage_forward_merged_cuda", "q must be", "NULL");
-    EXPECT_ERROR(sage_backward_merged_cuda(f, f, b, 384, NULL, DEV, DEV, b, b, b, b, NULL, f, NULL, 1, 2, 64, 64,
+    EXPECT_ERROR(sage_backward_merged_cuda(f, b, b, 384, 0, NULL, DEV, DEV, b, b, b, b, NULL, f, NULL, 1, 2, 64, 64,
                                            SAGE_PV_FP8, 0, err), err, "sage_backward_merged_cuda", "out must be",
                  "NULL");
     EXPECT_ERROR(sage_quantize_given_cuda(DEV, b, b, b, f, NULL, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
@@ -197,13 +200,15 @@ Test(cuda_api, attention_rejects_misaligned_vector_buffers) {
                  "sage_quantize_cuda", "workspace=", "16-byte aligned");
     EXPECT_ERROR(flash_forward_merged_cuda(b2, f, b, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_merged_cuda",
                  "out=", "16-byte aligned");
-    EXPECT_ERROR(flash_backward_merged_cuda(f, f, b, 128, NULL, DEV, b2, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
+    EXPECT_ERROR(flash_backward_merged_cuda(f, b, b, 128, 0, NULL, DEV, b2, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
                  "flash_backward_merged_cuda", "dout=", "16-byte aligned");
-    EXPECT_ERROR(flash_backward_merged_cuda(f, f, b + 1, 128, NULL, DEV, b, b, b, b, b, f, 1, 2, 64, 64, 0, err), err,
-                 "flash_backward_merged_cuda", "rows=", "4-byte aligned");
+    EXPECT_ERROR(flash_backward_merged_cuda(f, b, b + 1, 128, 0, NULL, DEV, b, b, b, b, b, f, 1, 2, 64, 64, 0, err),
+                 err, "flash_backward_merged_cuda", "dv_rows=", "4-byte aligned");
+    EXPECT_ERROR(flash_backward_merged_cuda(f, b + 1, b, 128, 1, NULL, DEV, b, b, b, b, b, f, 1, 2, 64, 64, 0, err),
+                 err, "flash_backward_merged_cuda", "dk_rows=", "4-byte aligned");
     EXPECT_ERROR(sage_forward_merged_cuda(b2, f, DEV, b, b, b, 1, 2, 64, 64, SAGE_PV_FP16, 0, err), err,
                  "sage_forward_merged_cuda", "out=", "16-byte aligned");
-    EXPECT_ERROR(sage_backward_merged_cuda(f, f, b, 384, NULL, DEV, DEV, b2, b, b, b, b, f, NULL, 1, 2, 64, 64,
+    EXPECT_ERROR(sage_backward_merged_cuda(f, b, b, 384, 0, NULL, DEV, DEV, b2, b, b, b, b, f, NULL, 1, 2, 64, 64,
                                            SAGE_PV_FP8, 0, err), err, "sage_backward_merged_cuda", "dout=",
                  "16-byte aligned");
 }

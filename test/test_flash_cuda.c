@@ -247,20 +247,21 @@ Test(flash_cuda, sm90_backward_deterministic, .timeout = 300) {
 // each call with its own workspace and NaN-poisoned outputs (dmalloc).
 // B, H > 1 and N not a multiple of 64, so a batch/head swap, a token stride of D instead of H·D or
 // a missed tail lands on other values or on the poison.
-static void check_merged_layout(int B, int H, int N, int D, const char *dispatch, uint64_t seed) {
+static void check_merged_layout(int B, int H, int N, int D, int rotate_dk, const char *dispatch, uint64_t seed) {
     Case c = make_case(B, H, N, D, 1.0f, seed);
     size_t rows = (size_t)B * H * N;
     char err[DIT_ERR_LEN] = "", what[160];
-    snprintf(what, sizeof what, "flash merged layout B%d H%d N%d D%d (%s)", B, H, N, D, dispatch);
+    snprintf(what, sizeof what, "flash merged layout B%d H%d N%d D%d%s (%s)", B, H, N, D,
+             rotate_dk ? " hadamard_dk" : "", dispatch);
     size_t ws_bytes = flash_cuda_backward_workspace_size(B, H, N, D);
     void *ws_h = dmalloc(ws_bytes), *ws_m = dmalloc(ws_bytes);
     uint16_t *out_h = dmalloc(c.n * 2), *out_m = dmalloc(c.n * 2), *dout_m = merged_copy(c.dev[3], B, H, N, D);
     float *lse_h = dmalloc(rows * 4), *lse_m = dmalloc(rows * 4);
-    float *grads_h = dmalloc(3 * c.n * 4), *grads_m = dmalloc(2 * c.n * 4);   // dq, dk, dv; dq, dk
-    size_t stride = (size_t)H * D;
-    uint16_t *dv_rows = dmalloc(c.n * 2);
-    float *dv_amax = dmalloc(4);
-    CUDA_OK(cudaMemset(dv_amax, 0, 4));
+    float *grads_h = dmalloc(3 * c.n * 4), *dq_m = dmalloc(c.n * 4);   // dq, dk, dv; dq
+    size_t stride = 2 * (size_t)H * D;
+    uint16_t *kv_rows = dmalloc(2 * c.n * 2);
+    float *kv_amax = dmalloc(4);
+    CUDA_OK(cudaMemset(kv_amax, 0, 4));
 
     int rc = flash_forward_cuda(out_h, lse_h, c.dev[0], c.dev[1], c.dev[2], B, H, N, D, 0, err);
     cr_assert_eq(rc, 0, "flash_forward_cuda: %s", err);
@@ -269,15 +270,15 @@ static void check_merged_layout(int B, int H, int N, int D, const char *dispatch
     rc = flash_backward_cuda(grads_h, grads_h + c.n, grads_h + 2 * c.n, ws_h, c.dev[3], c.dev[0], c.dev[1], c.dev[2],
                              out_h, lse_h, B, H, N, D, 0, err);
     cr_assert_eq(rc, 0, "flash_backward_cuda: %s", err);
-    rc = flash_backward_merged_cuda(grads_m, grads_m + c.n, dv_rows, stride, dv_amax, ws_m, dout_m, c.dev[0],
-                                    c.dev[1], c.dev[2], out_m, lse_m, B, H, N, D, 0, err);
+    rc = flash_backward_merged_cuda(dq_m, kv_rows, kv_rows + (size_t)H * D, stride, rotate_dk, kv_amax, ws_m, dout_m,
+                                    c.dev[0], c.dev[1], c.dev[2], out_m, lse_m, B, H, N, D, 0, err);
     cr_assert_eq(rc, 0, "flash_backward_merged_cuda: %s", err);
     CUDA_OK(cudaDeviceSynchronize());
 
-    expect_merged_like_head_major(out_m, out_h, lse_m, lse_h, grads_m, grads_h, c.n, dv_rows, stride, 0, dv_amax, B, H,
-                                  N, D, what);
+    expect_merged_like_head_major(out_m, out_h, lse_m, lse_h, dq_m, grads_h, c.n, kv_rows, stride, 0, rotate_dk,
+                                  kv_amax, B, H, N, D, what);
     cudaFree(ws_h); cudaFree(ws_m); cudaFree(out_h); cudaFree(out_m); cudaFree(dout_m);
-    cudaFree(lse_h); cudaFree(lse_m); cudaFree(grads_h); cudaFree(grads_m); cudaFree(dv_rows); cudaFree(dv_amax);
+    cudaFree(lse_h); cudaFree(lse_m); cudaFree(grads_h); cudaFree(dq_m); cudaFree(kv_rows); cudaFree(kv_amax);
     free_case(&c);
 }
 
@@ -291,7 +292,7 @@ Test(flash_cuda, merged_layout_matches_head_major, .timeout = 120) {
         if (mma_sync) setenv("DIT_FLASH_MMA_SYNC", "1", 1);
         for (int s = 0; s < MERGED_LAYOUT_SHAPES; s++) {
             const int *x = merged_layout_shapes[s];
-            check_merged_layout(x[0], x[1], x[2], x[3], dispatch, 20 + s);
+            check_merged_layout(x[0], x[1], x[2], x[3], s % 2, dispatch, 20 + s);
         }
         if (mma_sync) unsetenv("DIT_FLASH_MMA_SYNC");
     }

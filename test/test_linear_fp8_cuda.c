@@ -877,15 +877,18 @@ Test(linear_fp8, gated_dbias_gives_the_bytes_of_a_separate_dbias) {
 // ---- douts quantized by their producers (layers/fp8_dout_cuda.cu) ----------------------------
 // The dGELU (gelu_backward_fp8_cuda) and the gated residual's dh (gated_dh_fp8_cuda) quantized in
 // the pass that computes them, against the bf16 pass (gelu_backward_inplace_cuda,
-// gated_residual_backward_cuda) whose result the CPU quantizes: every byte of q and qt (and qt's pad)
+// gated_residual_backward_cuda) whose result the CPU quantizes, and a bf16 dout quantized with its
+// bias gradient (dout_fp8_cuda) against the dout itself: every byte of q and qt (and qt's pad)
 // worth the CPU's value at the exponent the guess rules give (fp8_guess_kept: the guess kept within
 // [e, e + 2·headroom], else e + headroom, e of the amax), the scale, the amax taken, the next guess,
 // and the bias gradient bitwise a linear backward's own pass over the bf16 values. Shapes: C = 112
 // (one partial column tile) and 2048; M = 111 and 97 (qt pad), 5000 (chunks of 65 rows: qt written
 // by bytes, pad rows past the last group) and 16384 (many 64-row groups); e4m3 and e5m2.
 typedef struct { int B, T, C; } DoutShape;
+enum { DGELU, GATED, COPY };
 
-static void check_dout_fp8(int gate, DoutShape sh, Fp8Format format, int headroom, int offset, Rng *rng) {
+static void check_dout_fp8(int op, DoutShape sh, Fp8Format format, int headroom, int offset, Rng *rng) {
+    int gate = op == GATED;
     int M = sh.B * sh.T, C = sh.C, stride = 6 * C, IC = 16, Rp = fp8_padded_rows(M);
     size_t n = (size_t)M * C;
     float *a = randn_bf16(rng, n, 1.0f), *b = randn_bf16(rng, gate ? (size_t)sh.B * stride : n, gate ? 0.5f : 2.0f);
@@ -897,9 +900,9 @@ static void check_dout_fp8(int gate, DoutShape sh, Fp8Format format, int headroo
         float *dgate = zeroed((size_t)sh.B * stride * sizeof(float));
         OK(gated_residual_backward_cuda(NULL, ref, dgate, d_a, upload_bf16(h, n), d_b, sh.B, sh.T, C, stride, NULL,
                                         NULL, &ctx, 0, err));
-    } else {      // dpre = GELU'(pre)·d, in place on a copy of d
+    } else {      // dpre = GELU'(pre)·d, in place on a copy of d; or the copy itself
         CK(cudaMemcpy(ref, d_a, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
-        OK(gelu_backward_inplace_cuda(ref, d_b, n, NULL, 0, err));
+        if (op == DGELU) OK(gelu_backward_inplace_cuda(ref, d_b, n, NULL, 0, err));
     }
     float *dw_unused = zeroed((size_t)C * IC * sizeof(float));
     bf16 *x_unused = zeroed((size_t)M * IC * sizeof(bf16)), *w_unused = zeroed((size_t)C * IC * sizeof(bf16));
@@ -911,13 +914,16 @@ static void check_dout_fp8(int gate, DoutShape sh, Fp8Format format, int headroo
     int *d_exponent = upload_i32(state, 2);
     Fp8Scaling scaling = {NULL, d_exponent, zeroed(sizeof(float)), headroom};
     Fp8Dout out = {poisoned(n), poisoned((size_t)C * Rp), poisoned(256)};
-    if (gate)
+    if (op == GATED)
         OK(gated_dh_fp8_cuda(&out, d_a, d_b, sh.B, sh.T, C, stride, db_new, format, &scaling, &ctx, 0, err));
-    else
+    else if (op == DGELU)
         OK(gelu_backward_fp8_cuda(&out, d_a, d_b, db_new, M, C, format, &scaling, &ctx, 0, err));
+    else
+        OK(dout_fp8_cuda(&out, d_a, db_new, M, C, format, &scaling, &ctx, 0, err));
     char what[128];
-    snprintf(what, sizeof what, "%s M=%d C=%d format %d headroom %d guess %+d", gate ? "gated_dh_fp8_cuda" :
-             "gelu_backward_fp8_cuda", M, C, (int)format, headroom, offset);
+    snprintf(what, sizeof what, "%s M=%d C=%d format %d headroom %d guess %+d",
+             (const char *[]){"gelu_backward_fp8_cuda", "gated_dh_fp8_cuda", "dout_fp8_cuda"}[op], M, C, (int)format,
+             headroom, offset);
     expect_quantized_at(out.q, out.qt, out.scale, x, M, C, format, used, what);
     expect_same_bytes(db_new, db_ref, C * sizeof(float), what);
     float taken = download_f32(scaling.taken, 1)[0];
@@ -935,12 +941,12 @@ Test(linear_fp8, douts_quantized_by_their_producers) {
     rng_seed(&rng, 49);
     const DoutShape shapes[] = {{3, 37, 112}, {1, 97, 2048}, {2, 2500, 512}};
     const int cases[][2] = {{0, 0}, {0, -1}, {0, 3}, {2, 0}, {2, 4}, {2, 5}, {2, -1}};   // headroom, guess - e
-    for (int gate = 0; gate < 2; gate++)
+    for (int op = DGELU; op <= COPY; op++)
         for (int s = 0; s < 3; s++)
             for (int k = 0; k < 7; k++)
-                check_dout_fp8(gate, shapes[s], k % 2 ? FP8_E5M2 : FP8_E4M3, cases[k][0], cases[k][1], &rng);
-    for (int gate = 0; gate < 2; gate++) {   // many groups and chunks
-        check_dout_fp8(gate, (DoutShape){2, 8192, 512}, FP8_E4M3, 0, 0, &rng);
-        check_dout_fp8(gate, (DoutShape){2, 8192, 512}, FP8_E4M3, 2, 5, &rng);
+                check_dout_fp8(op, shapes[s], k % 2 ? FP8_E5M2 : FP8_E4M3, cases[k][0], cases[k][1], &rng);
+    for (int op = DGELU; op <= COPY; op++) {   // many groups and chunks
+        check_dout_fp8(op, (DoutShape){2, 8192, 512}, FP8_E4M3, 0, 0, &rng);
+        check_dout_fp8(op, (DoutShape){2, 8192, 512}, FP8_E4M3, 2, 5, &rng);
     }
 }

@@ -724,29 +724,29 @@ Test(sage_cuda, sm90_forward_short_tail_block, .timeout = 60) {
 
 // ---- 8. the merged layout (sage_forward_merged_cuda, sage_backward_merged_cuda) -----------------
 // out and dout in (B, N, H, D), the layout of the projection around attention: the merged calls
-// must give bitwise the head-major calls' values (out transposed; lse, dq, dk as they are, dq in
-// deterministic mode; dv rounded to bf16 into the v columns of a poisoned (B·N, 3·H·D) buffer, as
-// the model's qkv gradient, with its amax), each call with its own workspaces and NaN-poisoned
-// outputs (dmalloc).
+// must give bitwise the head-major calls' values (out transposed; lse, dq as they are, dq in
+// deterministic mode; dk, rotated back when rotate_dk, and dv rounded to bf16 into the k and v
+// columns of a poisoned (B·N, 3·H·D) buffer, as the model's qkv gradient, with their amax), each
+// call with its own workspaces and NaN-poisoned outputs (dmalloc).
 // B, H > 1 and N not a multiple of 64, so a batch/head swap, a token stride of D instead of H·D or
 // a missed tail lands on other values or on the poison.
-static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const char *dispatch) {
+static void check_merged_layout(int B, int H, int N, int D, SagePV pv, int rotate_dk, const char *dispatch) {
     Case c = make_case(B, H, N, D, GAUSSIAN, 10000 + B * 1000 + N + D + pv);
     size_t rows = (size_t)B * H * N;
     char err[DIT_ERR_LEN] = "", what[160];
-    snprintf(what, sizeof what, "merged layout B=%d H=%d N=%d D=%d %s (%s)", B, H, N, D,
-             pv == SAGE_PV_FP8 ? "fp8" : "fp16", dispatch);
+    snprintf(what, sizeof what, "merged layout B=%d H=%d N=%d D=%d %s%s (%s)", B, H, N, D,
+             pv == SAGE_PV_FP8 ? "fp8" : "fp16", rotate_dk ? " hadamard_dk" : "", dispatch);
     size_t fwd_ws_bytes = sage_cuda_forward_workspace_size(B, H, N, D, pv);
     size_t bwd_ws_bytes = sage_cuda_backward_workspace_size(B, H, N, D);
     void *fwd_ws_h = dmalloc(fwd_ws_bytes), *fwd_ws_m = dmalloc(fwd_ws_bytes);
     void *bwd_ws_h = dmalloc(bwd_ws_bytes), *bwd_ws_m = dmalloc(bwd_ws_bytes);
     uint16_t *out_h = dmalloc(c.n * 2), *out_m = dmalloc(c.n * 2), *dout_m = merged_copy(c.ddout, B, H, N, D);
     float *lse_h = dmalloc(rows * 4), *lse_m = dmalloc(rows * 4);
-    float *grads_h = dmalloc(3 * c.n * 4), *grads_m = dmalloc(2 * c.n * 4);   // dq, dk, dv; dq, dk
+    float *grads_h = dmalloc(3 * c.n * 4), *dq_m = dmalloc(c.n * 4);   // dq, dk, dv; dq
     size_t stride = 3 * (size_t)H * D;
-    uint16_t *dqkv = dmalloc((size_t)B * N * stride * 2);   // dv into its v columns
-    float *dv_amax = dmalloc(4);
-    CUDA_OK(cudaMemset(dv_amax, 0, 4));
+    uint16_t *dqkv = dmalloc((size_t)B * N * stride * 2);   // dk, dv into its k and v columns
+    float *kv_amax = dmalloc(4);
+    CUDA_OK(cudaMemset(kv_amax, 0, 4));
 
     int rc = sage_forward_cuda(out_h, lse_h, fwd_ws_h, c.dq_, c.dk_, c.dv_, B, H, N, D, pv, 0, err);
     cr_assert_eq(rc, 0, "sage_forward_cuda: %s", err);
@@ -755,16 +755,16 @@ static void check_merged_layout(int B, int H, int N, int D, SagePV pv, const cha
     rc = sage_backward_cuda(grads_h, grads_h + c.n, grads_h + 2 * c.n, bwd_ws_h, fwd_ws_h, c.ddout, c.dq_, c.dk_,
                             c.dv_, out_h, lse_h, NULL, B, H, N, D, pv, 0, err);
     cr_assert_eq(rc, 0, "sage_backward_cuda: %s", err);
-    rc = sage_backward_merged_cuda(grads_m, grads_m + c.n, dqkv + 2 * H * D, stride, dv_amax, bwd_ws_m, fwd_ws_m,
-                                   dout_m, c.dq_, c.dk_, c.dv_, out_m, lse_m, NULL, B, H, N, D, pv, 0, err);
+    rc = sage_backward_merged_cuda(dq_m, dqkv + H * D, dqkv + 2 * H * D, stride, rotate_dk, kv_amax, bwd_ws_m,
+                                   fwd_ws_m, dout_m, c.dq_, c.dk_, c.dv_, out_m, lse_m, NULL, B, H, N, D, pv, 0, err);
     cr_assert_eq(rc, 0, "sage_backward_merged_cuda: %s", err);
     CUDA_OK(cudaDeviceSynchronize());
 
-    expect_merged_like_head_major(out_m, out_h, lse_m, lse_h, grads_m, grads_h, c.n, dqkv, stride, 2 * (size_t)H * D,
-                                  dv_amax, B, H, N, D, what);
+    expect_merged_like_head_major(out_m, out_h, lse_m, lse_h, dq_m, grads_h, c.n, dqkv, stride, (size_t)H * D,
+                                  rotate_dk, kv_amax, B, H, N, D, what);
     cudaFree(fwd_ws_h); cudaFree(fwd_ws_m); cudaFree(bwd_ws_h); cudaFree(bwd_ws_m);
     cudaFree(out_h); cudaFree(out_m); cudaFree(dout_m); cudaFree(lse_h); cudaFree(lse_m);
-    cudaFree(grads_h); cudaFree(grads_m); cudaFree(dqkv); cudaFree(dv_amax);
+    cudaFree(grads_h); cudaFree(dq_m); cudaFree(dqkv); cudaFree(kv_amax);
     free_case(&c);
 }
 
@@ -778,9 +778,9 @@ Test(sage_cuda, merged_layout_matches_head_major, .timeout = 120) {
         if (mma_sync) setenv("DIT_SAGE_MMA_SYNC", "1", 1);
         for (int s = 0; s < MERGED_LAYOUT_SHAPES; s++) {
             const int *x = merged_layout_shapes[s];
-            check_merged_layout(x[0], x[1], x[2], x[3], SAGE_PV_FP8, dispatch);
+            check_merged_layout(x[0], x[1], x[2], x[3], SAGE_PV_FP8, s % 2, dispatch);
         }
-        check_merged_layout(2, 3, 130, 128, SAGE_PV_FP16, dispatch);
+        check_merged_layout(2, 3, 130, 128, SAGE_PV_FP16, 1, dispatch);
         if (mma_sync) unsetenv("DIT_SAGE_MMA_SYNC");
     }
     sage_backward_set_deterministic(deterministic_before);
