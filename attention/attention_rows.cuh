@@ -43,7 +43,7 @@ int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uin
                            const uint16_t *v, int B, int H, int N, int D, SagePV pv, int merged_heads,
                            cudaStream_t stream, char *err);
 int sage_forward_sm90_quantized_rows(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
-                                     SagePV pv, cudaStream_t stream, char *err);
+                                     SagePV pv, int merged_heads, cudaStream_t stream, char *err);
 int sage_backward_sm90_rows(float *dq, float *dk, float *dv, void *workspace, const void *fwd_workspace,
                             const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             const uint16_t *out, const float *lse, const float *delta, int B, int H, int N, int D,

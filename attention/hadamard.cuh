@@ -2,7 +2,8 @@
 // consecutive lanes (L = D/8 = 4, 8 or 16; a warp holds 32/L rows) with 8 values per lane, so that
 // every lane moves 16 bytes of bf16 (or 32 of fp32) at once (sage's rotation,
 // attention/hadamard_cuda.h), for the kernels that rotate rows on the way through:
-// hadamard_cuda.cu (in place) and the model's head split and dq/dk merge (model/dit_gpu.cu).
+// hadamard_cuda.cu (in place), sage's split of a qkv projection's output (sage_quant.cu) and the
+// model's head split and dq merge (model/dit_gpu.cu).
 // Lane l of a row holds the values 8l .. 8l + 7. Butterfly stage h pairs positions j and j + h
 // (bit h of j clear):  v[j] = a + b,  v[j + h] = a - b  (a = v[j], b = v[j + h]).
 // For h < 8 both are in the same lane; for h >= 8 they are in lanes l and l ^ (h/8) of the row's
@@ -11,9 +12,8 @@
 // output from the same additions in the same order: fp32 results are bitwise the CPU's. All 32
 // lanes of the warp must call it (lanes without a row compute on anything and store nothing).
 #pragma once
-#include "layers/cuda_common.cuh"
 
-#define HADAMARD_VALUES_PER_LANE VEC   // 8: one 16-byte vector of bf16 (cuda_common.cuh)
+#define HADAMARD_VALUES_PER_LANE 8   // one 16-byte vector of bf16 (VEC of layers/cuda_common.cuh)
 
 template <int D>
 __device__ __forceinline__ void walsh_hadamard(float (&v)[HADAMARD_VALUES_PER_LANE], float norm) {

@@ -6,6 +6,9 @@
 #include "layers/common.h"
 #include "layers/cuda_args.h"
 #include "layers/cuda_check.h"
+#include "layers/cuda_common.cuh"
+
+static_assert(HADAMARD_VALUES_PER_LANE == VEC, "a lane's values are one bf16 vector of cuda_common.cuh");
 
 #define ROWS_PER_BLOCK_128 16   // 256 threads: rows of D = 128 take 16 lanes (D = 64: 32 rows, D = 32: 64)
 

@@ -64,12 +64,22 @@ int sage_kv_stats_cuda(float *k_sum, float *v_scale, void *workspace, const uint
 int sage_quantize_given_cuda(void *workspace, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                              const float *k_mean, const float *v_scale, int B, int H, int N, int D,
                              SagePV pv, cudaStream_t stream, char *err);
+// sage_quantize_qkv_cuda: sage_quantize_cuda on the q, k, v of a qkv projection's output, qkv
+// (B, N, 3·H·D) ([q | k | v] per token, head h at columns h·D of each), which it writes head-major
+// into q, k, v (B,H,N,D) for the backward, q and k multiplied by the normalized Hadamard matrix
+// first when rotate (hadamard_cuda.h), taking k's and v's statistics in the same pass (one read of
+// k and v fewer than the split, the rotation and sage_quantize_cuda; bitwise their values).
+int sage_quantize_qkv_cuda(void *workspace, uint16_t *q, uint16_t *k, uint16_t *v, const uint16_t *qkv, int rotate,
+                           int B, int H, int N, int D, SagePV pv, cudaStream_t stream, char *err);
 // sage_forward_quantized_cuda: the forward's attention over an already quantized workspace (no
 // quantization pass): the q8 and scales of the queries, the k8, k_scale, v_t of the keys, the
 // k_mean and v_scale in the workspace as they are. Dispatches like sage_forward_cuda (the Hopper
 // kernel for FP8 and FP16 on sm_90a unless DIT_SAGE_MMA_SYNC=1).
 int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
                                 SagePV pv, cudaStream_t stream, char *err);
+// ... with out in the merged layout (B, N, H, D) of sage_forward_merged_cuda.
+int sage_forward_quantized_merged_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
+                                       SagePV pv, cudaStream_t stream, char *err);
 int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
                                      int D, cudaStream_t stream, char *err);
 

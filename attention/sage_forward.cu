@@ -261,13 +261,24 @@ extern "C" int sage_forward_merged_cuda(uint16_t *out, float *lse, void *workspa
     return forward("sage_forward_merged_cuda", out, lse, workspace, q, k, v, B, H, N, D, pv, H, stream, err);
 }
 
+// sage_forward_quantized_cuda (merged_heads 0) and sage_forward_quantized_merged_cuda (merged_heads H).
+static int forward_quantized(const char *fn, uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
+                             int D, SagePV pv, int merged_heads, cudaStream_t stream, char *err) {
+    if (check_forward_shape(fn, B, H, N, D, pv, err) != 0) return -1;
+    CHECK_DEVICE_ARGS(fn, err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4), DEVICE_ARG(workspace, 16));
+    if (sage_forward_sm90_takes(pv, D) && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
+        return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, pv, merged_heads, stream, err);
+    if (pv == SAGE_PV_FP8 && check_fp8_capability(fn, err) != 0) return -1;
+    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, merged_heads, stream, err);
+}
+
 extern "C" int sage_forward_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H, int N,
                                            int D, SagePV pv, cudaStream_t stream, char *err) {
-    if (check_forward_shape("sage_forward_quantized_cuda", B, H, N, D, pv, err) != 0) return -1;
-    CHECK_DEVICE_ARGS("sage_forward_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
-                      DEVICE_ARG(workspace, 16));
-    if (sage_forward_sm90_takes(pv, D) && !getenv("DIT_SAGE_MMA_SYNC") && sage_forward_sm90_available())
-        return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, pv, stream, err);
-    if (pv == SAGE_PV_FP8 && check_fp8_capability("sage_forward_quantized_cuda", err) != 0) return -1;
-    return launch_forward_quantized(out, lse, workspace, B, H, N, D, pv, 0, stream, err);
+    return forward_quantized("sage_forward_quantized_cuda", out, lse, workspace, B, H, N, D, pv, 0, stream, err);
+}
+
+extern "C" int sage_forward_quantized_merged_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
+                                                  int N, int D, SagePV pv, cudaStream_t stream, char *err) {
+    return forward_quantized("sage_forward_quantized_merged_cuda", out, lse, workspace, B, H, N, D, pv, H, stream,
+                             err);
 }

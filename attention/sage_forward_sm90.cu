@@ -731,13 +731,13 @@ int sage_forward_sm90_rows(uint16_t *out, float *lse, void *workspace, const uin
 }
 
 int sage_forward_sm90_quantized_rows(uint16_t *out, float *lse, const void *workspace, int B, int H, int N, int D,
-                                     SagePV pv, cudaStream_t stream, char *err) {
+                                     SagePV pv, int merged_heads, cudaStream_t stream, char *err) {
     if (check_sm90_call("sage_forward_sm90_quantized_cuda", B, H, N, D, pv, err) != 0) return -1;
     CHECK_DEVICE_ARGS("sage_forward_sm90_quantized_cuda", err, DEVICE_ARG(out, 16), DEVICE_ARG(lse, 4),
                       DEVICE_ARG(workspace, 16));
     if (check_sm90_device("sage_forward_sm90_quantized_cuda", err) != 0) return -1;
     SageCudaQuant qv = sage_cuda_quant_view((void *)workspace, B, H, N, D, pv);
-    return launch(out, lse, &qv, B * H, N, D, pv, 0, stream, err);
+    return launch(out, lse, &qv, B * H, N, D, pv, merged_heads, stream, err);
 }
 
 extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace, const uint16_t *q,
@@ -748,5 +748,5 @@ extern "C" int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace
 
 extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const void *workspace, int B, int H,
                                                 int N, int D, cudaStream_t stream, char *err) {
-    return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, SAGE_PV_FP8, stream, err);
+    return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, SAGE_PV_FP8, 0, stream, err);
 }

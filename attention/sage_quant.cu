@@ -7,9 +7,12 @@
 //    its first blocks find k and v still in L2), Q·c and K - k_mean to int8 with one scale per
 //    block (amax/127, values rintf(x·(127/amax))), V to e4m3(v/v_scale) or fp16, transposed
 //    through shared memory without bank conflicts. All loads of a block are issued up front.
+// sage_quantize_qkv_cuda runs sage_split_stats_kernel in place of kernel 1: the same statistics in
+// the same order, taken while it splits a qkv projection's output into q, k, v (and rotates q, k).
 // Arithmetic uses the _rn intrinsics so that --use_fast_math cannot change the definition's
 // roundings; only k_mean's summation order differs from the CPU (chunked instead of sequential).
 #include "attention/sage_cuda.h"
+#include "attention/hadamard.cuh"
 #include "attention/sage_mma.cuh"
 #include "layers/common.h"
 #include "layers/cuda_args.h"
@@ -62,41 +65,17 @@ __device__ __forceinline__ void bf16x8_to_float(float x[8], uint4 u) {
     }
 }
 
-// k, v: (BH, N, D). part: (BH, nchunk, 2, D): [0] Σ k over the chunk, [1] max |v| over the chunk.
-// Grid (nchunk, BH), STATS_THREADS threads: each thread owns 8 columns and every ROWS-th row
-// (summed in token order, STATS_BATCH rows of loads in flight), the ROWS partial rows are summed
-// in row order, and the CTA that completes head bh (done[bh] reaches nchunk) sums the chunks in
-// chunk order: k_out[bh] = Σ / divisor, v_out[bh] = max / 448 (0 unless fp8).
+// The end of a stats block (chunk `chunk` of head bh): the ROWS threads' column sums and maxima
+// (thread (row0, vec) holds columns 8·vec..+7) summed in row order into the head's partials, and
+// the CTA that completes head bh (done[bh] reaches nchunk) sums the chunks in chunk order:
+// k_out[bh] = Σ / divisor, v_out[bh] = max / 448 (0 unless fp8).
 template <int D>
-__global__ void __launch_bounds__(STATS_THREADS) sage_stats_kernel(float *k_out, float *v_out, float *part,
-                                                                   unsigned *done, const __nv_bfloat16 *k,
-                                                                   const __nv_bfloat16 *v, int N, float divisor,
-                                                                   int fp8) {
-    constexpr int VEC = D / 8, ROWS = STATS_THREADS / VEC, PER = STATS_CHUNK / ROWS;
+__device__ void stats_block_end(float *k_out, float *v_out, float *part, unsigned *done, const float sum[8],
+                                const float vmax[8], int bh, int chunk, int nchunk, float divisor, int fp8) {
+    constexpr int VEC = D / 8, ROWS = STATS_THREADS / VEC;
     __shared__ float s_sum[ROWS][D], s_max[ROWS][D];
     __shared__ int s_last;
-    int bh = blockIdx.y, chunk = blockIdx.x, nchunk = gridDim.x, vec = threadIdx.x % VEC, row0 = threadIdx.x / VEC;
-    float sum[8] = {0}, vmax[8] = {0}, x[8];
-    int t0 = chunk * STATS_CHUNK + row0, t_end = min(N, (chunk + 1) * STATS_CHUNK);
-    int n_rows = t0 < t_end ? (t_end - t0 + ROWS - 1) / ROWS : 0;   // rows t0, t0 + ROWS, ... < t_end
-    const __nv_bfloat16 *kp = k + ((size_t)bh * N + t0) * D + vec * 8, *vp = v + ((size_t)bh * N + t0) * D + vec * 8;
-    for (int r0 = 0; r0 < PER; r0 += STATS_BATCH) {
-        uint4 kr[STATS_BATCH], vr[STATS_BATCH];
-#pragma unroll
-        for (int r = 0; r < STATS_BATCH; r++) {
-            if (r0 + r >= n_rows) continue;
-            kr[r] = *(const uint4 *)(kp + (size_t)(r0 + r) * ROWS * D);
-            vr[r] = *(const uint4 *)(vp + (size_t)(r0 + r) * ROWS * D);
-        }
-#pragma unroll
-        for (int r = 0; r < STATS_BATCH; r++) {
-            if (r0 + r >= n_rows) continue;
-            bf16x8_to_float(x, kr[r]);
-            for (int i = 0; i < 8; i++) sum[i] += x[i];
-            bf16x8_to_float(x, vr[r]);
-            for (int i = 0; i < 8; i++) vmax[i] = fmaxf(vmax[i], fabsf(x[i]));
-        }
-    }
+    int vec = threadIdx.x % VEC, row0 = threadIdx.x / VEC;
     for (int i = 0; i < 8; i++) { s_sum[row0][vec * 8 + i] = sum[i]; s_max[row0][vec * 8 + i] = vmax[i]; }
     __syncthreads();
     float *head_part = part + (size_t)bh * nchunk * 2 * D;
@@ -126,6 +105,86 @@ __global__ void __launch_bounds__(STATS_THREADS) sage_stats_kernel(float *k_out,
         if (is_max) v_out[(size_t)bh * D + c] = fp8 ? __fdiv_rn(acc, 448.0f) : 0.0f;
         else k_out[(size_t)bh * D + c] = __fdiv_rn(acc, divisor);
     }
+}
+
+// k, v: (BH, N, D). part: (BH, nchunk, 2, D): [0] Σ k over the chunk, [1] max |v| over the chunk.
+// Grid (nchunk, BH), STATS_THREADS threads: each thread owns 8 columns and every ROWS-th row
+// (summed in token order, STATS_BATCH rows of loads in flight), then stats_block_end.
+template <int D>
+__global__ void __launch_bounds__(STATS_THREADS) sage_stats_kernel(float *k_out, float *v_out, float *part,
+                                                                   unsigned *done, const __nv_bfloat16 *k,
+                                                                   const __nv_bfloat16 *v, int N, float divisor,
+                                                                   int fp8) {
+    constexpr int VEC = D / 8, ROWS = STATS_THREADS / VEC, PER = STATS_CHUNK / ROWS;
+    int bh = blockIdx.y, chunk = blockIdx.x, vec = threadIdx.x % VEC, row0 = threadIdx.x / VEC;
+    float sum[8] = {0}, vmax[8] = {0}, x[8];
+    int t0 = chunk * STATS_CHUNK + row0, t_end = min(N, (chunk + 1) * STATS_CHUNK);
+    int n_rows = t0 < t_end ? (t_end - t0 + ROWS - 1) / ROWS : 0;   // rows t0, t0 + ROWS, ... < t_end
+    const __nv_bfloat16 *kp = k + ((size_t)bh * N + t0) * D + vec * 8, *vp = v + ((size_t)bh * N + t0) * D + vec * 8;
+    for (int r0 = 0; r0 < PER; r0 += STATS_BATCH) {
+        uint4 kr[STATS_BATCH], vr[STATS_BATCH];
+#pragma unroll
+        for (int r = 0; r < STATS_BATCH; r++) {
+            if (r0 + r >= n_rows) continue;
+            kr[r] = *(const uint4 *)(kp + (size_t)(r0 + r) * ROWS * D);
+            vr[r] = *(const uint4 *)(vp + (size_t)(r0 + r) * ROWS * D);
+        }
+#pragma unroll
+        for (int r = 0; r < STATS_BATCH; r++) {
+            if (r0 + r >= n_rows) continue;
+            bf16x8_to_float(x, kr[r]);
+            for (int i = 0; i < 8; i++) sum[i] += x[i];
+            bf16x8_to_float(x, vr[r]);
+            for (int i = 0; i < 8; i++) vmax[i] = fmaxf(vmax[i], fabsf(x[i]));
+        }
+    }
+    stats_block_end<D>(k_out, v_out, part, done, sum, vmax, bh, chunk, gridDim.x, divisor, fp8);
+}
+
+// sage_stats_kernel's statistics, taken while the same threads split qkv (B, N, 3·H·D) into q, k, v
+// (BH, N, D): thread (row0, vec) moves the 8 values 8·vec.. of its rows of q, k and v (q and k
+// multiplied by the Hadamard matrix first when rotate: walsh_hadamard over the row's D/8 lanes,
+// which is why every lane runs every row step, valid or not) and sums the k it stores (bf16) and
+// the max |v| in sage_stats_kernel's order. H: heads per image (bh = b·H + h).
+template <int D>
+__global__ void __launch_bounds__(STATS_THREADS) sage_split_stats_kernel(float *k_out, float *v_out, float *part,
+                                                                         unsigned *done, __nv_bfloat16 *q,
+                                                                         __nv_bfloat16 *k, __nv_bfloat16 *v,
+                                                                         const __nv_bfloat16 *qkv, int H, int N,
+                                                                         bool rotate, float norm, float divisor,
+                                                                         int fp8) {
+    constexpr int VEC = D / 8, ROWS = STATS_THREADS / VEC, PER = STATS_CHUNK / ROWS;
+    int bh = blockIdx.y, chunk = blockIdx.x, vec = threadIdx.x % VEC, row0 = threadIdx.x / VEC;
+    int b = bh / H, h = bh % H;
+    float sum[8] = {0}, vmax[8] = {0};
+    int t0 = chunk * STATS_CHUNK + row0, t_end = min(N, (chunk + 1) * STATS_CHUNK);
+    int n_rows = t0 < t_end ? (t_end - t0 + ROWS - 1) / ROWS : 0;
+    size_t head = ((size_t)bh * N + t0) * D + vec * 8, row_step = (size_t)ROWS * D;
+    const __nv_bfloat16 *src = qkv + ((size_t)b * N + t0) * 3 * H * D + (size_t)h * D + vec * 8;
+    const size_t src_step = (size_t)ROWS * 3 * H * D, part_step = (size_t)H * D;   // next row; q -> k -> v
+    for (int r = 0; r < PER; r++) {
+        bool valid = r < n_rows;
+        uint4 in[3] = {};
+        if (valid)
+            for (int w = 0; w < 3; w++) in[w] = *(const uint4 *)(src + r * src_step + w * part_step);
+        float x[3][8];
+        for (int w = 0; w < 3; w++) bf16x8_to_float(x[w], in[w]);
+        if (rotate) {   // (all lanes: the transform shuffles within the row's lanes)
+            walsh_hadamard<D>(x[0], norm);
+            walsh_hadamard<D>(x[1], norm);
+        }
+        if (!valid) continue;
+        __nv_bfloat16 *dst[3] = {q, k, v};
+        for (int w = 0; w < 3; w++) {
+            union { uint4 raw; __nv_bfloat162 pair[4]; } u;
+            for (int i = 0; i < 4; i++) u.pair[i] = __floats2bfloat162_rn(x[w][2 * i], x[w][2 * i + 1]);
+            *(uint4 *)(dst[w] + head + r * row_step) = u.raw;
+            if (w == 1) bf16x8_to_float(x[1], u.raw);   // k as stored
+        }
+        for (int i = 0; i < 8; i++) sum[i] += x[1][i];
+        for (int i = 0; i < 8; i++) vmax[i] = fmaxf(vmax[i], fabsf(x[2][i]));
+    }
+    stats_block_end<D>(k_out, v_out, part, done, sum, vmax, bh, chunk, gridDim.x, divisor, fp8);
 }
 
 // int8 of y·inv, 8 values packed in two words (the byte of __float2int_rn as int8).
@@ -243,9 +302,12 @@ static int check_shape(const char *fn, int B, int H, int N, int D, char *err) {
 }
 
 // The memset of the per-head counters and kernel 1: k_out[bh][d] = (Σ_t k) / divisor and
-// v_out[bh][d] = max_t |v| / 448 (0 in FP16 mode), through the workspace's column partials.
+// v_out[bh][d] = max_t |v| / 448 (0 in FP16 mode), through the workspace's column partials. With
+// split (qkv, then q, k, v written, rotated when split->rotate), sage_split_stats_kernel.
+typedef struct { const uint16_t *qkv; uint16_t *q; int rotate; } SplitQkv;
 static int launch_stats(float *k_out, float *v_out, void *workspace, const uint16_t *k, const uint16_t *v,
-                        int B, int H, int N, int D, SagePV pv, float divisor, cudaStream_t stream, char *err) {
+                        const SplitQkv *split, int B, int H, int N, int D, SagePV pv, float divisor,
+                        cudaStream_t stream, char *err) {
     char *at[WS_PARTS];
     layout(NULL, at, (char *)workspace, B, H, N, D, pv);
     int BH = B * H, fp8 = pv == SAGE_PV_FP8;
@@ -255,6 +317,20 @@ static int launch_stats(float *k_out, float *v_out, void *workspace, const uint1
     SAGE_CUDA_CHECK(cudaMemsetAsync(done, 0, (size_t)BH * sizeof(unsigned), stream), err,
                     "cudaMemsetAsync(sage quantization counters)");
     dim3 grid(ceil_div(N, STATS_CHUNK), BH);
+    if (split) {
+        __nv_bfloat16 *qo = (__nv_bfloat16 *)split->q, *ko = (__nv_bfloat16 *)k, *vo = (__nv_bfloat16 *)v;
+        const __nv_bfloat16 *src = (const __nv_bfloat16 *)split->qkv;
+        float norm = 1.0f / sqrtf((float)D);   // (host arithmetic: the norm of hadamard_rotate_bf16_cuda)
+        if (D == 64)
+            sage_split_stats_kernel<64><<<grid, STATS_THREADS, 0, stream>>>(k_out, v_out, part, done, qo, ko, vo, src,
+                                                                         H, N, split->rotate, norm, divisor, fp8);
+        else
+            sage_split_stats_kernel<128><<<grid, STATS_THREADS, 0, stream>>>(k_out, v_out, part, done, qo, ko, vo,
+                                                                          src, H, N, split->rotate, norm, divisor,
+                                                                          fp8);
+        SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_split_stats_kernel");
+        return 0;
+    }
     if (D == 64) sage_stats_kernel<64><<<grid, STATS_THREADS, 0, stream>>>(k_out, v_out, part, done, kb, vb, N, divisor, fp8);
     else sage_stats_kernel<128><<<grid, STATS_THREADS, 0, stream>>>(k_out, v_out, part, done, kb, vb, N, divisor, fp8);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_stats_kernel");
@@ -285,7 +361,21 @@ extern "C" int sage_quantize_cuda(void *workspace, const uint16_t *q, const uint
     CHECK_DEVICE_ARGS("sage_quantize_cuda", err, DEVICE_ARG(workspace, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
                       DEVICE_ARG(v, 16));
     SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
-    if (launch_stats(qv.k_mean, qv.v_scale, workspace, k, v, B, H, N, D, pv, (float)N, stream, err) != 0) return -1;
+    if (launch_stats(qv.k_mean, qv.v_scale, workspace, k, v, NULL, B, H, N, D, pv, (float)N, stream, err) != 0)
+        return -1;
+    return launch_quantize(&qv, q, k, v, B, H, N, D, pv, stream, err);
+}
+
+extern "C" int sage_quantize_qkv_cuda(void *workspace, uint16_t *q, uint16_t *k, uint16_t *v, const uint16_t *qkv,
+                                      int rotate, int B, int H, int N, int D, SagePV pv, cudaStream_t stream,
+                                      char *err) {
+    if (check_shape("sage_quantize_qkv_cuda", B, H, N, D, err) != 0) return -1;
+    CHECK_DEVICE_ARGS("sage_quantize_qkv_cuda", err, DEVICE_ARG(workspace, 16), DEVICE_ARG(q, 16), DEVICE_ARG(k, 16),
+                      DEVICE_ARG(v, 16), DEVICE_ARG(qkv, 16));
+    SageCudaQuant qv = sage_cuda_quant_view(workspace, B, H, N, D, pv);
+    SplitQkv split = {qkv, q, rotate};
+    if (launch_stats(qv.k_mean, qv.v_scale, workspace, k, v, &split, B, H, N, D, pv, (float)N, stream, err) != 0)
+        return -1;
     return launch_quantize(&qv, q, k, v, B, H, N, D, pv, stream, err);
 }
 
@@ -296,7 +386,7 @@ extern "C" int sage_kv_stats_cuda(float *k_sum, float *v_scale, void *workspace,
     CHECK_DEVICE_ARGS("sage_kv_stats_cuda", err, DEVICE_ARG(k_sum, 4), DEVICE_ARG(v_scale, 4),
                       DEVICE_ARG(workspace, 16), DEVICE_ARG(k, 16), DEVICE_ARG(v, 16));
     // divisor 1: the reduction's k_mean = Σ/1 is the sum, exactly
-    return launch_stats(k_sum, v_scale, workspace, k, v, B, H, N, D, pv, 1.0f, stream, err);
+    return launch_stats(k_sum, v_scale, workspace, k, v, NULL, B, H, N, D, pv, 1.0f, stream, err);
 }
 
 extern "C" int sage_quantize_given_cuda(void *workspace, const uint16_t *q, const uint16_t *k,

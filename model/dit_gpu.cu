@@ -699,6 +699,22 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int 
     return sage_forward_cuda(out, lse, ws, q, k, v, Bc, Hc, T, D, m->sage.pv, stream, err);
 }
 
+// Without sequence parallelism, sage from the qkv projection's output: the head split (rotating q
+// and k) and the quantization's statistics in one pass (sage_quantize_qkv_cuda; the same q, k, v as
+// split_qkv), then the attention over the quantized workspace, its output into att_merged.
+static int sage_forward_from_qkv(DitGpu *m, int l, const bf16 *qkv, int B, char *err) {
+    int H = m->cfg.heads, D = m->cfg.hidden / H, T = m->tokens;
+    size_t blk = (size_t)B * T * m->cfg.hidden;
+    DitGpuActivations *a = &m->acts;
+    void *ws = forward_workspace(m, l, 0);
+    cudaStream_t stream = compute_stream(m, 0);
+    TRY(sage_quantize_qkv_cuda(ws, (uint16_t *)(a->q + l * blk), (uint16_t *)(a->k + l * blk),
+                               (uint16_t *)(a->v + l * blk), (const uint16_t *)qkv, sage_rotates(m), B, H, T, D,
+                               m->sage.pv, stream, err));
+    return sage_forward_quantized_merged_cuda((uint16_t *)(a->att_merged + l * blk), a->att_lse + (size_t)l * B * H * T,
+                                              ws, B, H, T, D, m->sage.pv, stream, err);
+}
+
 // dq, dk, dv of the same pairs from dout (the layout of the forward's out: merged, or head-major;
 // the pointers are the whole tensors'). Merged: dk (rotated back when sage rotates) and dv are
 // written as bf16 into the k and v columns of dqkv (the qkv linear's input gradient, (B·T,
@@ -1234,6 +1250,8 @@ int dit_gpu_forward(DitGpu *m, const DitGpuWeights *w, int B, char *err) {
         // guesses its scale), or merged from the heads (with the amax)
         if (ulysses) {
             TRY(ulysses_attention_forward(m, l, qkv, B, err));
+        } else if (attention_merged(m) && m->attention == DIT_ATTN_SAGE) {
+            TRY(sage_forward_from_qkv(m, l, qkv, B, err));
         } else {
             TRY(split_qkv(m, a->q + l * blk, a->k + l * blk, a->v + l * blk, qkv, B, err));
             TRY(attention_forward_gpu(m, l, B, 0, 0, B * heads_here(m), err));

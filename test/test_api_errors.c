@@ -155,6 +155,10 @@ Test(cuda_api, attention_rejects_null_device_pointers_by_name) {
                  err, "sage_backward_cuda (delta = NULL", "out must be", "NULL");
     EXPECT_ERROR(sage_quantize_cuda(DEV, b, NULL, b, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
                  "sage_quantize_cuda", "k must be", "NULL");
+    EXPECT_ERROR(sage_quantize_qkv_cuda(DEV, b, b, b, NULL, 1, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_quantize_qkv_cuda", "qkv must be", "NULL");
+    EXPECT_ERROR(sage_forward_quantized_merged_cuda(b, NULL, DEV, 1, 2, 64, 64, SAGE_PV_FP8, 0, err), err,
+                 "sage_forward_quantized_merged_cuda", "lse must be", "NULL");
     // the merged calls check every pointer, out and dout (whose layout differs) included
     EXPECT_ERROR(flash_forward_merged_cuda(NULL, f, b, b, b, 1, 2, 64, 64, 0, err), err, "flash_forward_merged_cuda",
                  "out must be", "NULL");

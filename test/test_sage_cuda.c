@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "attention/attention.h"
+#include "attention/hadamard_cuda.h"
 #include "attention/sage_cuda.h"
 #include "layers/common.h"
 #include "test/attention_test.h"
@@ -784,4 +785,73 @@ Test(sage_cuda, merged_layout_matches_head_major, .timeout = 120) {
         if (mma_sync) unsetenv("DIT_SAGE_MMA_SYNC");
     }
     sage_backward_set_deterministic(deterministic_before);
+}
+
+// ---- 9. the quantization from a qkv projection's output (sage_quantize_qkv_cuda) -------------
+// Against the head split done on the host, hadamard_rotate_bf16_cuda on q and k (rotate) and
+// sage_quantize_cuda: the q, k, v it writes and every quantized tensor of the workspace (q8, k8,
+// their scales, k_mean, v_scale, v_t), bitwise, into NaN-poisoned buffers. B, H > 1 (the qkv row
+// layout), N = 300 and 1000 (256-token chunks with a tail), OUTLIERS so that k's mean matters.
+static size_t count_bytes_differing(const void *got, const void *want, size_t bytes, const char *what) {
+    uint8_t *g = xmalloc(bytes), *w = xmalloc(bytes);
+    CUDA_OK(cudaMemcpy(g, got, bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(w, want, bytes, cudaMemcpyDeviceToHost));
+    size_t differing = 0;
+    for (size_t i = 0; i < bytes; i++) differing += g[i] != w[i];
+    cr_expect(differing == 0, "%s: %zu of %zu bytes differ", what, differing, bytes);
+    free(g);
+    free(w);
+    return differing;
+}
+
+static void check_quantize_qkv(int B, int H, int N, int D, SagePV pv, int rotate) {
+    Case c = make_case(B, H, N, D, OUTLIERS, 20000 + N + D + pv + rotate);
+    char err[DIT_ERR_LEN] = "", what[160];
+    size_t n = c.n, hd = (size_t)H * D;
+    uint16_t *parts[3] = {c.dq_, c.dk_, c.dv_}, *host = xmalloc(3 * n * 2), *bits = xmalloc(n * 2);
+    for (int w = 0; w < 3; w++) {   // qkv (B, N, 3·H·D): [q | k | v] per token, head h at h·D of each
+        CUDA_OK(cudaMemcpy(bits, parts[w], n * 2, cudaMemcpyDeviceToHost));
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int t = 0; t < N; t++)
+                    memcpy(host + ((size_t)b * N + t) * 3 * hd + w * hd + (size_t)h * D,
+                           bits + (((size_t)b * H + h) * N + t) * D, (size_t)D * 2);
+    }
+    uint16_t *qkv = dmalloc(3 * n * 2), *got[3] = {dmalloc(n * 2), dmalloc(n * 2), dmalloc(n * 2)};
+    CUDA_OK(cudaMemcpy(qkv, host, 3 * n * 2, cudaMemcpyHostToDevice));
+    size_t ws_bytes = sage_cuda_forward_workspace_size(B, H, N, D, pv);
+    void *ws_ref = dmalloc(ws_bytes), *ws_new = dmalloc(ws_bytes);
+    for (int w = 0; w < 2 && rotate; w++)
+        cr_assert_eq(hadamard_rotate_bf16_cuda(parts[w], (size_t)B * H * N, D, 0, err), 0, "%s", err);
+    cr_assert_eq(sage_quantize_cuda(ws_ref, c.dq_, c.dk_, c.dv_, B, H, N, D, pv, 0, err), 0, "%s", err);
+    cr_assert_eq(sage_quantize_qkv_cuda(ws_new, got[0], got[1], got[2], qkv, rotate, B, H, N, D, pv, 0, err), 0,
+                 "sage_quantize_qkv_cuda: %s", err);
+    CUDA_OK(cudaDeviceSynchronize());
+
+    size_t BH = (size_t)B * H, nblk = (N + 63) / 64, differing = 0;
+    SageCudaQuant r = sage_cuda_quant_view(ws_ref, B, H, N, D, pv), g = sage_cuda_quant_view(ws_new, B, H, N, D, pv);
+    const struct { const void *got, *want; size_t bytes; const char *name; } fields[] = {
+        {got[0], c.dq_, n * 2, "q"}, {got[1], c.dk_, n * 2, "k"}, {got[2], c.dv_, n * 2, "v"},
+        {g.q8, r.q8, n, "q8"}, {g.k8, r.k8, n, "k8"}, {g.q_scale, r.q_scale, BH * nblk * 4, "q_scale"},
+        {g.k_scale, r.k_scale, BH * nblk * 4, "k_scale"}, {g.k_mean, r.k_mean, BH * D * 4, "k_mean"},
+        {g.v_scale, r.v_scale, BH * D * 4, "v_scale"},
+        {g.v_t, r.v_t, BH * D * nblk * 64 * (pv == SAGE_PV_FP8 ? 1 : 2), "v_t"}};
+    for (size_t f = 0; f < sizeof fields / sizeof *fields; f++) {
+        snprintf(what, sizeof what, "sage_quantize_qkv_cuda B=%d H=%d N=%d D=%d %s rotate %d: %s", B, H, N, D,
+                 pv == SAGE_PV_FP8 ? "fp8" : "fp16", rotate, fields[f].name);
+        differing += count_bytes_differing(fields[f].got, fields[f].want, fields[f].bytes, what);
+    }
+    fprintf(stderr, "sage_quantize_qkv_cuda B=%d H=%d N=%d D=%d pv=%d rotate=%d: %zu bytes differ\n", B, H, N, D,
+            (int)pv, rotate, differing);
+    free(host); free(bits);
+    cudaFree(qkv); cudaFree(got[0]); cudaFree(got[1]); cudaFree(got[2]); cudaFree(ws_ref); cudaFree(ws_new);
+    free_case(&c);
+}
+
+Test(sage_cuda, quantize_qkv_matches_split_rotation_and_quantize, .timeout = 60) {
+    SKIP_WITHOUT_GPU();
+    check_quantize_qkv(2, 3, 300, 64, SAGE_PV_FP8, 1);
+    check_quantize_qkv(2, 3, 300, 128, SAGE_PV_FP8, 0);
+    check_quantize_qkv(1, 2, 1000, 128, SAGE_PV_FP8, 1);
+    check_quantize_qkv(2, 2, 300, 128, SAGE_PV_FP16, 1);
 }
