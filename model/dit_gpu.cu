@@ -686,11 +686,8 @@ static int attention_forward_gpu(DitGpu *m, int l, int B, int g, int first, int 
     const uint16_t *q = (const uint16_t *)(a->q + l * blk + first * pair);
     const uint16_t *k = (const uint16_t *)(a->k + l * blk + first * pair);
     const uint16_t *v = (const uint16_t *)(a->v + l * blk + first * pair);
-    if (attention_merged(m)) {   // (whole: head groups are for Ulysses)
-        uint16_t *out = (uint16_t *)(a->att_merged + l * blk);
-        if (m->attention == DIT_ATTN_EXACT) return flash_forward_merged_cuda(out, lse, q, k, v, B, H, T, D, stream, err);
-        return sage_forward_merged_cuda(out, lse, ws, q, k, v, B, H, T, D, m->sage.pv, stream, err);
-    }
+    if (attention_merged(m))   // (whole: head groups are for Ulysses; flash only: sage_forward_from_qkv)
+        return flash_forward_merged_cuda((uint16_t *)(a->att_merged + l * blk), lse, q, k, v, B, H, T, D, stream, err);
     uint16_t *out = (uint16_t *)(a->att + l * blk + first * pair);
     if (m->sp.ring > 1)   // (head_groups is 1 under ring: whole)
         return ring_forward(m, out, lse, q, k, v, m->sp_bufs.k_mean ? m->sp_bufs.k_mean + l * stats : NULL,
