@@ -222,14 +222,13 @@ static int launch_dout(const char *fn, int op, DoutArgs *a, const Fp8Dout *out, 
     a->chunks = dbias_chunks(a->M, a->C);
     a->chunk_rows = dbias_chunk_rows(a->M, a->C);   // linear_dbias_accumulate's chunks
     dim3 grid(blocks_for(a->C, COLS_PER_BLOCK), a->chunks);
-    void (*pass)(DoutArgs) = op == DOUT_DGELU ? fp8_dout_kernel<DOUT_DGELU>
-                             : op == DOUT_GATE ? fp8_dout_kernel<DOUT_GATE> : fp8_dout_kernel<DOUT_COPY>;
-    void (*check)(DoutArgs) = op == DOUT_DGELU ? fp8_dout_requantize_kernel<DOUT_DGELU>
-                              : op == DOUT_GATE ? fp8_dout_requantize_kernel<DOUT_GATE>
-                                                : fp8_dout_requantize_kernel<DOUT_COPY>;
-    pass<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
+    void (*const pass[])(DoutArgs) = {fp8_dout_kernel<DOUT_DGELU>, fp8_dout_kernel<DOUT_GATE>,
+                                      fp8_dout_kernel<DOUT_COPY>};
+    void (*const check[])(DoutArgs) = {fp8_dout_requantize_kernel<DOUT_DGELU>, fp8_dout_requantize_kernel<DOUT_GATE>,
+                                       fp8_dout_requantize_kernel<DOUT_COPY>};
+    pass[op]<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
     LAUNCH_CHECK(err, "fp8_dout_kernel", "%s: M=%d C=%d chunks=%d", fn, a->M, a->C, a->chunks);
-    check<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
+    check[op]<<<grid, BLOCK_SIZE, 0, stream>>>(*a);
     LAUNCH_CHECK(err, "fp8_dout_requantize_kernel", "%s: M=%d C=%d chunks=%d", fn, a->M, a->C, a->chunks);
     return 0;
 }
