@@ -48,6 +48,7 @@ typedef struct {
     int skip_bad_images, preview_data, random_flip, save_init, deterministic;
     int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int fp8_grad_headroom;                                    // --linear fp8: DitGpu.fp8_grad_headroom
+    int fp8_fast_accum;                                       // --linear fp8: DitGpu.ctx.fp8_fast_accum_forward
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
@@ -74,6 +75,8 @@ static const char *usage_text =
     "                        scale guessed from the last step's amax and kept while within 2N binades\n"
     "                        above the current one's (0: exactly the current amax's scale, as -1;\n"
     "                        -1: quantized by the linears from stored bf16 douts) (default 3)\n"
+    "  --fp8-fast-accum 0|1  fp8: the forward GEMMs accumulate in the tensor cores' fast mode, as Transformer\n"
+    "                        Engine and torchao do (0: promoted to fp32, as the backward's) (default 1)\n"
     "  --device KIND         auto (the GPU if one is found) | cpu | gpu (default auto)\n"
     "data:\n"
     "  --data DIR            image folder DIR/<class>/*.png|jpg|..., or 'synthetic'\n"
@@ -173,7 +176,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .samples_per_class = 2, .random_flip = 1, .lr = 3e-4f, .grad_clip = 1.0f,
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
                      .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1,
-                     .zero_overlap = -1, .fp8_grad_headroom = 3};
+                     .zero_overlap = -1, .fp8_grad_headroom = 3, .fp8_fast_accum = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -223,6 +226,13 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
             rc = parse_int(f, v, -1, &a->fp8_grad_headroom, err);
             if (!rc && a->fp8_grad_headroom > 8) {
                 dit_set_error(err, "--fp8-grad-headroom: expected -1 to 8 (binades), got '%s'", v);
+                rc = -1;
+            }
+        }
+        else if (!strcmp(f, "--fp8-fast-accum")) {
+            rc = parse_int(f, v, 0, &a->fp8_fast_accum, err);
+            if (!rc && a->fp8_fast_accum > 1) {
+                dit_set_error(err, "--fp8-fast-accum: expected 0 or 1, got '%s'", v);
                 rc = -1;
             }
         }
@@ -426,6 +436,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
         if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, linear, &sp, err) != 0) die(err);
         tr->gpu.sage.rotate = a->sage_rotate;
         tr->gpu.fp8_grad_headroom = a->fp8_grad_headroom;
+        tr->gpu.ctx.fp8_fast_accum_forward = a->fp8_fast_accum;
         sage_backward_set_deterministic(a->deterministic);   // process-wide switches of the kernels
         flash_backward_set_deterministic(a->deterministic);
         return;
@@ -1032,8 +1043,10 @@ int main(int argc, char **argv) {
                cfg.image_size, cfg.image_size, dit_tokens(&cfg), cfg.num_classes, dataloader_num_images(dl),
                model->num_params / 1e6);
         if (!strcmp(a->linear, "fp8"))
-            printf("block linears (qkv, proj, fc1, fc2): FP8 GEMMs (e4m3, per-tensor scales from the current amax%s)\n",
-                   a->fp8_grad_headroom > 0 ? "; the douts of fc1, fc2, proj within --fp8-grad-headroom of it" : "");
+            printf("block linears (qkv, proj, fc1, fc2): FP8 GEMMs (e4m3, per-tensor scales from the current amax%s; "
+                   "forward accumulation %s)\n",
+                   a->fp8_grad_headroom > 0 ? "; the douts of fc1, fc2, proj within --fp8-grad-headroom of it" : "",
+                   a->fp8_fast_accum ? "fast" : "fp32");
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);

@@ -50,6 +50,10 @@ typedef struct {
     size_t scratch_floats;
     unsigned *tile_counters;     // LAYERS_TILE_COUNTERS arrival counts of the split column sums
                                  // (zero between calls: the last block of a tile resets its own)
+    int fp8_fast_accum_forward;  // 0 after create. 1: the FP8 linears' forward GEMMs accumulate in the
+                                 // tensor cores' fast mode (cuBLASLt FAST_ACCUM: no periodic promotion
+                                 // of the partial sums to fp32 registers), as Transformer Engine's and
+                                 // torchao's forward GEMMs do; their backward GEMMs always promote.
 } LayersCuda;
 // Column tiles (image × 256 columns) a split column sum (dbias, dshift, dscale, dgate) may have:
 // the sums split their rows only while the tiles are fewer than the 512 blocks they aim for.

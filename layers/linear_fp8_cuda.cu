@@ -314,8 +314,9 @@ static int check_saved(const char *fn, const char *name, const Fp8Saved *saved, 
 
 // ---- FP8 matmul ----------------------------------------------------------------------------
 // D (m, n) = scale_a·scale_b·Aᵀ·B + beta·D, column-major; A (k, m) and B (k, n) fp8, both with K
-// contiguous (lda = ldb = k), fp32 accumulation (FAST_ACCUM off), D (and C) of d_type (bf16 or fp32);
-// bias: an m-long bf16 vector added to each column in the epilogue (NULL: none).
+// contiguous (lda = ldb = k), fp32 accumulation (fast_accum: the tensor cores' own, FAST_ACCUM), D
+// (and C) of d_type (bf16 or fp32); bias: an m-long bf16 vector added to each column in the epilogue
+// (NULL: none).
 // cuBLAS's FP8 rules (cublasLtMatmul, "To use FP8 kernels ..."), all met here: A transposed and B
 // not ("TN"), CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, every matrix pointer 16-byte aligned and
 // the dimensions of "Tensor Core Usage" 16-byte multiples: k = lda = ldb (fp8) and m = ldd (bf16 or
@@ -325,14 +326,15 @@ static int check_saved(const char *fn, const char *name, const Fp8Saved *saved, 
 // (the default scale mode) through device pointers, each 256-byte aligned.
 static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaDataType_t a_type, const float *scale_a,
                       const uint8_t *b, cudaDataType_t b_type, const float *scale_b, int m, int n, int k, float beta,
-                      const bf16 *bias, const char *what, const LayersCuda *ctx, cudaStream_t stream, char *err) {
+                      const bf16 *bias, bool fast_accum, const char *what, const LayersCuda *ctx,
+                      cudaStream_t stream, char *err) {
     int status = 0;
     cublasLtMatmulDesc_t desc = NULL;
     cublasLtMatrixLayout_t layout_a = NULL, layout_b = NULL, layout_d = NULL;
     cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
     cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     int32_t bf16_type = CUDA_R_16BF;
-    int8_t fast_accum = 0;
+    int8_t fast_accum_flag = fast_accum;
     uint32_t align_a = alignment_of(a), align_b = alignment_of(b), align_d = alignment_of(d);
     // every pointer's alignment, for the messages (cuBLASLt answers a misaligned one with "not supported")
     char where[224];
@@ -350,7 +352,8 @@ static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaData
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
                         "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof fast_accum),
+    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum_flag,
+                                                                      sizeof fast_accum_flag),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a),
                         "%s: A scale", what);
@@ -401,8 +404,8 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
     // outᵀ (OC, M) = scale_w·scale_inp·w_q·inp_qᵀ + bias
     char what[128];
     snprintf(what, sizeof what, "%s M=%d IC=%d OC=%d", fn, M, IC, OC);
-    return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, w_scale, inp_q, CUDA_R_8F_E4M3,
-                      inp_scale, OC, M, IC, 0.0f, bias, what, ctx, stream, err);
+    return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, w_scale, inp_q, CUDA_R_8F_E4M3, inp_scale, OC, M, IC,
+                      0.0f, bias, ctx->fp8_fast_accum_forward != 0, what, ctx, stream, err);
 }
 
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
@@ -502,12 +505,12 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
         }
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, w_scale, dout_q, grad_type,
-                       dout_scale, IC, M, OC, dinp_beta, NULL, what, ctx, stream, err)) return -1;
+                       dout_scale, IC, M, OC, dinp_beta, NULL, false, what, ctx, stream, err)) return -1;
     }
     // dWᵀ (IC, OC) = scale_inp·scale_dout·inp_qt·dout_qtᵀ + dweight_beta·dWᵀ in fp32, k = Mp (the pad is zero)
     snprintf(what, sizeof what, "%s: dweight M=%d (Mp=%d) IC=%d OC=%d", fn, M, Mp, IC, OC);
     if (fp8_matmul(dweight, CUDA_R_32F, inp->qt, CUDA_R_8F_E4M3, inp->scale, dout_qt, grad_type,
-                   dout_scale, IC, OC, Mp, dweight_beta, NULL, what, ctx, stream, err)) return -1;
+                   dout_scale, IC, OC, Mp, dweight_beta, NULL, false, what, ctx, stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 

@@ -380,6 +380,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     if (sp->ulysses > 1 && create_group_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
     if (shards > 1 && sp->zero_overlap && create_reduce_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
     if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch, m->tokens), err) != 0) { dit_gpu_free(m); return -1; }
+    m->ctx.fp8_fast_accum_forward = DIT_FP8_FAST_ACCUM;
     if (cudaMalloc(&m->params_alloc, m->params_bytes) != cudaSuccess ||
         cudaMalloc(&m->acts_alloc, m->acts_bytes) != cudaSuccess) {
         dit_set_error(err, "dit_gpu_create: cudaMalloc failed: %s (parameters %.1f MiB, activations %.1f MiB "
@@ -1724,6 +1725,9 @@ int dit_gpu_train_step_graph(DitGpu *m, int B, float lr, float beta1, float beta
     key.sage = m->sage;
     key.sage_deterministic = sage_backward_deterministic();
     key.flash_deterministic = flash_backward_deterministic();
+    key.fp8_fused_inputs = m->fp8_fused_inputs;
+    key.fp8_grad_headroom = m->fp8_grad_headroom;
+    key.fp8_fast_accum_forward = m->ctx.fp8_fast_accum_forward;
     key.beta1 = beta1;
     key.beta2 = beta2;
     key.eps = eps;
