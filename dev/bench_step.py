@@ -1,7 +1,8 @@
 """Training-step time of ./train_dit against the PyTorch reference (dev/dit_ref.py) on the same GPU,
 for the same model config and batch, in one run: a markdown table (ms/step and images/s).
 
-    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--fp16] [--rounds 1] [--train-dit PATH]
+    python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--fp8-fast] [--fp16] [--rounds 1]
+                              [--train-dit PATH]
 
 PyTorch: fp32 master weights, autocast bf16, SDPA (cuDNN backend where available), fused AdamW,
 clip_grad_norm_, and the EMA of the weights updated every step (DiT's recipe: train_dit's step
@@ -11,8 +12,9 @@ torch.compile of the model (default mode; the loss, clipping, AdamW and EMA stay
 after the warm-up, timed with CUDA events. train_dit: its own per-step ms (log line: wall clock of
 the whole step, batch and host RNG included), median over the same steps. Synthetic data on both
 sides (the step does not depend on pixel values). --fp8 adds train_dit --attn sage --linear fp8
-(FP8 GEMMs in the block linears) and its ratios; --fp16 adds train_dit --attn sage-fp16 --linear fp8
-(the same with FP16 P·V, the accurate sage mode). Configs b, c, d run at depth 4: the step time
+(FP8 GEMMs in the block linears) and its ratios; --fp8-fast the same with --fp8-fast-accum all (every
+FP8 GEMM in fast accumulation, not only the forward's); --fp16 adds train_dit --attn sage-fp16 --linear
+fp8 (the same with FP16 P·V, the accurate sage mode). Configs b, c, d run at depth 4: the step time
 is linear in depth, so the ratios hold for the full model. A run that fails (out of memory, a
 compile error, train_dit exiting) prints why on stderr and leaves "—" in its cell; the table goes on.
 --rounds R measures each configuration R times in a row (every run of the row, then again), one
@@ -134,6 +136,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="steps before timing (compile happens here)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile")
     ap.add_argument("--fp8", action="store_true", help="also time train_dit --attn sage --linear fp8")
+    ap.add_argument("--fp8-fast", action="store_true",
+                    help="also time train_dit --attn sage --linear fp8 --fp8-fast-accum all")
     ap.add_argument("--fp16", action="store_true", help="also time train_dit --attn sage-fp16 --linear fp8")
     ap.add_argument("--no-ema", action="store_true", help="PyTorch without the EMA update (train_dit keeps its own)")
     ap.add_argument("--rounds", type=int, default=1, help="rows per configuration, measured one after the other")
@@ -142,23 +146,18 @@ def main():
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.steps} steps "
           f"after {args.warmup}; PyTorch {'without' if args.no_ema else 'with'} the EMA update; cells: ms/step (images/s)",
           flush=True)
+    # train_dit's runs; each but bf16 gets its ratios against PyTorch
     ours = {"train_dit sage": ["--attn", "sage"], "train_dit bf16": ["--attn", "bf16"]}
     if args.fp8:
         ours["train_dit sage fp8"] = ["--attn", "sage", "--linear", "fp8"]
+    if args.fp8_fast:
+        ours["train_dit sage fp8 fast"] = ["--attn", "sage", "--linear", "fp8", "--fp8-fast-accum", "all"]
     if args.fp16:
         ours["train_dit sage-fp16 fp8"] = ["--attn", "sage-fp16", "--linear", "fp8"]
     runs = list(ours) + ["PyTorch eager"] + (["PyTorch compile"] if args.compile else [])
-    ratio_of = [("eager / sage", "PyTorch eager", "train_dit sage")]
-    if args.compile:
-        ratio_of.append(("compile / sage", "PyTorch compile", "train_dit sage"))
-    if args.fp8:
-        ratio_of.append(("eager / sage fp8", "PyTorch eager", "train_dit sage fp8"))
-        if args.compile:
-            ratio_of.append(("compile / sage fp8", "PyTorch compile", "train_dit sage fp8"))
-    if args.fp16:
-        ratio_of.append(("eager / sage-fp16 fp8", "PyTorch eager", "train_dit sage-fp16 fp8"))
-        if args.compile:
-            ratio_of.append(("compile / sage-fp16 fp8", "PyTorch compile", "train_dit sage-fp16 fp8"))
+    ratio_of = [(f"{ref} / {ours_name[len('train_dit '):]}", f"PyTorch {ref}", ours_name)
+                for ours_name in ours if ours_name != "train_dit bf16"
+                for ref in ["eager"] + (["compile"] if args.compile else [])]
     ratios = [r[0] for r in ratio_of]
     print("| config | tokens | batch | depth | " + " | ".join(runs + ratios) + " |")
     print("|---" * (4 + len(runs) + len(ratios)) + "|", flush=True)

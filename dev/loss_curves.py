@@ -144,11 +144,12 @@ def train_dit_command(args, extra):
 
 def run_kind_flags(kind):
     """train_dit's flags for one run kind: an --attn kind, optionally "+fp8" for FP8 block linears
-    (e.g. "sage+fp8" -> --attn sage --linear fp8)."""
+    (e.g. "sage+fp8" -> --attn sage --linear fp8) or "+fp8all" for FP8 block linears with every FP8
+    GEMM in fast accumulation (--fp8-fast-accum all)."""
     attn, plus, linear = kind.partition("+")
-    if plus and linear != "fp8":
-        sys.exit(f"loss_curves.py: run kind {kind!r}: expected ATTN or ATTN+fp8")
-    return ["--attn", attn] + (["--linear", "fp8"] if plus else [])
+    if plus and linear not in ("fp8", "fp8all"):
+        sys.exit(f"loss_curves.py: run kind {kind!r}: expected ATTN, ATTN+fp8 or ATTN+fp8all")
+    return ["--attn", attn] + (["--linear", "fp8"] if plus else []) + (["--fp8-fast-accum", "all"] if linear == "fp8all" else [])
 
 
 def start_train_dit(args, attn, out_dir):
@@ -410,8 +411,8 @@ def main():
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                     help="the reference: fp32, or autocast bf16 (default: fp32 on cpu, bf16 on cuda)")
     ap.add_argument("--attn", default=None,
-                    help="train_dit runs, comma-separated --attn kinds, each optionally +fp8 for --linear fp8 "
-                         "(default: exact,sage on cpu; sage,bf16 on cuda)")
+                    help="train_dit runs, comma-separated --attn kinds, each optionally +fp8 for --linear fp8 (+fp8all: "
+                         "and --fp8-fast-accum all) (default: exact,sage on cpu; sage,bf16 on cuda)")
     ap.add_argument("--seeds", default="", help="comma-separated stream seeds for extra reference runs (spread)")
     ap.add_argument("--parallel", action="store_true",
                     help="all runs at once (a GPU that small models leave mostly idle); else one after another")
@@ -527,7 +528,7 @@ def spread_summary(runs, ref_name, seed_names, window):
         dev = np.max(np.abs(s[name] - s[ref_name]))
         line = f"- {name}: largest |smoothed − {ref_name}| {dev:.2e} = {dev / spread:.2g} × the spread"
         for exact in ("train_dit bf16", "train_dit exact"):   # sage against exact attention
-            if name in ("train_dit sage", "train_dit sage+fp8") and exact in s:
+            if name in ("train_dit sage", "train_dit sage+fp8", "train_dit sage+fp8all") and exact in s:
                 dev_exact = np.max(np.abs(s[name] - s[exact]))
                 line += f"; largest |smoothed − {exact}| {dev_exact:.2e} = {dev_exact / spread:.2g} × the spread"
         lines.append(line)

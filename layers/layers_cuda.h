@@ -42,6 +42,16 @@ static inline float float_from_bf16_bits(uint16_t h) {
 // ---- context: the cuBLASLt handle and workspace, and the scratch of the reductions --------
 // The layers' kernels that use a context's workspace, scratch or counters must run one after the
 // other: give each stream that runs layers concurrently a context of its own.
+// How the FP8 linears' GEMMs (layers/linear_fp8_cuda.h) accumulate. Hopper's FP8 tensor cores add
+// each instruction's products in an adder of fewer bits than fp32; cuBLASLt's kernels either promote
+// the partial sums into fp32 registers every few k-steps or, with FAST_ACCUM, leave them in that
+// adder for the whole sum (faster; dev/notes_step.md session 23 measures what it costs).
+typedef enum {
+    FP8_ACCUM_PROMOTED = 0,       // every FP8 GEMM promotes (the context's default)
+    FP8_ACCUM_FAST_FORWARD = 1,   // the forward's GEMM fast, the backward's promote: Transformer
+                                  // Engine's and torchao's defaults
+    FP8_ACCUM_FAST_ALL = 2,       // the backward's dinp and dweight GEMMs fast too
+} Fp8Accumulation;
 typedef struct {
     cublasLtHandle_t lt;
     void *lt_workspace;
@@ -50,10 +60,7 @@ typedef struct {
     size_t scratch_floats;
     unsigned *tile_counters;     // LAYERS_TILE_COUNTERS arrival counts of the split column sums
                                  // (zero between calls: the last block of a tile resets its own)
-    int fp8_fast_accum_forward;  // 0 after create. 1: the FP8 linears' forward GEMMs accumulate in the
-                                 // tensor cores' fast mode (cuBLASLt FAST_ACCUM: no periodic promotion
-                                 // of the partial sums to fp32 registers), as Transformer Engine's and
-                                 // torchao's forward GEMMs do; their backward GEMMs always promote.
+    Fp8Accumulation fp8_accumulation;   // FP8_ACCUM_PROMOTED after create
 } LayersCuda;
 // Column tiles (image × 256 columns) a split column sum (dbias, dshift, dscale, dgate) may have:
 // the sums split their rows only while the tiles are fewer than the 512 blocks they aim for.

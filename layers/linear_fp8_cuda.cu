@@ -405,7 +405,7 @@ static int forward(const char *fn, bf16 *out, const bf16 *inp, bool gelu, const 
     char what[128];
     snprintf(what, sizeof what, "%s M=%d IC=%d OC=%d", fn, M, IC, OC);
     return fp8_matmul(out, CUDA_R_16BF, w_q, CUDA_R_8F_E4M3, w_scale, inp_q, CUDA_R_8F_E4M3, inp_scale, OC, M, IC,
-                      0.0f, bias, ctx->fp8_fast_accum_forward != 0, what, ctx, stream, err);
+                      0.0f, bias, ctx->fp8_accumulation >= FP8_ACCUM_FAST_FORWARD, what, ctx, stream, err);
 }
 
 int linear_fp8_forward_cuda(bf16 *out, const bf16 *inp, const bf16 *weight, const bf16 *bias,
@@ -505,12 +505,14 @@ static int backward(const char *fn, bf16 *dinp, float dinp_beta, float *dweight,
         }
         snprintf(what, sizeof what, "%s: dinp M=%d IC=%d OC=%d", fn, M, IC, OC);
         if (fp8_matmul(dinp, CUDA_R_16BF, w_qt, CUDA_R_8F_E4M3, w_scale, dout_q, grad_type,
-                       dout_scale, IC, M, OC, dinp_beta, NULL, false, what, ctx, stream, err)) return -1;
+                       dout_scale, IC, M, OC, dinp_beta, NULL, ctx->fp8_accumulation == FP8_ACCUM_FAST_ALL, what, ctx,
+                       stream, err)) return -1;
     }
     // dWᵀ (IC, OC) = scale_inp·scale_dout·inp_qt·dout_qtᵀ + dweight_beta·dWᵀ in fp32, k = Mp (the pad is zero)
     snprintf(what, sizeof what, "%s: dweight M=%d (Mp=%d) IC=%d OC=%d", fn, M, Mp, IC, OC);
     if (fp8_matmul(dweight, CUDA_R_32F, inp->qt, CUDA_R_8F_E4M3, inp->scale, dout_qt, grad_type,
-                   dout_scale, IC, OC, Mp, dweight_beta, NULL, false, what, ctx, stream, err)) return -1;
+                   dout_scale, IC, OC, Mp, dweight_beta, NULL, ctx->fp8_accumulation == FP8_ACCUM_FAST_ALL, what, ctx,
+                   stream, err)) return -1;
     return dbias ? linear_dbias_accumulate(dbias, dout, M, OC, ctx, stream, err) : 0;
 }
 

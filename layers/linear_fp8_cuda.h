@@ -1,7 +1,7 @@
 // The FP8 linear layer in CUDA: the shapes and semantics of linear_forward_cuda /
 // linear_backward_cuda (layers/layers_cuda.h, bf16 in and out, fp32 weight gradients), with the
-// matrix products done by cuBLASLt in FP8 (fp32 accumulation; the forward's in the tensor cores' fast
-// mode when ctx->fp8_fast_accum_forward is set, layers/layers_cuda.h) on operands
+// matrix products done by cuBLASLt in FP8 (fp32 accumulation, or the tensor cores' faster one as
+// ctx->fp8_accumulation says: layers/layers_cuda.h) on operands
 // quantized per tensor with a power-of-two scale from the tensor's current amax (layers/fp8.h):
 // inp and weight to e4m3, dout to e5m2 or e4m3. The CPU definition is linear_fp8_forward/_backward.
 //

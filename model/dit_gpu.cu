@@ -380,7 +380,7 @@ int dit_gpu_create_sp(DitGpu *m, const DitConfig *cfg, int batch, DitAttention a
     if (sp->ulysses > 1 && create_group_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
     if (shards > 1 && sp->zero_overlap && create_reduce_stream(m, err) != 0) { dit_gpu_free(m); return -1; }
     if (layers_cuda_create(&m->ctx, linear_scratch_floats(cfg, batch, m->tokens), err) != 0) { dit_gpu_free(m); return -1; }
-    m->ctx.fp8_fast_accum_forward = DIT_FP8_FAST_ACCUM;
+    m->ctx.fp8_accumulation = DIT_FP8_ACCUMULATION;
     if (cudaMalloc(&m->params_alloc, m->params_bytes) != cudaSuccess ||
         cudaMalloc(&m->acts_alloc, m->acts_bytes) != cudaSuccess) {
         dit_set_error(err, "dit_gpu_create: cudaMalloc failed: %s (parameters %.1f MiB, activations %.1f MiB "
@@ -1727,7 +1727,7 @@ int dit_gpu_train_step_graph(DitGpu *m, int B, float lr, float beta1, float beta
     key.flash_deterministic = flash_backward_deterministic();
     key.fp8_fused_inputs = m->fp8_fused_inputs;
     key.fp8_grad_headroom = m->fp8_grad_headroom;
-    key.fp8_fast_accum_forward = m->ctx.fp8_fast_accum_forward;
+    key.fp8_accumulation = m->ctx.fp8_accumulation;
     key.beta1 = beta1;
     key.beta2 = beta2;
     key.eps = eps;

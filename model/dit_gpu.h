@@ -48,7 +48,7 @@ extern "C" {
 // embedding, timestep MLP, adaLN and final layer stay bf16. dev/notes_linear_fp8.md.
 typedef enum { DIT_LINEAR_BF16 = 0, DIT_LINEAR_FP8 = 1 } DitLinear;
 #define DIT_FP8_GRAD_HEADROOM 3   // DitGpu.fp8_grad_headroom from create
-#define DIT_FP8_FAST_ACCUM 1      // DitGpu.ctx.fp8_fast_accum_forward from create
+#define DIT_FP8_ACCUMULATION FP8_ACCUM_FAST_FORWARD   // DitGpu.ctx.fp8_accumulation from create
 
 struct ncclComm;   // ncclComm_t
 #define DIT_ULYSSES_HEAD_GROUPS 4
@@ -150,7 +150,8 @@ typedef struct {
     int B;
     SageConfig sage;                   // rotate may be set any time
     int sage_deterministic, flash_deterministic;   // the attention backwards' process-wide switches
-    int fp8_fused_inputs, fp8_grad_headroom, fp8_fast_accum_forward;   // DitGpu's FP8 settings
+    int fp8_fused_inputs, fp8_grad_headroom;   // DitGpu's FP8 settings
+    Fp8Accumulation fp8_accumulation;
     float beta1, beta2, eps, weight_decay, grad_clip;
 } DitGpuStepKey;
 
@@ -217,8 +218,8 @@ typedef struct {
     DitGpuActivations acts;
     DitGpuGradActs grad_acts;
     bf16 *pos_embed;                   // (T, h), fixed
-    LayersCuda ctx;                    // fp8_fast_accum_forward: DIT_FP8_FAST_ACCUM from create (the FP8
-                                       // linears' forward GEMMs; any value before the step graph is made)
+    LayersCuda ctx;                    // fp8_accumulation: DIT_FP8_ACCUMULATION from create (may be changed
+                                       // between steps, as the FP8 settings above)
     cudaStream_t stream;
     // The optimizer's per-step values (lr, bias corrections, EMA decay), which its kernels read
     // from the device: dit_gpu_set_step copies them from two pinned host entries used in turn,

@@ -59,7 +59,7 @@ static float gpu_step(const Dit *cpu, DitLinear linear, int fused, int headroom,
     if (linear == DIT_LINEAR_FP8) cr_assert_eq(m.fp8_fused_inputs, 1, "create must turn the fused inputs on");
     if (linear == DIT_LINEAR_FP8)
         cr_assert_eq(m.fp8_grad_headroom, DIT_FP8_GRAD_HEADROOM, "create must set the default dout headroom");
-    cr_assert_eq(m.ctx.fp8_fast_accum_forward, DIT_FP8_FAST_ACCUM, "create must set the forward GEMMs' accumulation");
+    cr_assert_eq(m.ctx.fp8_accumulation, DIT_FP8_ACCUMULATION, "create must set the FP8 GEMMs' accumulation");
     m.fp8_fused_inputs = fused;
     m.fp8_grad_headroom = headroom;
     OK(dit_gpu_upload(&m, cpu, err));
