@@ -44,7 +44,8 @@ extern "C" {
 // backward as it always was.
 // The block linears (qkv, proj, fc1, fc2): bf16 cuBLASLt GEMMs (layers/layers_cuda.h), or FP8 GEMMs
 // (layers/linear_fp8_cuda.h: e4m3 activations, weights and gradients, per-tensor scales from the
-// current amax, fp32 accumulation; fc1's GELU and fc2's dGELU as separate passes). The patch
+// current amax, the forward GEMMs in fast accumulation by default (ctx.fp8_accumulation); fc1's GELU
+// and fc2's dGELU as separate passes). The patch
 // embedding, timestep MLP, adaLN and final layer stay bf16. dev/notes_linear_fp8.md.
 typedef enum { DIT_LINEAR_BF16 = 0, DIT_LINEAR_FP8 = 1 } DitLinear;
 #define DIT_FP8_GRAD_HEADROOM 3   // DitGpu.fp8_grad_headroom from create
