@@ -353,7 +353,7 @@ static int fp8_matmul(void *d, cudaDataType_t d_type, const uint8_t *a, cudaData
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum_flag,
-                                                                      sizeof fast_accum_flag),
+                                                            sizeof fast_accum_flag),
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_a, sizeof scale_a),
                         "%s: A scale", what);
