@@ -1,13 +1,14 @@
 // How much is left on the table by taking cuBLASLt's first heuristic answer (layers/linear_cuda.cu,
 // lt_matmul_run)? For every GEMM of one DiT block's linears (qkv, proj, fc1, fc2: forward, dinp,
 // dweight) at a given token count, in FP8 (e4m3, as layers/linear_fp8_cuda.cu calls them: "TN",
-// bf16 D with a bf16 bias in the forward, fp32 D += in dweight) or bf16, this asks cuBLASLt for up
+// bf16 D with a bf16 bias in the forward, fp32 D += in dweight; fp8fast: with FAST_ACCUM, as
+// FP8_ACCUM_FAST_ALL runs them) or bf16, this asks cuBLASLt for up
 // to ALGOS candidates, times each (median of RUNS after warm-up, CUDA events) and prints the first
 // candidate's time against the fastest's. Not the trainer's exact calls (bf16's GELU epilogues and
 // dbias are left out): an upper bound on what per-shape tuning could give.
 //
 //   nvcc -O2 -I. -o build/bench_gemm_algos dev/bench_gemm_algos.c -lcublasLt
-//   build/bench_gemm_algos [fp8|bf16] [tokens] [hidden]        (defaults: fp8 16384 2048)
+//   build/bench_gemm_algos [fp8|fp8fast|bf16] [tokens] [hidden]        (defaults: fp8 16384 2048)
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -37,7 +38,7 @@ typedef struct {
 } Gemm;
 
 // One GEMM: every candidate's median ms; returns the first candidate's and sets *best, *best_i, *count.
-static float sweep(cublasLtHandle_t lt, const Gemm *g, int fp8, void *a, void *b, void *d, void *bias,
+static float sweep(cublasLtHandle_t lt, const Gemm *g, int fp8, int8_t fast, void *a, void *b, void *d, void *bias,
                    float *scale, void *ws, cudaStream_t s, float *best, int *best_i, int *count) {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
@@ -47,7 +48,6 @@ static float sweep(cublasLtHandle_t lt, const Gemm *g, int fp8, void *a, void *b
     LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     if (fp8) {
-        int8_t fast = 0;
         LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast));
         LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale, sizeof scale));
         LT_OK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale, sizeof scale));
@@ -106,6 +106,7 @@ static float sweep(cublasLtHandle_t lt, const Gemm *g, int fp8, void *a, void *b
 
 int main(int argc, char **argv) {
     int fp8 = argc > 1 ? strcmp(argv[1], "bf16") != 0 : 1;
+    int8_t fast = argc > 1 && !strcmp(argv[1], "fp8fast");
     int M = argc > 2 ? atoi(argv[2]) : 16384, h = argc > 3 ? atoi(argv[3]) : 2048;
     int Mp = (M + 15) / 16 * 16;   // dweight's k: the FP8 path pads the tokens to 16
     // (out features, in features) of qkv, proj, fc1, fc2
@@ -145,14 +146,14 @@ int main(int argc, char **argv) {
     struct cudaDeviceProp p;
     CK(cudaGetDeviceProperties(&p, 0));
     printf("%s, cuBLASLt %zu, %s GEMMs of one block, %d tokens, hidden %d; median of %d runs (ms)\n", p.name,
-           cublasLtGetVersion(), fp8 ? "FP8 e4m3" : "bf16", M, h, RUNS);
+           cublasLtGetVersion(), fp8 ? (fast ? "FP8 e4m3 (FAST_ACCUM)" : "FP8 e4m3") : "bf16", M, h, RUNS);
     printf("| linear | GEMM | m | n | k | candidates | first | fastest (index) | first / fastest |\n|---|---|---|---|---|---|---|---|---|\n");
     const char *kind[3] = {"forward", "dinp", "dweight"};
     double sum_first = 0, sum_best = 0;
     for (int i = 0; i < 12; i++) {
         float best;
         int bi, n;
-        float first = sweep(lt, &g[i], fp8, a, b, d, bias, scale, ws, s, &best, &bi, &n);
+        float first = sweep(lt, &g[i], fp8, fast, a, b, d, bias, scale, ws, s, &best, &bi, &n);
         printf("| %s | %s | %d | %d | %d | %d | %.3f | %.3f (%d) | %.3f |\n", g[i].name, kind[i % 3], g[i].m, g[i].n,
                g[i].k, n, first, best, bi, first / best);
         sum_first += first;
