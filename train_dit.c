@@ -48,7 +48,8 @@ typedef struct {
     int skip_bad_images, preview_data, random_flip, save_init, deterministic;
     int sage_rotate;                                          // Hadamard rotation of q, k (--attn sage)
     int fp8_grad_headroom;                                    // --linear fp8: DitGpu.fp8_grad_headroom
-    const char *fp8_fast_accum;                               // --linear fp8: DitGpu.ctx.fp8_accumulation
+    int fp8_fast_accum;                                       // --linear fp8: DitGpu.ctx.fp8_accumulation
+                                                              // (an Fp8Accumulation: fp8_fast_accum_names)
     int gpus;                                                 // 0: not given
     int sp_ulysses, sp_ring;                                  // sequence parallelism (1: off)
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
@@ -57,6 +58,13 @@ typedef struct {
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
+
+// --fp8-fast-accum's words, indexed by Fp8Accumulation (layers/layers_cuda.h)
+static const char *const fp8_fast_accum_names[3] = {"none", "forward", "all"};
+#ifdef DIT_CUDA
+_Static_assert(FP8_ACCUM_PROMOTED == 0 && FP8_ACCUM_FAST_FORWARD == 1 && FP8_ACCUM_FAST_ALL == 2,
+               "fp8_fast_accum_names is indexed by Fp8Accumulation");
+#endif
 
 static const char *usage_text =
     "usage: ./train_dit [flags]\n"
@@ -178,7 +186,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
                      .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1,
                      .zero_overlap = -1, .fp8_grad_headroom = 3,
-                     .fp8_fast_accum = "forward"};
+                     .fp8_fast_accum = 1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -231,7 +239,15 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                 rc = -1;
             }
         }
-        else if (!strcmp(f, "--fp8-fast-accum")) a->fp8_fast_accum = v;
+        else if (!strcmp(f, "--fp8-fast-accum")) {
+            a->fp8_fast_accum = -1;
+            for (int k = 0; k < 3; k++)
+                if (!strcmp(v, fp8_fast_accum_names[k])) a->fp8_fast_accum = k;
+            if (a->fp8_fast_accum < 0) {
+                dit_set_error(err, "--fp8-fast-accum: expected none, forward or all, got '%s'", v);
+                rc = -1;
+            }
+        }
         else if (!strcmp(f, "--depth")) rc = parse_int(f, v, 1, &a->depth, err);
         else if (!strcmp(f, "--hidden")) rc = parse_int(f, v, 4, &a->hidden, err);
         else if (!strcmp(f, "--heads")) rc = parse_int(f, v, 1, &a->heads, err);
@@ -283,10 +299,6 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     }
     if (!strcmp(a->linear, "fp8") && !on_gpu) {
         dit_set_error(err, "--linear fp8: the FP8 linears run on the GPU only (device is %s)", a->device);
-        return -1;
-    }
-    if (strcmp(a->fp8_fast_accum, "none") && strcmp(a->fp8_fast_accum, "forward") && strcmp(a->fp8_fast_accum, "all")) {
-        dit_set_error(err, "--fp8-fast-accum: expected none, forward or all, got '%s'", a->fp8_fast_accum);
         return -1;
     }
     if (a->cuda_graph == 1 && (!on_gpu || a->dump_parity)) {
@@ -436,9 +448,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
         if (dit_gpu_create_sp(&tr->gpu, cfg, batch, attention, linear, &sp, err) != 0) die(err);
         tr->gpu.sage.rotate = a->sage_rotate;
         tr->gpu.fp8_grad_headroom = a->fp8_grad_headroom;
-        tr->gpu.ctx.fp8_accumulation = !strcmp(a->fp8_fast_accum, "all")       ? FP8_ACCUM_FAST_ALL
-                                       : !strcmp(a->fp8_fast_accum, "forward") ? FP8_ACCUM_FAST_FORWARD
-                                                                               : FP8_ACCUM_PROMOTED;
+        tr->gpu.ctx.fp8_accumulation = (Fp8Accumulation)a->fp8_fast_accum;
         sage_backward_set_deterministic(a->deterministic);   // process-wide switches of the kernels
         flash_backward_set_deterministic(a->deterministic);
         return;
@@ -1048,7 +1058,7 @@ int main(int argc, char **argv) {
             printf("block linears (qkv, proj, fc1, fc2): FP8 GEMMs (e4m3, per-tensor scales from the current amax%s; "
                    "fast accumulation: %s)\n",
                    a->fp8_grad_headroom > 0 ? "; the douts of fc1, fc2, proj within --fp8-grad-headroom of it" : "",
-                   a->fp8_fast_accum);
+                   fp8_fast_accum_names[a->fp8_fast_accum]);
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);
