@@ -55,6 +55,7 @@ typedef struct {
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     int cuda_graph;                                           // --cuda-graph: 1 on, 0 off, -1 not given
     int zero_overlap;                                         // --zero-overlap: 1 on, 0 off, -1 auto
+    int gemm_tuning;                                          // --gemm-tuning: 1 on, 0 off
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -119,6 +120,9 @@ static const char *usage_text =
     "                        (bitwise the same results, fewer launch gaps) (default on; several GPUs\n"
     "                        and --dump-parity run the step call by call: on is an error there, and\n"
     "                        with --device cpu)\n"
+    "  --gemm-tuning on|off  GPU: each GEMM shape's algorithm the fastest of cuBLASLt's candidates, timed\n"
+    "                        in the first step, rather than its heuristic's first answer (the picks\n"
+    "                        depend on timings: not with --deterministic) (default off)\n"
     "  --sample-every N      write OUT/samples_<step>.png every N steps and at the end (default 500)\n"
     "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
     "  --samples-per-class N tiles per class in the grid (default 2)\n"
@@ -248,6 +252,13 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                 rc = -1;
             }
         }
+        else if (!strcmp(f, "--gemm-tuning")) {
+            a->gemm_tuning = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
+            if (a->gemm_tuning < 0) {
+                dit_set_error(err, "--gemm-tuning: expected on or off, got '%s'", v);
+                rc = -1;
+            }
+        }
         else if (!strcmp(f, "--depth")) rc = parse_int(f, v, 1, &a->depth, err);
         else if (!strcmp(f, "--hidden")) rc = parse_int(f, v, 4, &a->hidden, err);
         else if (!strcmp(f, "--heads")) rc = parse_int(f, v, 1, &a->heads, err);
@@ -299,6 +310,11 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
     }
     if (!strcmp(a->linear, "fp8") && !on_gpu) {
         dit_set_error(err, "--linear fp8: the FP8 linears run on the GPU only (device is %s)", a->device);
+        return -1;
+    }
+    if (a->gemm_tuning && (!on_gpu || a->deterministic)) {
+        dit_set_error(err, "--gemm-tuning on: %s", on_gpu ? "its picks depend on timings, which --deterministic "
+                      "runs must not (leave one of the two out)" : "the CPU has no cuBLASLt (--device cpu)");
         return -1;
     }
     if (a->cuda_graph == 1 && (!on_gpu || a->dump_parity)) {
@@ -449,6 +465,7 @@ static void trainer_create(Trainer *tr, const DitConfig *cfg, const TrainArgs *a
         tr->gpu.sage.rotate = a->sage_rotate;
         tr->gpu.fp8_grad_headroom = a->fp8_grad_headroom;
         tr->gpu.ctx.fp8_accumulation = (Fp8Accumulation)a->fp8_fast_accum;
+        if (layers_cuda_set_gemm_tuning(&tr->gpu.ctx, a->gemm_tuning, err)) die(err);
         sage_backward_set_deterministic(a->deterministic);   // process-wide switches of the kernels
         flash_backward_set_deterministic(a->deterministic);
         return;

@@ -105,11 +105,20 @@ static inline uint32_t alignment_of(const void *p) {
 
 // The last part of every GEMM of the layers (linear_cuda.cu, linear_fp8_cuda.cu): cuBLASLt's first
 // algorithm for desc and the layouts (C = D in place) under ctx's workspace and the real alignments
-// of a, b and d, then D = op(A)·op(B) + beta·D on stream. where: the sizes (and what else helps) for
-// the error messages. Returns 0, or -1 with a message in err.
+// of a, b and d (or, with ctx->gemm_tuning, the fastest of its candidates: gemm_tuned_algo), then
+// D = op(A)·op(B) + beta·D on stream. where: the sizes (and what else helps) for the error messages.
+// Returns 0, or -1 with a message in err.
 int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout_t layout_a, const void *b,
                   cublasLtMatrixLayout_t layout_b, void *d, cublasLtMatrixLayout_t layout_d, float beta,
                   const char *what, const char *where, const LayersCuda *ctx, cudaStream_t stream, char *err);
+
+// layers/gemm_tuning.cu
+GemmTuning *gemm_tuning_create(void);
+void gemm_tuning_destroy(GemmTuning *t);   // NULL: nothing
+int gemm_tuned_algo(cublasLtMatmulAlgo_t *algo, cublasLtMatmulDesc_t desc, cublasLtMatmulPreference_t pref,
+                    const void *a, cublasLtMatrixLayout_t layout_a, const void *b, cublasLtMatrixLayout_t layout_b,
+                    void *d, cublasLtMatrixLayout_t layout_d, float beta, const LayersCuda *ctx,
+                    cudaStream_t stream);
 
 // x[j] = p[j] for j < n (n <= VEC), 0 for j >= n.
 __device__ inline void load_bf16x8(float x[VEC], const bf16 *p, int n, bool vec) {

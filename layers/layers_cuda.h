@@ -52,6 +52,7 @@ typedef enum {
                                   // Engine's and torchao's defaults
     FP8_ACCUM_FAST_ALL = 2,       // the backward's dinp and dweight GEMMs fast too
 } Fp8Accumulation;
+typedef struct GemmTuning GemmTuning;   // layers/gemm_tuning.cu
 typedef struct {
     cublasLtHandle_t lt;
     void *lt_workspace;
@@ -61,6 +62,8 @@ typedef struct {
     unsigned *tile_counters;     // LAYERS_TILE_COUNTERS arrival counts of the split column sums
                                  // (zero between calls: the last block of a tile resets its own)
     Fp8Accumulation fp8_accumulation;   // FP8_ACCUM_PROMOTED after create
+    GemmTuning *gemm_tuning;     // NULL after create: every GEMM takes cuBLASLt's first heuristic
+                                 // answer; layers_cuda_set_gemm_tuning: the fastest of its candidates
 } LayersCuda;
 // Column tiles (image × 256 columns) a split column sum (dbias, dshift, dscale, dgate) may have:
 // the sums split their rows only while the tiles are fewer than the 512 blocks they aim for.
@@ -68,6 +71,11 @@ typedef struct {
 // scratch_floats: at least the largest linear_backward_scratch_floats() and REDUCE_PARTIALS.
 int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err);
 void layers_cuda_destroy(LayersCuda *ctx);
+// on: from now on each GEMM shape's algorithm is the fastest of cuBLASLt's candidates, timed at the
+// shape's first call outside a graph capture (the heuristic's first answer unless another is 1%
+// faster; layers/gemm_tuning.cu). The pick depends on timings: two contexts may pick differently and
+// give other bits. off: the heuristic's first answer again (the picks are forgotten).
+int layers_cuda_set_gemm_tuning(LayersCuda *ctx, int on, char *err);
 // Partial sums a linear backward with a bias gradient needs in ctx->scratch.
 size_t linear_backward_scratch_floats(int M, int OC);
 // Partial sums layernorm_modulate_backward_cuda and gated_residual_backward_cuda use in

@@ -12,6 +12,7 @@
 #define LT_WORKSPACE_BYTES (32u << 20)   // cuBLASLt workspace (32 MiB, as llm.c)
 
 void layers_cuda_destroy(LayersCuda *ctx) {
+    gemm_tuning_destroy(ctx->gemm_tuning);
     if (ctx->lt) cublasLtDestroy(ctx->lt);
     cudaFree(ctx->lt_workspace);
     cudaFree(ctx->scratch);
@@ -48,6 +49,17 @@ int layers_cuda_create(LayersCuda *ctx, size_t scratch_floats, char *err) {
     return 0;
 }
 
+int layers_cuda_set_gemm_tuning(LayersCuda *ctx, int on, char *err) {
+    if (!on) {
+        gemm_tuning_destroy(ctx->gemm_tuning);
+        ctx->gemm_tuning = NULL;
+    } else if (!ctx->gemm_tuning && !(ctx->gemm_tuning = gemm_tuning_create())) {
+        dit_set_error(err, "layers_cuda_set_gemm_tuning: out of host memory for the algorithm cache");
+        return -1;
+    }
+    return 0;
+}
+
 size_t linear_backward_scratch_floats(int M, int OC) { return (size_t)dbias_chunks(M, OC) * OC; }
 
 int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout_t layout_a, const void *b,
@@ -70,8 +82,19 @@ int lt_matmul_run(cublasLtMatmulDesc_t desc, const void *a, cublasLtMatrixLayout
                         "%s", what);
     CUBLASLT_CHECK_GOTO(err, cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof align_d),
                         "%s", what);
-    CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1, &heuristic, &found),
-                        "%s (%s)", what, where);
+    if (ctx->gemm_tuning) {
+        found = gemm_tuned_algo(&heuristic.algo, desc, pref, a, layout_a, b, layout_b, d, layout_d, beta, ctx, stream);
+        if (found < 0) {
+            dit_set_error(err, "%s:%d: %s: the GEMM tuning could not restore D after timing (%s)", __FILE__, __LINE__,
+                          what, where);
+            status = -1;
+            goto cleanup;
+        }
+    }
+    if (!found)
+        CUBLASLT_CHECK_GOTO(err, cublasLtMatmulAlgoGetHeuristic(ctx->lt, desc, layout_a, layout_b, layout_d, layout_d, pref, 1,
+                                                                &heuristic, &found),
+                            "%s (%s)", what, where);
     if (found == 0) {
         dit_set_error(err, "%s:%d: cuBLASLt has no algorithm for %s (%s)", __FILE__, __LINE__, what, where);
         status = -1;

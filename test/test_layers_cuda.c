@@ -71,7 +71,8 @@ TestSuite(cuda, .init = setup, .fini = teardown);
 
 // Forward (with and without bias) and backward of one linear shape against linear_forward /
 // linear_backward. M >= 128 exercises several row chunks of the bias-gradient reduction.
-static void check_linear(int M, int IC, int OC, uint64_t seed) {
+// beta0_bitwise: also dweight written (beta 0) bitwise the sum into zeros (one algorithm for both).
+static void check_linear(int M, int IC, int OC, uint64_t seed, bool beta0_bitwise) {
     Rng rng;
     rng_seed(&rng, seed);
     size_t nx = (size_t)M * IC, nw = (size_t)OC * IC, ny = (size_t)M * OC;
@@ -115,6 +116,7 @@ static void check_linear(int M, int IC, int OC, uint64_t seed) {
     EXPECT_CLOSE(download_bf16(d_dx, nx), dx, nx, TOL_BF16, name);
 
     // dweight_beta 0 writes dweight: bitwise the sum into zeros (the written one poisoned first)
+    if (!beta0_bitwise) return;
     CK(cudaMemset(d_dw, 0, nw * sizeof(float)));
     OK(linear_backward_cuda(NULL, 1.0f, d_dw, 1.0f, NULL, d_dy, d_x, d_w, M, IC, OC, &ctx, 0, err));
     float *into_zeros = download_f32(d_dw, nw);
@@ -128,12 +130,29 @@ static void check_linear(int M, int IC, int OC, uint64_t seed) {
 
 Test(cuda, linear_shapes) {
     REQUIRE_GPU();
-    check_linear(150, 96, 136, 1);   // a DiT block's shape, OC not a multiple of 32
-    check_linear(600, 64, 40, 2);    // 3 chunks in the bias gradient
-    check_linear(98, 4, 24, 3);      // patch embedding of 1-channel 2×2 patches: IC = 4
-    check_linear(98, 48, 4, 4);      // final layer to 2×2×1 pixels: OC = 4
-    check_linear(5000, 16, 300, 16); // OC not a multiple of 8 or 256: element-wise dbias, 78 chunks
-    check_linear(8192, 16, 264, 17); // 16-byte dbias loads, 128 chunks, a partial column tile
+    check_linear(150, 96, 136, 1, true);   // a DiT block's shape, OC not a multiple of 32
+    check_linear(600, 64, 40, 2, true);    // 3 chunks in the bias gradient
+    check_linear(98, 4, 24, 3, true);      // patch embedding of 1-channel 2×2 patches: IC = 4
+    check_linear(98, 48, 4, 4, true);      // final layer to 2×2×1 pixels: OC = 4
+    check_linear(5000, 16, 300, 16, true); // OC not a multiple of 8 or 256: element-wise dbias, 78 chunks
+    check_linear(8192, 16, 264, 17, true); // 16-byte dbias loads, 128 chunks, a partial column tile
+}
+
+// With GEMM tuning (layers_cuda_set_gemm_tuning) the same results within the same tolerances, at
+// each shape's first call (its candidates timed; where the GEMM accumulates into D, dinp and dweight
+// here, D put back before the real call: a timing run left in would add the product ~60 times) and
+// at the second (the cached pick). The written-dweight check is left out: beta 0 and beta 1 are
+// two shapes to the tuning and may get different algorithms.
+Test(cuda, linear_with_gemm_tuning) {
+    REQUIRE_GPU();
+    OK(layers_cuda_set_gemm_tuning(&ctx, 1, err));
+    for (int round = 0; round < 2; round++) {
+        check_linear(150, 96, 136, 1, false);
+        check_linear(600, 64, 40, 2, false);
+        check_linear(1024, 512, 768, 18, false);   // big enough for cuBLASLt to offer several algorithms
+    }
+    OK(layers_cuda_set_gemm_tuning(&ctx, 0, err));
+    cr_expect_null(ctx.gemm_tuning, "tuning off must forget the picks");
 }
 
 // linear_gelu_forward_cuda = GELU(linear_forward), pre-activation kept.

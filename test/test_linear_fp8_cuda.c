@@ -339,6 +339,20 @@ Test(linear_fp8, matches_cpu_definition) {
     check_against_cpu(272, 336, 48, FP8_E4M3, 14);
 }
 
+// With GEMM tuning (layers_cuda_set_gemm_tuning): the FP8 GEMMs, promoted and fast, at their first
+// call (timed; dinp and dweight accumulate, so D is put back before the real call) and their second.
+Test(linear_fp8, matches_cpu_definition_with_gemm_tuning) {
+    REQUIRE_GPU();
+    OK(layers_cuda_set_gemm_tuning(&ctx, 1, err));
+    for (int round = 0; round < 2; round++) {
+        ctx.fp8_accumulation = round == 0 ? FP8_ACCUM_PROMOTED : FP8_ACCUM_FAST_ALL;
+        check_against_cpu(1024, 512, 768, FP8_E4M3, 18);
+        check_against_cpu(1024, 512, 768, FP8_E4M3, 18);
+    }
+    ctx.fp8_accumulation = FP8_ACCUM_PROMOTED;
+    OK(layers_cuda_set_gemm_tuning(&ctx, 0, err));
+}
+
 // M not a multiple of 16: inpᵀ and doutᵀ padded to Mp (112, 16, 4096) with zeros (a test of its
 // own: each test's buffers are freed at its end, and one test with all seven shapes ran out of
 // host-buffer slots on the GPU)

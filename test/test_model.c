@@ -357,6 +357,18 @@ Test(trainer, cuda_graph_flag, .timeout = 120) {
     cr_expect(!strstr(out, "CUDA graph"), "%s", out);
 }
 
+// --gemm-tuning takes on or off; on is refused on the CPU and with --deterministic (its picks depend
+// on timings); off trains on the CPU.
+Test(trainer, gemm_tuning_flag, .timeout = 120) {
+    if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
+    char out[8192];
+    cr_assert_eq(run_train_dit("--gemm-tuning maybe --data synthetic", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "--gemm-tuning: expected on or off, got 'maybe'"), "%s", out);
+    cr_assert_eq(run_train_dit("--device cpu --gemm-tuning on --data synthetic", out, sizeof(out)), 1, "%s", out);
+    cr_expect(strstr(out, "--gemm-tuning on") && strstr(out, "--device cpu"), "%s", out);
+    expect_one_cpu_step("--gemm-tuning off", out, sizeof(out));
+}
+
 // --zero-overlap takes auto, on or off; on is refused in one process (no reduction over ranks to
 // overlap); auto (the default) and off train on the CPU.
 Test(trainer, zero_overlap_flag, .timeout = 120) {
