@@ -55,7 +55,7 @@ typedef struct {
     int sp_head_groups;                                       // Ulysses' attention pipeline (0: default)
     int cuda_graph;                                           // --cuda-graph: 1 on, 0 off, -1 not given
     int zero_overlap;                                         // --zero-overlap: 1 on, 0 off, -1 auto
-    int gemm_tuning;                                          // --gemm-tuning: 1 on, 0 off
+    int gemm_tuning;                                          // --gemm-tuning: 1 on, 0 off, -1 not given
     float lr, weight_decay, grad_clip, ema_decay, label_dropout, cfg_scale, dist_timeout;
     uint64_t seed;
 } TrainArgs;
@@ -122,7 +122,8 @@ static const char *usage_text =
     "                        with --device cpu)\n"
     "  --gemm-tuning on|off  GPU: each GEMM shape's algorithm the fastest of cuBLASLt's candidates, timed\n"
     "                        in the first step, rather than its heuristic's first answer (the picks\n"
-    "                        depend on timings: not with --deterministic) (default off)\n"
+    "                        depend on timings, so runs differ in the last bits) (default on; off\n"
+    "                        with --deterministic, where on is an error, and with --device cpu)\n"
     "  --sample-every N      write OUT/samples_<step>.png every N steps and at the end (default 500)\n"
     "  --sample-steps N      Euler steps (default 25), --cfg-scale X guidance (default 2)\n"
     "  --samples-per-class N tiles per class in the grid (default 2)\n"
@@ -190,7 +191,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                      .ema_decay = 0.999f, .label_dropout = 0.1f, .cfg_scale = 2.0f, .seed = 42,
                      .dist_timeout = 600.0f, .sp_ulysses = 1, .sp_ring = 1, .sage_rotate = 1, .cuda_graph = -1,
                      .zero_overlap = -1, .fp8_grad_headroom = 3,
-                     .fp8_fast_accum = 1};
+                     .fp8_fast_accum = 1, .gemm_tuning = -1};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i];
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) { fputs(usage_text, stdout); exit(0); }
@@ -312,6 +313,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
         dit_set_error(err, "--linear fp8: the FP8 linears run on the GPU only (device is %s)", a->device);
         return -1;
     }
+    if (a->gemm_tuning < 0) a->gemm_tuning = on_gpu && !a->deterministic;
     if (a->gemm_tuning && (!on_gpu || a->deterministic)) {
         dit_set_error(err, "--gemm-tuning on: %s", on_gpu ? "its picks depend on timings, which --deterministic "
                       "runs must not (leave one of the two out)" : "the CPU has no cuBLASLt (--device cpu)");
@@ -1076,6 +1078,9 @@ int main(int argc, char **argv) {
                    "fast accumulation: %s)\n",
                    a->fp8_grad_headroom > 0 ? "; the douts of fc1, fc2, proj within --fp8-grad-headroom of it" : "",
                    fp8_fast_accum_names[a->fp8_fast_accum]);
+        if (tr.on_gpu)
+            printf("GEMM algorithms: %s (--gemm-tuning %s)\n", a->gemm_tuning ? "the fastest of cuBLASLt's candidates, "
+                   "timed in the first step" : "cuBLASLt's heuristic's first answer", a->gemm_tuning ? "on" : "off");
         if (world > 1)
             printf("data parallel: %d groups of %d ranks (%s), %d images per group and step, group g's data "
                    "stream from seed %" PRIu64 " mixed with g\n", mesh.dp, mesh.sp, dist.launcher, B, a->seed);

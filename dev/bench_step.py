@@ -2,7 +2,7 @@
 for the same model config and batch, in one run: a markdown table (ms/step and images/s).
 
     python3 dev/bench_step.py [--configs a,b,c,d] [--steps 20] [--compile] [--fp8] [--fp8-fast] [--fp16] [--rounds 1]
-                              [--gemm-tuning] [--train-dit PATH]
+                              [--no-gemm-tuning] [--train-dit PATH]
 
 PyTorch: fp32 master weights, autocast bf16, SDPA (cuDNN backend where available), fused AdamW,
 clip_grad_norm_, and the EMA of the weights updated every step (DiT's recipe: train_dit's step
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--fp8-fast", action="store_true",
                     help="also time train_dit --attn sage --linear fp8 --fp8-fast-accum all")
     ap.add_argument("--fp16", action="store_true", help="also time train_dit --attn sage-fp16 --linear fp8")
-    ap.add_argument("--gemm-tuning", action="store_true", help="every train_dit run with --gemm-tuning on")
+    ap.add_argument("--no-gemm-tuning", action="store_true", help="every train_dit run with --gemm-tuning off")
     ap.add_argument("--no-ema", action="store_true", help="PyTorch without the EMA update (train_dit keeps its own)")
     ap.add_argument("--rounds", type=int, default=1, help="rows per configuration, measured one after the other")
     ap.add_argument("--train-dit", default=os.path.join(REPO, "train_dit"))
@@ -155,8 +155,8 @@ def main():
         ours["train_dit sage fp8 fast"] = ["--attn", "sage", "--linear", "fp8", "--fp8-fast-accum", "all"]
     if args.fp16:
         ours["train_dit sage-fp16 fp8"] = ["--attn", "sage-fp16", "--linear", "fp8"]
-    if args.gemm_tuning:
-        ours = {name: flags + ["--gemm-tuning", "on"] for name, flags in ours.items()}
+    if args.no_gemm_tuning:
+        ours = {name: flags + ["--gemm-tuning", "off"] for name, flags in ours.items()}
     runs = list(ours) + ["PyTorch eager"] + (["PyTorch compile"] if args.compile else [])
     ratio_of = [(f"{ref} / {ours_name[len('train_dit '):]}", f"PyTorch {ref}", ours_name)
                 for ours_name in ours if ours_name != "train_dit bf16"
