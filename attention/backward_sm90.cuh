@@ -95,34 +95,11 @@ struct Bwd90Barriers {
 
 // k: sage's K̂ (int8, D inner, B·H·N outer, box D × 128) or flash's K (bf16 rows as bytes, box D
 // bytes × 128, D-byte swizzle); q8: sage's Q̂ (box D × 64; unused by flash); v, q: bf16 rows as
-// bytes (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64; dout: tma_map_dout.
+// bytes (2D inner, B·H·N outer), boxes 128 bytes × 128 (v) or × 64; dout: tma_map_head_rows (wgmma.cuh).
 // dq: fp32 (D, N, B·H), box 32 × 64 × 1 (128-byte swizzle), for the TMA reduce-add.
 typedef struct {
     CUtensorMap k, v, q8, q, dout, dq;
 } Bwd90Maps;
-
-// dout (bf16 rows as bytes) as a 4-D map (2D bytes, N, heads, batches) in the layout merged_heads
-// says (attention_rows.cuh): merged, (2D, N, H, B) with rows H·D apart; head-major, (2D, N, 1, B·H).
-// Boxes of 128 bytes × 64 rows of one head (rows >= N arrive as zeros); coordinates
-// (x, t, bh % H, bh / H), or (x, t, 0, bh) head-major (load_query_stage).
-static inline int tma_map_dout(CUtensorMap *map, const void *dout, int D, int N, int BH, int merged_heads,
-                               const char *what, char *err) {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
-    if (!encode) return -1;
-    uint64_t row = (uint64_t)2 * D, h = merged_heads ? (uint64_t)merged_heads : 1;
-    cuuint64_t dims[4] = {row, (cuuint64_t)N, h, (cuuint64_t)BH / h};
-    cuuint64_t strides[3] = {row * h, merged_heads ? row : row * N, row * h * N};
-    cuuint32_t box[4] = {128, BWD90_QUERIES, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, (void *)dout, dims, strides, box, elem_strides,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        dit_set_error(err, "cuTensorMapEncodeTiled(%s: D=%d N=%d B·H=%d merged_heads=%d) failed (%d)", what, D, N, BH,
-                      merged_heads, (int)r);
-        return -1;
-    }
-    return 0;
-}
 
 // dq as a 3-D fp32 tensor map (D, N, BH) with boxes of 32 columns × 64 rows of one head, for the
 // TMA reduce-add (rows >= N of a box are dropped). `what` names the kernel in the error message.
@@ -184,14 +161,6 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const 
                  ::"l"(map), "r"(smem_addr(smem)), "r"(x), "r"(y), "r"(z) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Until this thread's bulk groups are complete (their writes performed).
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// Until at most n of this thread's bulk groups have not yet read their shared-memory sources (the
-// others' sources may be rewritten; their global writes may still be in flight).
-template <int n> __device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(n) : "memory");
-}
 
 // threadIdx.x / 128, read afresh (volatile): a named-barrier id derived from it costs two
 // instructions where a value kept from the kernel's start costs a register (spilled at D = 128).

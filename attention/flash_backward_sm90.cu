@@ -23,7 +23,7 @@ static int launch_flash_backward_sm90(const AttnBwdArgs &a, int BH, cudaStream_t
     if (tma_map_2d_bytes(&m.k, a.k, 2 * D, rows, D, BWD90_KEYS, "flash_backward_sm90 k", err) ||
         tma_map_2d_bytes(&m.v, a.v, 2 * D, rows, 128, BWD90_KEYS, "flash_backward_sm90 v", err) ||
         tma_map_2d_bytes(&m.q, a.q, 2 * D, rows, 128, BWD90_QUERIES, "flash_backward_sm90 q", err) ||
-        tma_map_dout(&m.dout, a.dout, D, N, BH, a.merged_heads, "flash_backward_sm90 dout", err) ||
+        tma_map_head_rows(&m.dout, a.dout, D, N, BH, a.merged_heads, BWD90_QUERIES, "flash_backward_sm90 dout", err) ||
         tma_map_dq(&m.dq, a.dq, D, N, BH, "flash_backward_sm90 dq", err))
         return -1;
     int bytes = Bwd90Smem<D, SCORES_BF16>::TOTAL;

@@ -22,7 +22,7 @@ static int launch_backward_sm90(const AttnBwdArgs &a, const uint16_t *dout, cons
         tma_map_2d_bytes(&m.q8, a.qv.q8, D, rows, D, BWD90_QUERIES, "sage_backward_sm90 q8", err) ||
         tma_map_2d_bytes(&m.v, v, 2 * D, rows, 128, BWD90_KEYS, "sage_backward_sm90 v", err) ||
         tma_map_2d_bytes(&m.q, q, 2 * D, rows, 128, BWD90_QUERIES, "sage_backward_sm90 q", err) ||
-        tma_map_dout(&m.dout, dout, D, N, BH, a.merged_heads, "sage_backward_sm90 dout", err) ||
+        tma_map_head_rows(&m.dout, dout, D, N, BH, a.merged_heads, BWD90_QUERIES, "sage_backward_sm90 dout", err) ||
         tma_map_dq(&m.dq, a.dq, D, N, BH, "sage_backward_sm90 dq", err))
         return -1;
     int bytes = Bwd90Smem<D, SCORES_SAGE>::TOTAL;

@@ -39,6 +39,9 @@
 //     second half is issued, the exp2s of S_kb run while it is in the tensor core, and
 //     O[:, 64:128] = O·alpha_{kb-1} + blk. FP16: O·alpha_{kb-1}, then S_kb and P16_{kb-1}·V16
 //     (into O, m64n128k16) issued together, the row max and exp2s of S_kb while both run.
+//   The epilogue (stage_tile) writes out's bf16 tile into the consumer's shared-memory tile and one
+//   thread hands it to the TMA unit (two stores, async): as 32 scattered 4-byte global stores per
+//   thread it took ~8,300 cycles a tile, 5 key blocks' time (dev/notes_sage_fwd.md, session 24).
 // D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 5 CTAs per SM
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
 //   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other (FP8 and
@@ -76,7 +79,8 @@ template <int D, bool FP8> struct Sm90Smem {
     static constexpr int V_ROW_BYTES = SAGE_CUDA_BLOCK * (FP8 ? 1 : 2);   // 64 keys e4m3 or fp16
     static constexpr int V_BYTES = D * V_ROW_BYTES;        // D channels × 64 keys
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-    static constexpr int TOTAL = 1024 + CONSUMERS * Q_BYTES + SM90_STAGES * STAGE_BYTES;   // + alignment slack
+    static constexpr int O_BYTES = SAGE_CUDA_BLOCK * D * 2;   // a consumer's bf16 output tile for the TMA store
+    static constexpr int TOTAL = 1024 + CONSUMERS * (Q_BYTES + O_BYTES) + SM90_STAGES * STAGE_BYTES;   // + alignment slack
 };
 
 // Shared memory of the one-warpgroup kernel: Q̂ and SM90_WG_STAGES stages of K̂, V̂ᵀ (the stage
@@ -283,6 +287,55 @@ __device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const
     }
 }
 
+// threadIdx.x read afresh (volatile), so that the epilogue's indices are not kept in registers
+// through the key-block loop.
+__device__ __forceinline__ int thread_index() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
+
+__device__ __forceinline__ void store_shared_b32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// The D = 128 kernel's epilogue: O (64 × D, this thread's accumulator registers) as bf16 into this
+// consumer's tile in shared memory (store_tile's arithmetic), laid out as the TMA store reads it:
+// two boxes (channels 0-63, 64-127) of 64 rows × 128 bytes, 128-byte swizzled. Thread (warp wq,
+// g = lane / 4, c = lane % 4) holds rows 16wq + g and + 8 (row % 8 = g) at channels 8j + 2c, +1:
+// box j / 8, 16-byte chunk (j % 8) XOR g, byte 4c (the 32 lanes of a store hit 32 banks). lse of
+// rows < N straight to global memory (row0: the consumer's first row).
+template <int D, bool FP8>
+__device__ __forceinline__ void stage_tile(uint32_t tile, float *lse, const float (&o)[D / 2], float (&l)[2],
+                                           const float (&m)[2], const float *vs, int bh, int N, int row0) {
+    static_assert(D == 128, "two 64-channel boxes");
+    int t = thread_index() % 128, wq = t / 32, g = t % 32 / 4, c = t % 4;
+    // one per-thread base with the swizzle folded in: row 16wq + g, chunk g, byte 4c; row + 8 is
+    // 1024 bytes on and chunk j % 8 an XOR (bits 4-6 of the base hold g alone)
+    uint32_t base = (16 * wq + g) * 128 + (g << 4) + 4 * c;
+    float inv_l[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        inv_l[r] = 1.0f / l[r];
+        int row = row0 + 16 * wq + g + 8 * r;
+        if (c == 0 && row < N) lse[(size_t)bh * N + row] = FP8 ? m[r] + (log2f(l[r]) - LOG2_448) : m[r] + log2f(l[r]);
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; j++) {
+        int col = 8 * j + 2 * c;
+        float v0 = FP8 ? vs[col] : 1.0f, v1 = FP8 ? vs[col + 1] : 1.0f;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            __nv_bfloat162 pair = FP8 ? __floats2bfloat162_rn(o[4 * j + 2 * r] * v0 * inv_l[r], o[4 * j + 2 * r + 1] * v1 * inv_l[r])
+                                      : __floats2bfloat162_rn(o[4 * j + 2 * r] * inv_l[r], o[4 * j + 2 * r + 1] * inv_l[r]);
+            store_shared_b32(tile + ((base ^ ((j % 8) << 4)) + (j / 8) * (SAGE_CUDA_BLOCK * 128) + 1024 * r),
+                             *(uint32_t *)&pair);
+        }
+    }
+}
+
 // Unit u of the schedule: units below `whole` are tiles; from `whole` on, units come in pairs,
 // the two halves of tile whole + (u − whole) / 2: half 0 its query blocks 0 and 1, half 1 block 2.
 __device__ __forceinline__ int unit_tile(int u, int whole) { return u < whole ? u : whole + (u - whole) / 2; }
@@ -319,15 +372,24 @@ __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV
     }
 }
 
+// The consumers' output tiles (Sm90Smem::O_BYTES each) after the K̂/V̂ᵀ stages, from the 1024-aligned
+// base of dynamic shared memory (Q̂ tiles, K̂ stages, V̂ᵀ stages, output tiles).
+extern __shared__ uint8_t smem_raw[];
+template <int D, bool FP8> __device__ __forceinline__ uint8_t *sm90_output_tiles() {
+    using S = Sm90Smem<D, FP8>;
+    uint8_t *base = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    return base + S::CONSUMERS * S::Q_BYTES + SM90_STAGES * S::STAGE_BYTES;
+}
+
 // Consumer warpgroup `wg`: rows 64·wg.. of each of this CTA's tiles.
 template <int D, bool FP8>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
-                        __nv_bfloat16 *out, float *lse, const SageCudaQuant &qv, int N, int merged_heads, int nblk,
-                        int ntq, int whole, int units, int wg) {
+                        const CUtensorMap *map_o, float *lse, const SageCudaQuant &qv, int N, int merged_heads,
+                        int nblk, int ntq, int whole, int units, int wg) {
     static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
     using S = Sm90Smem<D, FP8>;
     constexpr int BN = SAGE_CUDA_BLOCK;
-    int t = threadIdx.x % 128, wq = t / 32, lane = t % 32, c = lane % 4;
+    int t = threadIdx.x % 128, lane = t % 32, c = lane % 4;
     // `it` unsigned: stage and round are a mask and a shift; the stages' descriptors are offsets
     // from the first's (a few uniform instructions per key block instead of a dozen each)
     unsigned it = 0;
@@ -481,9 +543,25 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             mbar_arrive(&bar->q_empty);   // every S of this tile has completed
         }
         it++;
-        int row0 = qt * S::TILE_Q + wg * BN + wq * 16 + lane / 4;
-        store_tile<D, FP8>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, row0, c);
+        // the epilogue: O through this consumer's shared tile and two TMA stores (rows >= N not
+        // written; a consumer past the last query block, in the last tile, stores nothing: staged
+        // all the same, as a branch around the staging made ptxas spill in the key-block loop)
+        int row0 = qt * S::TILE_Q + wg * BN;
+        uint32_t staged = smem_addr(sm90_output_tiles<D, FP8>() + wg * S::O_BYTES);   // (no register in the loop)
+        bool leader = thread_index() % 128 == 0;
+        if (leader) bulk_wait_read<0>();   // the previous tile's stores have read the tile
+        named_barrier_sync(1 + wg, 128);
+        stage_tile<D, FP8>(staged, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, row0);
+        fence_proxy_async();
+        named_barrier_sync(1 + wg, 128);
+        if (leader && row0 < N) {
+            int z = merged_heads ? bh % merged_heads : 0, w = merged_heads ? bh / merged_heads : bh;
+            tma_store_4d(map_o, staged, 0, row0, z, w);
+            tma_store_4d(map_o, staged + BN * 128, 128, row0, z, w);
+            bulk_commit();
+        }
     }
+    if (thread_index() % 128 == 0) bulk_wait_all();   // the last stores done before the CTA (and its shared memory) ends
 }
 #endif
 
@@ -495,8 +573,8 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 template <int D, bool FP8>
 __global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                             const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
-                             SageCudaQuant qv, int N, int merged_heads, int whole, int units) {
+                             const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
+                             float *lse, SageCudaQuant qv, int N, int merged_heads, int whole, int units) {
 #ifdef SAGE_SM90_DEVICE
     using S = Sm90Smem<D, FP8>;
     extern __shared__ uint8_t smem_raw[];
@@ -522,7 +600,7 @@ __global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
             produce<D, FP8>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
     } else {
         setmaxnreg_inc<S::CONSUMER_REGS>();
-        consume<D, FP8>(&bar, sQ, sK, sV, out, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
+        consume<D, FP8>(&bar, sQ, sK, sV, &map_o, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -645,9 +723,11 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
                                    int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 128;
     using S = Sm90Smem<D, FP8>;
-    CUtensorMap maps[3];
+    CUtensorMap maps[4];
     int bytes = S::TOTAL, dev, sms, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err)) return -1;
+    if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err) ||
+        tma_map_head_rows(&maps[3], out, D, N, BH, merged_heads, SAGE_CUDA_BLOCK, "sage_forward_sm90 out", err))
+        return -1;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_sm90_kernel<D, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_sm90_kernel max dynamic smem)");
@@ -664,9 +744,8 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
         units = tiles + last;
         grid = units < sms ? units : sms;
     }
-    sage_forward_sm90_kernel<D, FP8><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                          (__nv_bfloat16 *)out, lse, *qv, N,
-                                                                          merged_heads, whole, units);
+    sage_forward_sm90_kernel<D, FP8><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2], maps[3], lse,
+                                                                          *qv, N, merged_heads, whole, units);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
 }

@@ -119,6 +119,22 @@ __device__ __forceinline__ void tma_load_4d(void *smem, const CUtensorMap *map, 
                    "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
+// The box at shared address smem into the 4-D tensor map at coordinates (x, y, z, w) from the innermost (rows
+// outside the tensor are not written); completes in this thread's bulk group (bulk_commit).
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap *map, uint32_t smem, int x, int y, int z, int w) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"((uint64_t)map), "r"(smem), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+// Closes this thread's bulk group of TMA stores (and reduce-adds) issued since the last one.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until this thread's bulk groups are complete (their writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Until at most n of this thread's bulk groups have not yet read their shared-memory sources (the
+// others' sources may be rewritten; their global writes may still be in flight).
+template <int n> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(n) : "memory");
+}
+
 // ---- wgmma shapes of the sage forward ------------------------------------------------------------
 // d (+)= A·B, int8 × int8 -> int32, m64n64k32; A and B K-major in shared memory (descriptors).
 // scale_d = 0 overwrites d, 1 accumulates. d: 32 registers per thread (accumulator layout above).
@@ -311,6 +327,30 @@ static inline int tma_map_2d_bytes(CUtensorMap *map, const void *base, uint64_t 
     if (r != CUDA_SUCCESS) {
         dit_set_error(err, "cuTensorMapEncodeTiled(%s: %llu x %llu bytes, box %u x %u) failed (%d)", what,
                       (unsigned long long)inner, (unsigned long long)outer, box_inner, box_outer, (int)r);
+        return -1;
+    }
+    return 0;
+}
+
+// One head's rows of a bf16 (B, H, N, D) tensor, head-major, or of a merged (B, N, H, D) one
+// (merged_heads = H; attention_rows.cuh), as a 4-D map of bytes (2D, N, heads, batches): merged,
+// (2D, N, H, B) with rows H·D apart; head-major, (2D, N, 1, B·H). Boxes of 128 bytes × box_rows
+// rows of one head, 128-byte swizzled; coordinates (x, t, bh % H, bh / H), or (x, t, 0, bh)
+// head-major. Rows >= N arrive as zeros (loads) or are not written (stores).
+static inline int tma_map_head_rows(CUtensorMap *map, const void *base, int D, int N, int BH, int merged_heads,
+                                    int box_rows, const char *what, char *err) {
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_map_encoder(err);
+    if (!encode) return -1;
+    uint64_t row = (uint64_t)2 * D, h = merged_heads ? (uint64_t)merged_heads : 1;
+    cuuint64_t dims[4] = {row, (cuuint64_t)N, h, (cuuint64_t)BH / h};
+    cuuint64_t strides[3] = {row * h, merged_heads ? row : row * N, row * h * N};
+    cuuint32_t box[4] = {128, (cuuint32_t)box_rows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, (void *)base, dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        dit_set_error(err, "cuTensorMapEncodeTiled(%s: D=%d N=%d B·H=%d merged_heads=%d) failed (%d)", what, D, N, BH,
+                      merged_heads, (int)r);
         return -1;
     }
     return 0;
