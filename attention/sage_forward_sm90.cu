@@ -44,9 +44,10 @@
 //   thread it took ~8,300 cycles a tile, 5 key blocks' time (dev/notes_sage_fwd.md, session 24).
 // D = 64: sage_forward_wg_kernel, one warpgroup CTA per (64-query block, head), 5 CTAs per SM
 //   that overlap each other's softmax and tensor work; its thread 0 issues the TMA loads (Q̂ once,
-//   K̂/V̂ᵀ through SM90_WG_STAGES stages) and S, softmax, P·V run one after the other (FP8 and
-//   FP16 alike; FP8: 29 KB of shared memory, held to 96 registers by its launch bounds, 1.7–3.7%
-//   faster than at its free 120 and 4 CTAs; FP16: 41 KB and 90 registers: dev/notes_sage_fwd.md).
+//   K̂/V̂ᵀ through SM90_WG_STAGES stages, at the end the TMA store of out, staged where K̂ was),
+//   and S, softmax, P·V run one after the other (FP8 and FP16 alike; FP8: 29 KB of shared memory,
+//   held to 96 registers by its launch bounds, 1.7–3.7% faster than at its free 120 and 4 CTAs;
+//   FP16: 41 KB and 90 registers: dev/notes_sage_fwd.md).
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -257,36 +258,6 @@ __device__ __forceinline__ void pv_f16_accumulate(float (&o)[D / 2], const uint3
     }
 }
 
-// O (64 × D, this thread's accumulator registers) → out (bf16; rows as attn_row_offset places them)
-// and lse for rows >= N skipped:
-// o = 448·Σ p·v̂ and l = 448·Σ p, so out = o·v_scale/l and lse = m + log2 l − log2 448;
-// FP16 (vs unused): out = o/l and lse = m + log2 l.
-template <int D, bool FP8>
-__device__ __forceinline__ void store_tile(__nv_bfloat16 *out, float *lse, const float (&o)[D / 2], float (&l)[2],
-                                           const float (&m)[2], const float *vs, int bh, int N, int merged_heads, int row0,
-                                           int c) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        int row = row0 + 8 * r;
-        if (row >= N) continue;
-        __nv_bfloat16 *orow = out + attn_row_offset(bh, row, N, D, merged_heads);
-        float inv_l = 1.0f / l[r];
-#pragma unroll
-        for (int j = 0; j < D / 8; j++) {
-            int col = 8 * j + 2 * c;
-            if (FP8)
-                *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * vs[col] * inv_l,
-                                                                        o[4 * j + 2 * r + 1] * vs[col + 1] * inv_l);
-            else
-                *(__nv_bfloat162 *)(orow + col) = __floats2bfloat162_rn(o[4 * j + 2 * r] * inv_l,
-                                                                        o[4 * j + 2 * r + 1] * inv_l);
-        }
-        if (c == 0) lse[(size_t)bh * N + row] = FP8 ? m[r] + (log2f(l[r]) - LOG2_448) : m[r] + log2f(l[r]);
-    }
-}
-
 // threadIdx.x read afresh (volatile), so that the epilogue's indices are not kept in registers
 // through the key-block loop.
 __device__ __forceinline__ int thread_index() {
@@ -299,16 +270,17 @@ __device__ __forceinline__ void store_shared_b32(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
-// The D = 128 kernel's epilogue: O (64 × D, this thread's accumulator registers) as bf16 into this
-// consumer's tile in shared memory (store_tile's arithmetic), laid out as the TMA store reads it:
-// two boxes (channels 0-63, 64-127) of 64 rows × 128 bytes, 128-byte swizzled. Thread (warp wq,
+// The epilogue of both kernels: O (64 × D, this thread's accumulator registers) as bf16 into a tile
+// in shared memory, laid out as the TMA store reads it (tma_map_head_rows): D / 64 boxes (channels
+// 0-63, 64-127) of 64 rows × 128 bytes, 128-byte swizzled; lse of rows < N straight to global
+// memory (row0: the tile's first row). o = 448·Σ p·v̂ and l = 448·Σ p, so out = o·v_scale/l and
+// lse = m + log2 l − log2 448; FP16 (vs unused): out = o/l and lse = m + log2 l. Thread (warp wq,
 // g = lane / 4, c = lane % 4) holds rows 16wq + g and + 8 (row % 8 = g) at channels 8j + 2c, +1:
-// box j / 8, 16-byte chunk (j % 8) XOR g, byte 4c (the 32 lanes of a store hit 32 banks). lse of
-// rows < N straight to global memory (row0: the consumer's first row).
+// box j / 8, 16-byte chunk (j % 8) XOR g, byte 4c (the 32 lanes of a store hit 32 banks). (As 32
+// scattered 4-byte global stores per thread, the D = 128 epilogue took ~8,300 cycles a tile.)
 template <int D, bool FP8>
 __device__ __forceinline__ void stage_tile(uint32_t tile, float *lse, const float (&o)[D / 2], float (&l)[2],
                                            const float (&m)[2], const float *vs, int bh, int N, int row0) {
-    static_assert(D == 128, "two 64-channel boxes");
     int t = thread_index() % 128, wq = t / 32, g = t % 32 / 4, c = t % 4;
     // one per-thread base with the swizzle folded in: row 16wq + g, chunk g, byte 4c; row + 8 is
     // 1024 bytes on and chunk j % 8 an XOR (bits 4-6 of the base hold g alone)
@@ -614,8 +586,8 @@ __global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
 template <int D, bool FP8>
 __global__ void __launch_bounds__(128, FP8 ? 5 : 2)
     sage_forward_wg_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                           const __grid_constant__ CUtensorMap map_v, __nv_bfloat16 *out, float *lse,
-                           SageCudaQuant qv, int N, int merged_heads) {
+                           const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
+                           float *lse, SageCudaQuant qv, int N, int merged_heads) {
 #ifdef SAGE_SM90_DEVICE
     static_assert(D == 64, "the one-warpgroup kernel is the D = 64 layout (P·V over all 64 channels at once)");
     using S = Sm90WgSmem<D, FP8>;
@@ -625,7 +597,7 @@ __global__ void __launch_bounds__(128, FP8 ? 5 : 2)
     uint8_t *sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     uint8_t *sK = sQ + S::Q_BYTES, *sV = sK + SM90_WG_STAGES * S::K_BYTES;
     int bh = blockIdx.y, qb = blockIdx.x, nblk = gridDim.x, tid = threadIdx.x;
-    int warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    int c = tid % 4;   // lane % 4: this thread's column pair in every 8 columns of the accumulators
 
     if (tid == 0) {
         mbar_init(&bar_q, 1);
@@ -693,8 +665,19 @@ __global__ void __launch_bounds__(128, FP8 ? 5 : 2)
             for (int i = 0; i < D / 2; i++) o[i] = o[i] * alpha[(i % 4) / 2] + blk[i];
         }
     }
-    store_tile<D, FP8>(out, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, merged_heads, qb * BN + warp * 16 + g,
-                        c);
+    // out through shared memory and one TMA store: the tile goes where K̂ stages 0 and 1 were (free
+    // once every warp's wgmmas have completed; no load is in flight past the last key block)
+    __syncthreads();
+    uint32_t staged = smem_addr(sK);
+    stage_tile<D, FP8>(staged, lse, o, l, m, qv.v_scale + (size_t)bh * D, bh, N, qb * BN);
+    fence_proxy_async();
+    __syncthreads();
+    if (tid == 0) {
+        tma_store_4d(&map_o, staged, 0, qb * BN, merged_heads ? bh % merged_heads : 0,
+                     merged_heads ? bh / merged_heads : bh);
+        bulk_commit();
+        bulk_wait_read<0>();   // shared memory lives as long as the CTA
+    }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
 #endif
@@ -755,15 +738,17 @@ template <bool FP8>
 static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
                                 int merged_heads, cudaStream_t stream, char *err) {
     constexpr int D = 64;
-    CUtensorMap maps[3];
+    CUtensorMap maps[4];
     int bytes = Sm90WgSmem<D, FP8>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err)) return -1;
+    static_assert(SM90_WG_STAGES * Sm90WgSmem<D, FP8>::K_BYTES >= SAGE_CUDA_BLOCK * D * 2, "out's tile in the K̂ stages");
+    if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err) ||
+        tma_map_head_rows(&maps[3], out, D, N, BH, merged_heads, SAGE_CUDA_BLOCK, "sage_forward_sm90 out", err))
+        return -1;
     SAGE_CUDA_CHECK(cudaFuncSetAttribute(sage_forward_wg_kernel<D, FP8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          bytes),
                     err, "cudaFuncSetAttribute(sage_forward_wg_kernel max dynamic smem)");
-    sage_forward_wg_kernel<D, FP8><<<dim3(nblk, BH), 128, bytes, stream>>>(maps[0], maps[1], maps[2],
-                                                                           (__nv_bfloat16 *)out, lse, *qv, N,
-                                                                           merged_heads);
+    sage_forward_wg_kernel<D, FP8><<<dim3(nblk, BH), 128, bytes, stream>>>(maps[0], maps[1], maps[2], maps[3], lse,
+                                                                           *qv, N, merged_heads);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_wg_kernel");
     return 0;
 }
