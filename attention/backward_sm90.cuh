@@ -162,13 +162,8 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap *map, const 
 }
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
-// threadIdx.x / 128, read afresh (volatile): a named-barrier id derived from it costs two
-// instructions where a value kept from the kernel's start costs a register (spilled at D = 128).
-__device__ __forceinline__ int warpgroup_now() {
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-    return t / 128;
-}
+// threadIdx.x / 128 read afresh (thread_index): for the named-barrier ids of the dQ hand-over.
+__device__ __forceinline__ int warpgroup_now() { return thread_index() / 128; }
 
 // Pᵀ = exp2(s - lse) of this thread's 32 elements: keys kr (e < 2), kr + 8, queries
 // q0 + 8j + 2c + (e & 1); s = (float)s_acc·scale (sage) or p·c_log2 (flash: Sᵀ in p). s - lse is

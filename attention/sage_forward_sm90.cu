@@ -258,14 +258,6 @@ __device__ __forceinline__ void pv_f16_accumulate(float (&o)[D / 2], const uint3
     }
 }
 
-// threadIdx.x read afresh (volatile), so that the epilogue's indices are not kept in registers
-// through the key-block loop.
-__device__ __forceinline__ int thread_index() {
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-    return t;
-}
-
 __device__ __forceinline__ void store_shared_b32(uint32_t addr, uint32_t v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }

@@ -100,6 +100,15 @@ __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
                  "}\n" ::"r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
 }
 
+// threadIdx.x read afresh (volatile): an index derived from it (a named-barrier id, an epilogue's
+// offsets) costs an instruction or two where a value kept from the kernel's start holds a register
+// through the main loop (and spilled there at D = 128).
+__device__ __forceinline__ int thread_index() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
+
 // ---- TMA ---------------------------------------------------------------------------------------
 // Box of the 2-D tensor map at element coordinates (x = inner, y = outer) into shared memory;
 // completion is counted in bytes on `bar`. Out-of-bounds elements arrive as zeros.
