@@ -81,7 +81,8 @@ template <int D, bool FP8> struct Sm90Smem {
     static constexpr int V_BYTES = D * V_ROW_BYTES;        // D channels × 64 keys
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
     static constexpr int O_BYTES = SAGE_CUDA_BLOCK * D * 2;   // a consumer's bf16 output tile for the TMA store
-    static constexpr int TOTAL = 1024 + CONSUMERS * (Q_BYTES + O_BYTES) + SM90_STAGES * STAGE_BYTES;   // + alignment slack
+    // (+ 1024: alignment slack)
+    static constexpr int TOTAL = 1024 + CONSUMERS * (Q_BYTES + O_BYTES) + SM90_STAGES * STAGE_BYTES;
 };
 
 // Shared memory of the one-warpgroup kernel: Q̂ and SM90_WG_STAGES stages of K̂, V̂ᵀ (the stage
@@ -292,8 +293,9 @@ __device__ __forceinline__ void stage_tile(uint32_t tile, float *lse, const floa
         float v0 = FP8 ? vs[col] : 1.0f, v1 = FP8 ? vs[col + 1] : 1.0f;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            __nv_bfloat162 pair = FP8 ? __floats2bfloat162_rn(o[4 * j + 2 * r] * v0 * inv_l[r], o[4 * j + 2 * r + 1] * v1 * inv_l[r])
-                                      : __floats2bfloat162_rn(o[4 * j + 2 * r] * inv_l[r], o[4 * j + 2 * r + 1] * inv_l[r]);
+            __nv_bfloat162 pair =
+                FP8 ? __floats2bfloat162_rn(o[4 * j + 2 * r] * v0 * inv_l[r], o[4 * j + 2 * r + 1] * v1 * inv_l[r])
+                    : __floats2bfloat162_rn(o[4 * j + 2 * r] * inv_l[r], o[4 * j + 2 * r + 1] * inv_l[r]);
             store_shared_b32(tile + ((base ^ ((j % 8) << 4)) + (j / 8) * (SAGE_CUDA_BLOCK * 128) + 1024 * r),
                              *(uint32_t *)&pair);
         }
@@ -525,7 +527,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             bulk_commit();
         }
     }
-    if (thread_index() % 128 == 0) bulk_wait_all();   // the last stores done before the CTA (and its shared memory) ends
+    if (thread_index() % 128 == 0) bulk_wait_all();   // the last stores done before the CTA's shared memory goes
 }
 #endif
 
@@ -732,7 +734,8 @@ static int launch_one_warpgroup(uint16_t *out, float *lse, const SageCudaQuant *
     constexpr int D = 64;
     CUtensorMap maps[4];
     int bytes = Sm90WgSmem<D, FP8>::TOTAL, nblk = (N + SAGE_CUDA_BLOCK - 1) / SAGE_CUDA_BLOCK;
-    static_assert(SM90_WG_STAGES * Sm90WgSmem<D, FP8>::K_BYTES >= SAGE_CUDA_BLOCK * D * 2, "out's tile in the K̂ stages");
+    static_assert(SM90_WG_STAGES * Sm90WgSmem<D, FP8>::K_BYTES >= SAGE_CUDA_BLOCK * D * 2,
+                  "out's tile fits in the K̂ stages");
     if (make_maps<D>(maps, qv, BH, N, FP8 ? 1 : 2, err) ||
         tma_map_head_rows(&maps[3], out, D, N, BH, merged_heads, SAGE_CUDA_BLOCK, "sage_forward_sm90 out", err))
         return -1;
