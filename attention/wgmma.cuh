@@ -128,8 +128,9 @@ __device__ __forceinline__ void tma_load_4d(void *smem, const CUtensorMap *map, 
                    "r"((uint32_t)__cvta_generic_to_shared(bar)), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
-// The box at shared address smem into the 4-D tensor map at coordinates (x, y, z, w) from the innermost (rows
-// outside the tensor are not written); completes in this thread's bulk group (bulk_commit).
+// The box at shared address smem into the 4-D tensor map at coordinates (x, y, z, w) from the
+// innermost (rows outside the tensor are not written); completes in this thread's bulk group
+// (bulk_commit).
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap *map, uint32_t smem, int x, int y, int z, int w) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
                  ::"l"((uint64_t)map), "r"(smem), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
