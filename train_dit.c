@@ -161,6 +161,16 @@ static int parse_int(const char *flag, const char *text, int lo, int *out, char 
     return 0;
 }
 
+// "on" -> 1, "off" -> 0, anything else an error naming the flag.
+static int parse_on_off(const char *flag, const char *text, int *out, char *err) {
+    if (strcmp(text, "on") && strcmp(text, "off")) {
+        dit_set_error(err, "%s: expected on or off, got '%s'", flag, text);
+        return -1;
+    }
+    *out = !strcmp(text, "on");
+    return 0;
+}
+
 static int parse_float(const char *flag, const char *text, float lo, float hi, float *out, char *err) {
     char *end;
     errno = 0;
@@ -223,13 +233,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                 rc = -1;
             }
         }
-        else if (!strcmp(f, "--cuda-graph")) {
-            a->cuda_graph = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
-            if (a->cuda_graph < 0) {
-                dit_set_error(err, "--cuda-graph: expected on or off, got '%s'", v);
-                rc = -1;
-            }
-        }
+        else if (!strcmp(f, "--cuda-graph")) rc = parse_on_off(f, v, &a->cuda_graph, err);
         else if (!strcmp(f, "--zero-overlap")) {
             a->zero_overlap = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
             if (a->zero_overlap < 0 && strcmp(v, "auto")) {
@@ -253,13 +257,7 @@ static int parse_args(int argc, char **argv, TrainArgs *a, char *err) {
                 rc = -1;
             }
         }
-        else if (!strcmp(f, "--gemm-tuning")) {
-            a->gemm_tuning = !strcmp(v, "on") ? 1 : !strcmp(v, "off") ? 0 : -1;
-            if (a->gemm_tuning < 0) {
-                dit_set_error(err, "--gemm-tuning: expected on or off, got '%s'", v);
-                rc = -1;
-            }
-        }
+        else if (!strcmp(f, "--gemm-tuning")) rc = parse_on_off(f, v, &a->gemm_tuning, err);
         else if (!strcmp(f, "--depth")) rc = parse_int(f, v, 1, &a->depth, err);
         else if (!strcmp(f, "--hidden")) rc = parse_int(f, v, 4, &a->hidden, err);
         else if (!strcmp(f, "--heads")) rc = parse_int(f, v, 1, &a->heads, err);

@@ -342,17 +342,21 @@ static void expect_one_cpu_step(const char *flags, char *out, size_t cap) {
     cr_assert_eq(system(args), 0);
 }
 
+// train_dit with `args` must stop with exit status 1, saying `says` (and `also_says` unless NULL).
+static void expect_refused(const char *args, const char *says, const char *also_says) {
+    char out[8192];
+    cr_assert_eq(run_train_dit(args, out, sizeof(out)), 1, "%s: %s", args, out);
+    cr_expect(strstr(out, says) && (!also_says || strstr(out, also_says)), "%s: %s", args, out);
+}
+
 // --cuda-graph takes on or off; on is refused where there is no single-GPU step to capture
 // (--device cpu here; with several ranks and with --dump-parity alike); off trains on the CPU.
 Test(trainer, cuda_graph_flag, .timeout = 120) {
     if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
     char out[8192];
-    cr_assert_eq(run_train_dit("--cuda-graph maybe --data synthetic", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "--cuda-graph: expected on or off, got 'maybe'"), "%s", out);
-    cr_assert_eq(run_train_dit("--device cpu --cuda-graph on --data synthetic", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "--cuda-graph on") && strstr(out, "--device cpu"), "%s", out);
-    cr_assert_eq(run_train_dit("--cuda-graph", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "missing value"), "%s", out);
+    expect_refused("--cuda-graph maybe --data synthetic", "--cuda-graph: expected on or off, got 'maybe'", NULL);
+    expect_refused("--device cpu --cuda-graph on --data synthetic", "--cuda-graph on", "--device cpu");
+    expect_refused("--cuda-graph", "missing value", NULL);
     expect_one_cpu_step("--cuda-graph off", out, sizeof(out));
     cr_expect(!strstr(out, "CUDA graph"), "%s", out);
 }
@@ -362,10 +366,8 @@ Test(trainer, cuda_graph_flag, .timeout = 120) {
 Test(trainer, gemm_tuning_flag, .timeout = 120) {
     if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
     char out[8192];
-    cr_assert_eq(run_train_dit("--gemm-tuning maybe --data synthetic", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "--gemm-tuning: expected on or off, got 'maybe'"), "%s", out);
-    cr_assert_eq(run_train_dit("--device cpu --gemm-tuning on --data synthetic", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "--gemm-tuning on") && strstr(out, "--device cpu"), "%s", out);
+    expect_refused("--gemm-tuning maybe --data synthetic", "--gemm-tuning: expected on or off, got 'maybe'", NULL);
+    expect_refused("--device cpu --gemm-tuning on --data synthetic", "--gemm-tuning on", "--device cpu");
     expect_one_cpu_step("--gemm-tuning off", out, sizeof(out));
 }
 
@@ -374,12 +376,9 @@ Test(trainer, gemm_tuning_flag, .timeout = 120) {
 Test(trainer, zero_overlap_flag, .timeout = 120) {
     if (access("./train_dit", X_OK) != 0) cr_skip_test("./train_dit is not built");
     char out[8192];
-    cr_assert_eq(run_train_dit("--zero-overlap yes --data synthetic", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "--zero-overlap: expected auto, on or off, got 'yes'"), "%s", out);
-    cr_assert_eq(run_train_dit("--device cpu --zero-overlap on --data synthetic", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "--zero-overlap on: several GPUs only"), "%s", out);
-    cr_assert_eq(run_train_dit("--zero-overlap", out, sizeof(out)), 1, "%s", out);
-    cr_expect(strstr(out, "missing value"), "%s", out);
+    expect_refused("--zero-overlap yes --data synthetic", "--zero-overlap: expected auto, on or off, got 'yes'", NULL);
+    expect_refused("--device cpu --zero-overlap on --data synthetic", "--zero-overlap on: several GPUs only", NULL);
+    expect_refused("--zero-overlap", "missing value", NULL);
     expect_one_cpu_step("--zero-overlap auto", out, sizeof(out));
     expect_one_cpu_step("--zero-overlap off", out, sizeof(out));
 }
