@@ -1,7 +1,12 @@
 # Benchmark: our sage attention (attention/sage_*.cu) forward and backward against PyTorch SDPA
 # (cuDNN and flash backends), all in one process on one GPU. 16 heads, head dims 64 and 128,
 # N = 1K..32K with B·N = 16K tokens (B = 1 from 16K). FLOPs: 4·B·H·N²·D forward, 2.5× that
-# backward. Each time is the median of `iters` CUDA-event-timed runs after warm-up.
+# backward. Each time is the median of `iters` CUDA-event-timed runs after warm-up (bench_common:
+# queued behind a GPU sleep, without the host's launch overhead). The headline pair, our Hopper
+# forward (quantization included) and backward against cuDNN's, is timed in ROUNDS (default 5)
+# interleaved rounds (order reversed every other round: the H200 runs power-limited, so its clock
+# drifts over a run); their times are the medians over rounds and their ratios the medians of the
+# rounds' ratios, with the rounds' range beside them.
 # Where the cudnn frontend's Python package is importable (dev/cudnn_fp8.py), cuDNN's own FP8
 # attention (per-tensor e4m3 scales) is timed on the same inputs too, and the cosine against fp32
 # attention of its and our outputs and gradients (first two heads) is printed beside it.
@@ -14,13 +19,15 @@
 #   python3 dev/bench_attention.py [build/libsage_bench.so [D:N,...]]
 import ctypes
 import os
+import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import I, P, check, err, median_ms, time_sdpa  # noqa: E402
+from bench_common import I, P, check, err, median_ms, sdpa_calls, time_sdpa  # noqa: E402
 
 try:
     from cudnn_fp8 import Fp8Attention
@@ -33,6 +40,7 @@ except Exception as e:   # the package is optional (and loads cuDNN 9 itself): n
 # "sage_bwd" times the mma.sync backward (sage_backward_cuda under DIT_SAGE_MMA_SYNC=1), "sm90_bwd"
 # the wgmma backward (sage_backward_sm90.cu), both on the same forward's out, lse and workspace.
 os.environ["DIT_SAGE_MMA_SYNC"] = "1"
+ROUNDS = int(os.environ.get("ROUNDS", 5))
 lib = ctypes.CDLL(sys.argv[1] if len(sys.argv) > 1 else "build/libsage_bench.so")
 lib.sage_cuda_forward_workspace_size.restype = ctypes.c_size_t
 lib.sage_cuda_forward_workspace_size.argtypes = [I, I, I, I, I]
@@ -134,30 +142,40 @@ def main():
             cos = cosine(out[:, :2], ref)
             cos90 = float("nan")
             if sm90:
-                t["sm90"] = median_ms(fwd_sm90, iters)
+                fwd_sm90()
                 cos90 = cosine(out[:, :2], ref)
             t["sage_bwd"] = median_ms(bwd, iters)
             bwd_diff = float("nan")   # max over dq, dk, dv of rel L2(sm90 - mma.sync)
             if bwd90:
                 ref_g = [x.clone() for x in (dq, dk, dv)]
-                t["sm90_bwd"] = median_ms(bwd_sm90, iters)
+                bwd_sm90()
                 bwd_diff = max(((x - r).norm() / r.norm()).item() for x, r in zip((dq, dk, dv), ref_g))
                 del ref_g
             t.update(time_sdpa(q, k, v, do, iters))
+            ratios = {}
+            if sm90 and bwd90:   # the headline pair, interleaved
+                cudnn_fwd, cudnn_bwd = sdpa_calls(q, k, v, do, SDPBackend.CUDNN_ATTENTION)
+                calls = [("sm90", fwd_sm90), ("cudnn", cudnn_fwd), ("sm90_bwd", bwd_sm90), ("cudnn_bwd", cudnn_bwd)]
+                rounds = [{n: median_ms(fn, iters) for n, fn in (calls if r % 2 == 0 else calls[::-1])}
+                          for r in range(ROUNDS)]
+                for n, _ in calls:
+                    t[n] = statistics.median(x[n] for x in rounds)
+                ratios = {"fwd": [x["cudnn"] / x["sm90"] for x in rounds],
+                          "bwd": [x["cudnn_bwd"] / x["sm90_bwd"] for x in rounds]}
             if Fp8Attention is not None:
                 t.update(time_cudnn_fp8(q, k, v, do, iters, ref, (dq, dk, dv), bwd90))
             tops = {n: (2.5 if n.endswith("bwd") else 1) * flops / (ms * 1e-3) / 1e12 for n, ms in t.items()}
-            rows.append((D, N, B, t, tops, cos))
+            rows.append((D, N, B, t, tops, cos, ratios))
             print(f"D={D} N={N} B={B}: " + " ".join(f"{n} {ms:.3f}ms/{tops[n]:.0f}T" for n, ms in t.items())
                   + f" cos(sage_fp8, fp32 sdpa)={cos:.6f} cos(sm90, fp32 sdpa)={cos90:.6f}"
                   + f" rel(sm90 bwd, sage bwd)={bwd_diff:.2e}", flush=True)
             del q, k, v, do, out, lse, ws, bws, dq, dk, dv
             torch.cuda.empty_cache()
-    if any("cudnn_fp8" in t for _, _, _, t, _, _ in rows):
+    if any("cudnn_fp8" in t for _, _, _, t, _, _, _ in rows):
         print("\n| D | N | B | sm90 fwd | cuDNN bf16 fwd | cuDNN FP8 fwd | sm90/cuDNN FP8 | sm90 bwd | cuDNN bf16 bwd "
               "| cuDNN FP8 bwd | sm90 bwd/cuDNN FP8 |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for D, N, B, t, tops, cos in rows:
+        for D, N, B, t, tops, cos, ratios in rows:
             nan = float("nan")
             f8, b8 = tops.get("cudnn_fp8", nan), tops.get("cudnn_fp8_bwd", nan)
             t90, b90 = tops.get("sm90", nan), tops.get("sm90_bwd", nan)
@@ -166,7 +184,7 @@ def main():
     print("\n| D | N | B | sm90 fwd | sage fp8 fwd | sage fp16 fwd | (quant ms) | cuDNN fwd | flash fwd "
           "| sm90/cuDNN | fp8/cuDNN | sage bwd | sm90 bwd | cuDNN bwd | flash bwd | bwd/cuDNN | sm90 bwd/cuDNN |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for D, N, B, t, tops, cos in rows:
+    for D, N, B, t, tops, cos, ratios in rows:
         t90 = tops.get("sm90", float("nan"))
         b90 = tops.get("sm90_bwd", float("nan"))
         print(f"| {D} | {N} | {B} | {t90:.0f} | {tops['sage_fp8']:.0f} | {tops['sage_fp16']:.0f} | {t['quant']:.3f} "
@@ -175,6 +193,16 @@ def main():
               f"| {tops['sage_bwd']:.0f} | {b90:.0f} | {tops['cudnn_bwd']:.0f} | {tops['flash_bwd']:.0f} "
               f"| {tops['sage_bwd'] / tops['cudnn_bwd']:.2f} | {b90 / tops['cudnn_bwd']:.2f} |")
     print("(TOPS; forward 4·B·H·N²·D, backward 2.5× that; sage fwd includes the quantization pass)")
+    print(f"\nThe headline ratios, {ROUNDS} interleaved rounds (median [min, max] of the rounds' cuDNN / ours):")
+    print("| D | N | B | sm90 fwd TOPS | cuDNN fwd TOPS | fwd ratio | sm90 bwd TOPS | cuDNN bwd TOPS | bwd ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for D, N, B, t, tops, cos, ratios in rows:
+        if not ratios:
+            continue
+        f, b = ratios["fwd"], ratios["bwd"]
+        print(f"| {D} | {N} | {B} | {tops['sm90']:.0f} | {tops['cudnn']:.0f} | {statistics.median(f):.2f} "
+              f"[{min(f):.2f}, {max(f):.2f}] | {tops['sm90_bwd']:.0f} | {tops['cudnn_bwd']:.0f} "
+              f"| {statistics.median(b):.2f} [{min(b):.2f}, {max(b):.2f}] |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 // Every attention kernel once, on small shapes with tails, for compute-sanitizer (dev/sanitize.sh
 // kernels): the Hadamard rotation, sage quantization + forward (Hopper wgmma FP8, mma.sync FP8
-// and FP16) + backward (Hopper and mma.sync, unordered and deterministic dQ), and the bf16 flash
-// forward and backward (Hopper and mma.sync). The Criterion suites check the values; this program
+// and FP16) + backward (Hopper and mma.sync, unordered and deterministic dQ, fp32 dK/dV and bf16
+// rows with the Hadamard and amax), and the bf16 flash forward and backward (Hopper and mma.sync). The Criterion suites check the values; this program
 // only drives each kernel so that memcheck, racecheck and synccheck see it at a size they finish
 // in seconds (the suites' N = 2048..32K cases take hours under racecheck). Exits 1 on any error.
 //   build/sanitize_attention                       (prints one line per kernel call)
@@ -49,7 +49,9 @@ static void run_shape(int N, int D) {
     unsigned state = 12345u + N + D;
     uint16_t *q = random_bf16_device(n, &state), *k = random_bf16_device(n, &state);
     uint16_t *v = random_bf16_device(n, &state), *dout = random_bf16_device(n, &state), *out;
-    float *lse, *grads, *rot;
+    float *lse, *grads, *rot, *amax;
+    uint16_t *kv_rows;   // dK, dV as bf16 rows of a qkv gradient (row stride 3·H·D)
+    const size_t stride = 3 * (size_t)H * D;
     void *fwd_ws, *bwd_ws;
     size_t fwd_bytes = sage_cuda_forward_workspace_size(B, H, N, D, SAGE_PV_FP16);
     size_t fp8_bytes = sage_cuda_forward_workspace_size(B, H, N, D, SAGE_PV_FP8);
@@ -60,6 +62,9 @@ static void run_shape(int N, int D) {
     CUDA_OR_DIE(cudaMalloc((void **)&grads, 3 * n * 4));
     CUDA_OR_DIE(cudaMalloc((void **)&rot, n * 4));
     CUDA_OR_DIE(cudaMemset(rot, 0, n * 4));
+    CUDA_OR_DIE(cudaMalloc((void **)&kv_rows, (size_t)B * N * stride * 2));
+    CUDA_OR_DIE(cudaMalloc((void **)&amax, 4));
+    CUDA_OR_DIE(cudaMemset(amax, 0, 4));
     CUDA_OR_DIE(cudaMalloc(&fwd_ws, fwd_bytes > fp8_bytes ? fwd_bytes : fp8_bytes));
     CUDA_OR_DIE(cudaMalloc(&bwd_ws, bwd_bytes > flash_bytes ? bwd_bytes : flash_bytes));
     float *dq = grads, *dk = grads + n, *dv = grads + 2 * n;
@@ -84,6 +89,10 @@ static void run_shape(int N, int D) {
                                           pvs[p], 0, err), what, N, D, err);
             }
             sage_backward_set_deterministic(0);
+            snprintf(what, sizeof what, "sage_backward_merged_cuda %s", path);   // (dout, out as merged: any values)
+            report(sage_backward_merged_cuda(dq, kv_rows + H * D, kv_rows + 2 * H * D, stride, 1, amax, bwd_ws, fwd_ws,
+                                             dout, q, k, v, out, lse, NULL, B, H, N, D, pvs[p], 0, err),
+                   what, N, D, err);
         }
     }
     unsetenv("DIT_SAGE_MMA_SYNC");
@@ -101,6 +110,10 @@ static void run_shape(int N, int D) {
                    err);
         }
         flash_backward_set_deterministic(0);
+        snprintf(what, sizeof what, "flash_backward_merged_cuda %s", path);
+        report(flash_backward_merged_cuda(dq, kv_rows + H * D, kv_rows + 2 * H * D, stride, 1, amax, bwd_ws, dout, q,
+                                          k, v, out, lse, B, H, N, D, 0, err),
+               what, N, D, err);
     }
     unsetenv("DIT_FLASH_MMA_SYNC");
 
@@ -109,6 +122,8 @@ static void run_shape(int N, int D) {
     CUDA_OR_DIE(cudaFree(lse));
     CUDA_OR_DIE(cudaFree(grads));
     CUDA_OR_DIE(cudaFree(rot));
+    CUDA_OR_DIE(cudaFree(kv_rows));
+    CUDA_OR_DIE(cudaFree(amax));
     CUDA_OR_DIE(cudaFree(fwd_ws));
     CUDA_OR_DIE(cudaFree(bwd_ws));
 }
