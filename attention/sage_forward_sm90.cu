@@ -26,11 +26,14 @@
 //     the tile's Q̂ (3 × 64 rows), then K̂ and V̂ᵀ tiles of 64 keys through SM90_STAGES shared
 //     stages, each with a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer
 //     is done with it); the next tile's Q̂ once every consumer's last S of the tile has completed.
-//   When the last round would leave at least half of the SMs idle (c: 1376 tiles on 132 SMs, 56
-//   in the 11th round), each of its tiles runs as two units on two CTAs: query blocks 0 and 1
-//   (consumers 0 and 1; consumer 2 only releases the stages) and query block 2 (consumer 2 alone).
-//   Every row is computed by the same instructions in the same order: the results are bitwise
-//   those of whole tiles, and the round takes as long as two consumers instead of three.
+//   The schedule (Sm90Schedule) takes every head's full tiles first and the heads' last, partial
+//   tiles (nblk not a multiple of 3: one or two query blocks, the other consumers only release
+//   the stages) after them, so that the light tiles fill the last round instead of whole CTAs
+//   getting only full ones. When the full tiles' last round would leave at least half of the SMs
+//   idle (c: 1360 full tiles on 132 SMs, 40 in the 11th round), each of its tiles runs as two
+//   units on two CTAs: query blocks 0 and 1 (consumers 0 and 1; consumer 2 only releases the
+//   stages) and query block 2 (consumer 2 alone). Every row is computed by the same instructions
+//   in the same order: the results are bitwise those of whole tiles in any order.
 //   3 consumer warpgroups (three warps per scheduler, so that one's softmax overlaps another's
 //     wgmmas), 64 query rows each, 160 registers: Q̂ stays in shared memory (S wgmma with both
 //     operands there) and P·V runs as two m64n64 halves of D (blk holds 32 columns). Per key block
@@ -93,6 +96,16 @@ template <int D, bool FP8> struct Sm90WgSmem {
     static constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
     static constexpr int TOTAL = 1024 + Q_BYTES + SM90_WG_STAGES * STAGE_BYTES;   // + alignment slack
 };
+
+// The D = 128 kernel's work list (made by sm90_schedule on the host). Tiles in order o: the
+// `full` tiles of 3 query blocks, head by head (o → head o / (nblk/3), query tile o % (nblk/3)),
+// then each head's partial last tile when nblk % 3 != 0 (o ≥ full: head o − full). Units u: below
+// `whole` the tiles o = u; from `whole` to `split_end` pairs, the two halves of tile whole +
+// (u − whole) / 2 (half 0 its query blocks 0 and 1, half 1 block 2); from `split_end` on tiles
+// again, o = u − (split_end − whole) / 2. CTA b takes units b, b + gridDim.x, ...
+typedef struct {
+    int full, whole, split_end, units;
+} Sm90Schedule;
 
 // The CTA's mbarriers (static shared memory).
 struct Sm90Barriers {
@@ -302,12 +315,20 @@ __device__ __forceinline__ void stage_tile(uint32_t tile, float *lse, const floa
     }
 }
 
-// Unit u of the schedule: units below `whole` are tiles; from `whole` on, units come in pairs,
-// the two halves of tile whole + (u − whole) / 2: half 0 its query blocks 0 and 1, half 1 block 2.
-__device__ __forceinline__ int unit_tile(int u, int whole) { return u < whole ? u : whole + (u - whole) / 2; }
-// Whether consumer wg computes in unit u (the others only release the unit's stages).
-__device__ __forceinline__ bool unit_consumer_busy(int u, int whole, int wg) {
-    return u < whole || ((u - whole) % 2 == 0 ? wg < 2 : wg == 2);
+// Unit u's tile as bh · ntq + query tile, and its half (-1: the whole tile).
+__device__ __forceinline__ int unit_tile(int u, const Sm90Schedule &s, int nblk, int ntq) {
+    int o = u < s.whole ? u : u < s.split_end ? s.whole + (u - s.whole) / 2 : u - (s.split_end - s.whole) / 2;
+    int per_head = nblk / Sm90Smem<128, true>::CONSUMERS;   // full tiles of a head
+    return o < s.full ? o / per_head * ntq + o % per_head : (o - s.full) * ntq + per_head;
+}
+__device__ __forceinline__ int unit_half(int u, const Sm90Schedule &s) {
+    return u >= s.whole && u < s.split_end ? (u - s.whole) % 2 : -1;
+}
+// Whether consumer wg computes in unit u of query tile qt (the others only release the unit's
+// stages): its query block exists and is in the unit's half.
+__device__ __forceinline__ bool unit_consumer_busy(int u, const Sm90Schedule &s, int qt, int nblk, int wg) {
+    int half = unit_half(u, s);
+    return qt * Sm90Smem<128, true>::CONSUMERS + wg < nblk && (half < 0 || (half == 0 ? wg < 2 : wg == 2));
 }
 
 // The producer thread's whole life: for each tile of this CTA, Q̂ (once every S wgmma of the
@@ -315,17 +336,17 @@ __device__ __forceinline__ bool unit_consumer_busy(int u, int whole, int wg) {
 // blocks over all tiles: stage it % SM90_STAGES, round it / SM90_STAGES.
 template <int D, bool FP8>
 __device__ void produce(Sm90Barriers *bar, uint8_t *sQ, uint8_t *sK, uint8_t *sV, const CUtensorMap *map_q,
-                        const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq, int whole,
-                        int units) {
+                        const CUtensorMap *map_k, const CUtensorMap *map_v, int N, int nblk, int ntq,
+                        const Sm90Schedule &sch) {
     using S = Sm90Smem<D, FP8>;
     int it = 0, round_q = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
-        int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
+    for (int u = blockIdx.x; u < sch.units; u += gridDim.x, round_q++) {
+        int tile = unit_tile(u, sch, nblk, ntq), bh = tile / ntq, qt = tile % ntq, half = unit_half(u, sch);
         if (round_q > 0) mbar_wait(&bar->q_empty, (round_q - 1) & 1);
         int nq = min(S::CONSUMERS, nblk - qt * S::CONSUMERS);   // query blocks in this tile
         int w0 = 0, w1 = nq;   // the query blocks whose Q̂ the unit needs (unit_consumer_busy)
-        if (u >= whole && (u - whole) % 2 == 0) w1 = min(nq, 2);
-        if (u >= whole && (u - whole) % 2 == 1) w0 = 2;
+        if (half == 0) w1 = min(nq, 2);
+        if (half == 1) w0 = 2;
         mbar_expect_bytes(&bar->q_full, max(w1 - w0, 0) * S::Q_BYTES);
         for (int w = w0; w < w1; w++)
             tma_load_2d(sQ + w * S::Q_BYTES, map_q, &bar->q_full, 0, bh * N + qt * S::TILE_Q + w * SAGE_CUDA_BLOCK);
@@ -351,7 +372,7 @@ template <int D, bool FP8> __device__ __forceinline__ uint8_t *sm90_output_tiles
 template <int D, bool FP8>
 __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK, const uint8_t *sV,
                         const CUtensorMap *map_o, float *lse, const SageCudaQuant &qv, int N, int merged_heads,
-                        int nblk, int ntq, int whole, int units, int wg) {
+                        int nblk, int ntq, const Sm90Schedule &sch, int wg) {
     static_assert(D == 128, "the warp-specialized kernel is the D = 128 layout (two P·V halves)");
     using S = Sm90Smem<D, FP8>;
     constexpr int BN = SAGE_CUDA_BLOCK;
@@ -361,10 +382,11 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
     unsigned it = 0;
     int round_q = 0;
     const uint64_t desc_k0 = smem_desc<D>(sK), desc_v0 = smem_desc<S::V_ROW_BYTES>(sV);
-    for (int u = blockIdx.x; u < units; u += gridDim.x, round_q++) {
+    for (int u = blockIdx.x; u < sch.units; u += gridDim.x, round_q++) {
+        int tile = unit_tile(u, sch, nblk, ntq), bh = tile / ntq, qt = tile % ntq;
         // (the shuffle tells the compiler what holds anyway, that the branch is uniform per warp:
         // otherwise the loop's stage counter leaves the uniform registers and the loop spills)
-        if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, whole, wg), 0)) {   // release the stages
+        if (!__shfl_sync(0xffffffffu, unit_consumer_busy(u, sch, qt, nblk, wg), 0)) {   // release the stages
             mbar_wait(&bar->q_full, round_q & 1);
             for (int kb = 0; kb < nblk; kb++, it++) {
                 unsigned stage = it % SM90_STAGES;
@@ -376,11 +398,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
             if (lane == 0) mbar_arrive(&bar->q_empty);
             continue;
         }
-        int tile = unit_tile(u, whole), bh = tile / ntq, qt = tile % ntq;
-        // this warpgroup's 64 query rows are quantization block qb (past the last block in the
-        // last tile when nblk is not a multiple of 3: computed on stale Q̂ with a valid scale and
-        // not stored)
-        int qb = min(qt * S::CONSUMERS + wg, nblk - 1);
+        int qb = qt * S::CONSUMERS + wg;   // this warpgroup's 64 query rows: quantization block qb
         const float q_scale = qv.q_scale[(size_t)bh * nblk + qb];
         const float *k_scale = qv.k_scale + (size_t)bh * nblk;
         mbar_wait(&bar->q_full, round_q & 1);
@@ -510,8 +528,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         }
         it++;
         // the epilogue: O through this consumer's shared tile and two TMA stores (rows >= N not
-        // written; a consumer past the last query block, in the last tile, stores nothing: staged
-        // all the same, as a branch around the staging made ptxas spill in the key-block loop)
+        // written)
         int row0 = qt * S::TILE_Q + wg * BN;
         uint32_t staged = smem_addr(sm90_output_tiles<D, FP8>() + wg * S::O_BYTES);   // (no register in the loop)
         bool leader = thread_index() % 128 == 0;
@@ -534,13 +551,13 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
 // map_q, map_k: q8, k8 as 2-D (D inner, B·H·N outer), box D × 64; map_v: v_t as bytes (n_pad
 // (FP16: 2·n_pad) inner, B·H·D outer), box 64 (128) × D. Persistent: grid of at most one CTA per SM over the B·H·ceil(N/192)
 // tiles (query tiles of one head next to each other, so a head's K̂/V̂ᵀ stay in L2) as `units`
-// units (unit_tile: the last round's tiles from `whole` on split in two), Sm90Smem<D, FP8>::THREADS
+// units (Sm90Schedule), Sm90Smem<D, FP8>::THREADS
 // threads, Sm90Smem<D, FP8>::TOTAL bytes.
 template <int D, bool FP8>
 __global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
     sage_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                              const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
-                             float *lse, SageCudaQuant qv, int N, int merged_heads, int whole, int units) {
+                             float *lse, SageCudaQuant qv, int N, int merged_heads, Sm90Schedule sch) {
 #ifdef SAGE_SM90_DEVICE
     using S = Sm90Smem<D, FP8>;
     extern __shared__ uint8_t smem_raw[];
@@ -563,10 +580,10 @@ __global__ void __launch_bounds__(Sm90Smem<D, FP8>::THREADS, 1)
     if (wg == S::CONSUMERS) {   // the producer warpgroup: one thread issues every TMA load
         setmaxnreg_dec<SM90_PRODUCER_REGS>();
         if (threadIdx.x == S::CONSUMERS * 128)
-            produce<D, FP8>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, whole, units);
+            produce<D, FP8>(&bar, sQ, sK, sV, &map_q, &map_k, &map_v, N, nblk, ntq, sch);
     } else {
         setmaxnreg_inc<S::CONSUMER_REGS>();
-        consume<D, FP8>(&bar, sQ, sK, sV, &map_o, lse, qv, N, merged_heads, nblk, ntq, whole, units, wg);
+        consume<D, FP8>(&bar, sQ, sK, sV, &map_o, lse, qv, N, merged_heads, nblk, ntq, sch, wg);
     }
 #else
     __trap();   // built without sm_90a code: sage_forward_sm90_available() says 0
@@ -694,6 +711,23 @@ static int make_maps(CUtensorMap maps[3], const SageCudaQuant *qv, int BH, int N
     return 0;
 }
 
+// The work list of sage_forward_sm90_kernel (Sm90Schedule) for BH heads of nblk query blocks on
+// sms SMs: full tiles, then partial ones; the full tiles of a last round that would leave at least
+// half of the SMs idle run as two units each (DIT_SAGE_FWD_SPLIT=0: never).
+static Sm90Schedule sm90_schedule(int BH, int nblk, int sms) {
+    const int consumers = Sm90Smem<128, true>::CONSUMERS;
+    int full = BH * (nblk / consumers), tiles = BH * ((nblk + consumers - 1) / consumers);
+    int last = full % sms;   // full tiles past the last whole round
+    Sm90Schedule s = {full, tiles, tiles, tiles};
+    const char *split = getenv("DIT_SAGE_FWD_SPLIT");
+    if ((!split || strcmp(split, "0") != 0) && last > 0 && 2 * last <= sms) {
+        s.whole = full - last;
+        s.split_end = full + last;
+        s.units = tiles + last;
+    }
+    return s;
+}
+
 // D = 128: the persistent warp-specialized kernel, at most one CTA per SM.
 template <bool FP8>
 static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuant *qv, int BH, int N,
@@ -711,18 +745,10 @@ static int launch_warp_specialized(uint16_t *out, float *lse, const SageCudaQuan
     SAGE_CUDA_CHECK(cudaGetDevice(&dev), err, "cudaGetDevice");
     SAGE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), err,
                     "cudaDeviceGetAttribute(multiprocessor count)");
-    // the schedule: rounds of one tile per CTA; a last round that would leave at least half of
-    // the CTAs idle runs its tiles as two units each (unit_tile; DIT_SAGE_FWD_SPLIT=0: never)
-    int tiles = BH * ((nblk + S::CONSUMERS - 1) / S::CONSUMERS), grid = tiles < sms ? tiles : sms;
-    int last = tiles - (tiles - 1) / grid * grid, whole = tiles, units = tiles;
-    const char *split = getenv("DIT_SAGE_FWD_SPLIT");
-    if ((!split || strcmp(split, "0") != 0) && 2 * last <= sms) {
-        whole = tiles - last;
-        units = tiles + last;
-        grid = units < sms ? units : sms;
-    }
+    Sm90Schedule sch = sm90_schedule(BH, nblk, sms);
+    int grid = sch.units < sms ? sch.units : sms;
     sage_forward_sm90_kernel<D, FP8><<<grid, S::THREADS, bytes, stream>>>(maps[0], maps[1], maps[2], maps[3], lse,
-                                                                          *qv, N, merged_heads, whole, units);
+                                                                          *qv, N, merged_heads, sch);
     SAGE_CUDA_CHECK(cudaGetLastError(), err, "launch sage_forward_sm90_kernel");
     return 0;
 }
@@ -809,3 +835,4 @@ extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const
                                                 int N, int D, cudaStream_t stream, char *err) {
     return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, SAGE_PV_FP8, 0, stream, err);
 }
+
