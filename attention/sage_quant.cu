@@ -195,9 +195,22 @@ __device__ __forceinline__ uint2 pack_int8(const float y[8], float inv) {
     return make_uint2(w[0], w[1]);
 }
 
-__device__ __forceinline__ uint32_t fp8_byte(float x, float scale) {
-    float y = scale > 0.0f ? __fdiv_rn(x, scale) : 0.0f;
+// e4m3(y): the byte of the definition's rounding (nearest even, saturating at ±448).
+__device__ __forceinline__ uint32_t e4m3_byte(float y) {
     return (uint32_t)(uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+}
+// x / scale as the definition divides (0 where scale = 0).
+__device__ __forceinline__ float divide_by_scale(float x, float scale) {
+    return scale > 0.0f ? __fdiv_rn(x, scale) : 0.0f;
+}
+// x / scale without the division, for a v of the channel whose max |v| gave scale = max/448 >=
+// 2^-80: q = x·inv (inv = 1/scale, rounded once), one residual correction q + (x − q·scale)·inv,
+// and x's sign (x = −0 would come back +0). Its e4m3 byte equals the division's for every bf16 x
+// with |x| <= max and every such scale, flush-to-zero included (dev/check_v_reciprocal.c tries all
+// 10^9 pairs; the fp32 quotients themselves may differ).
+__device__ __forceinline__ float times_inverse_scale(float x, float scale, float inv) {
+    float q = __fmul_rn(x, inv);
+    return copysignf(__fmaf_rn(__fmaf_rn(-q, scale, x), inv, q), x);
 }
 
 __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
@@ -236,9 +249,11 @@ __global__ void __launch_bounds__(2 * D, QUANT_MIN_CTAS * 128 / D) sage_quantize
         if (tok < rows) vr[j] = __ldcs((const uint4 *)(v + at + (size_t)tok * D + 8 * cb));
     }
     float mean[8], scale[8], y[8], qmax = 0.0f, kmax = 0.0f;
+    bool tiny_scale = false;   // a channel of this thread below 2^-80 (or 0): the division for all
     for (int i = 0; i < 8; i++) {
         mean[i] = qv.k_mean[(size_t)bh * D + col + i];
         scale[i] = qv.v_scale[(size_t)bh * D + 8 * cb + i];
+        tiny_scale |= !(scale[i] >= 0x1p-80f);
     }
     for (int j = 0; j < 4; j++) {
         if (row0 + 16 * j >= rows) continue;
@@ -251,9 +266,16 @@ __global__ void __launch_bounds__(2 * D, QUANT_MIN_CTAS * 128 / D) sage_quantize
     for (int j = 0; j < 4; j++) bf16x8_to_float(x[j], vr[j]);
     uint32_t w[8];
     if (FP8) {
-        for (int i = 0; i < 8; i++)
-            w[i] = fp8_byte(x[0][i], scale[i]) | fp8_byte(x[1][i], scale[i]) << 8 |
-                   fp8_byte(x[2][i], scale[i]) << 16 | fp8_byte(x[3][i], scale[i]) << 24;
+        for (int i = 0; i < 8; i++) {
+            float y4[4];
+            if (!tiny_scale) {
+                float inv = __frcp_rn(scale[i]);
+                for (int j = 0; j < 4; j++) y4[j] = times_inverse_scale(x[j][i], scale[i], inv);
+            } else {
+                for (int j = 0; j < 4; j++) y4[j] = divide_by_scale(x[j][i], scale[i]);
+            }
+            w[i] = e4m3_byte(y4[0]) | e4m3_byte(y4[1]) << 8 | e4m3_byte(y4[2]) << 16 | e4m3_byte(y4[3]) << 24;
+        }
         for (int i = 0; i < 8; i++) s_vt[8 * cb + (i ^ flip)][4 * g + c] = flip ? w[i ^ 1] : w[i];
     } else {
         for (int i = 0; i < 8; i++) {
