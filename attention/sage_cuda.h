@@ -100,9 +100,10 @@ int sage_forward_merged_cuda(uint16_t *out, float *lse, void *workspace,
 // the same math as sage_forward_cuda with SAGE_PV_FP8 (and the same workspace, so the backward
 // works after either). sage_forward_cuda and sage_forward_merged_cuda also run its FP16 P·V
 // variant for SAGE_PV_FP16 (not these two entry points, which are FP8). Available (1)
-// on a compute capability 9.0 device when the build has sm_90a machine code; sage_forward_sm90_cuda returns -1 otherwise. At D = 128 the tiles of a last round
-// that would leave half of the SMs idle run as two units on two CTAs, with bitwise the same
-// results; DIT_SAGE_FWD_SPLIT=0 keeps every tile on one CTA.
+// on a compute capability 9.0 device when the build has sm_90a machine code; sage_forward_sm90_cuda
+// returns -1 otherwise. At D = 128 the full tiles of a last round that would leave half of the SMs
+// idle run as two units on two CTAs, with bitwise the same results; DIT_SAGE_FWD_SPLIT=0 keeps
+// every tile on one CTA.
 int sage_forward_sm90_available(void);
 int sage_forward_sm90_cuda(uint16_t *out, float *lse, void *workspace,
                            const uint16_t *q, const uint16_t *k, const uint16_t *v,
