@@ -835,4 +835,3 @@ extern "C" int sage_forward_sm90_quantized_cuda(uint16_t *out, float *lse, const
                                                 int N, int D, cudaStream_t stream, char *err) {
     return sage_forward_sm90_quantized_rows(out, lse, workspace, B, H, N, D, SAGE_PV_FP8, 0, stream, err);
 }
-

@@ -5,8 +5,9 @@
 //    in chunk order to k_mean = Σ / N and v_scale = max / 448.
 // 2. sage_quantize_kernel: per (64-token block, head), in the reverse order of kernel 1 (so that
 //    its first blocks find k and v still in L2), Q·c and K - k_mean to int8 with one scale per
-//    block (amax/127, values rintf(x·(127/amax))), V to e4m3(v/v_scale) or fp16, transposed
-//    through shared memory without bank conflicts. All loads of a block are issued up front.
+//    block (amax/127, values rintf(x·(127/amax))), V to e4m3(v/v_scale) (its bytes, computed
+//    without the division: times_inverse_scale) or fp16, transposed through shared memory without
+//    bank conflicts. All loads of a block are issued up front.
 // sage_quantize_qkv_cuda runs sage_split_stats_kernel in place of kernel 1: the same statistics in
 // the same order, taken while it splits a qkv projection's output into q, k, v (and rotates q, k).
 // Arithmetic uses the _rn intrinsics so that --use_fast_math cannot change the definition's
