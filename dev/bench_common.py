@@ -60,12 +60,13 @@ def sdpa_calls(q, k, v, dout, backend):
     return forward, backward
 
 
-def time_sdpa(q, k, v, dout, iters):
+def time_sdpa(q, k, v, dout, iters, backends=("cudnn", "flash")):
     """ms of PyTorch SDPA's forward and backward (dout: the output's gradient) with the cuDNN and
-    flash backends: {"cudnn", "cudnn_bwd", "flash", "flash_bwd"}."""
+    flash backends (or those of `backends`): {"cudnn", "cudnn_bwd", "flash", "flash_bwd"}."""
     from torch.nn.attention import SDPBackend
     t = {}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+    for name in backends:
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
         forward, backward = sdpa_calls(q, k, v, dout, backend)
         t[name] = median_ms(forward, iters)
         t[name + "_bwd"] = median_ms(backward, iters)

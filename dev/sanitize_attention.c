@@ -1,9 +1,10 @@
 // Every attention kernel once, on small shapes with tails, for compute-sanitizer (dev/sanitize.sh
 // kernels): the Hadamard rotation, sage quantization + forward (Hopper wgmma FP8, mma.sync FP8
 // and FP16) + backward (Hopper and mma.sync, unordered and deterministic dQ, fp32 dK/dV and bf16
-// rows with the Hadamard and amax), and the bf16 flash forward and backward (Hopper and mma.sync). The Criterion suites check the values; this program
-// only drives each kernel so that memcheck, racecheck and synccheck see it at a size they finish
-// in seconds (the suites' N = 2048..32K cases take hours under racecheck). Exits 1 on any error.
+// rows with the Hadamard and amax), and the bf16 flash forward and backward (Hopper and mma.sync).
+// The Criterion suites check the values; this program only drives each kernel so that memcheck,
+// racecheck and synccheck see it at a size they finish in seconds (the suites' N = 2048..32K cases
+// take hours under racecheck). Exits 1 on any error.
 //   build/sanitize_attention                       (prints one line per kernel call)
 //   compute-sanitizer --tool racecheck build/sanitize_attention
 #include <stdio.h>
