@@ -58,11 +58,13 @@ extern "C" SageCudaQuant sage_cuda_quant_view(void *workspace, int B, int H, int
     return view;
 }
 
+// bf16 -> fp32 is the 16 bits moved up: two 32-bit operations per word (the bf16 conversion
+// intrinsics split the word into halves first).
 __device__ __forceinline__ void bf16x8_to_float(float x[8], uint4 u) {
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&u;
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
     for (int i = 0; i < 4; i++) {
-        float2 f = __bfloat1622float2(h[i]);
-        x[2 * i] = f.x; x[2 * i + 1] = f.y;
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
     }
 }
 
@@ -196,22 +198,18 @@ __device__ __forceinline__ uint2 pack_int8(const float y[8], float inv) {
     return make_uint2(w[0], w[1]);
 }
 
-// e4m3(y): the byte of the definition's rounding (nearest even, saturating at ±448).
-__device__ __forceinline__ uint32_t e4m3_byte(float y) {
-    return (uint32_t)(uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-}
 // x / scale as the definition divides (0 where scale = 0).
 __device__ __forceinline__ float divide_by_scale(float x, float scale) {
     return scale > 0.0f ? __fdiv_rn(x, scale) : 0.0f;
 }
 // x / scale without the division, for a v of the channel whose max |v| gave scale = max/448 >=
-// 2^-80: q = x·inv (inv = 1/scale, rounded once), one residual correction q + (x − q·scale)·inv,
-// and x's sign (x = −0 would come back +0). Its e4m3 byte equals the division's for every bf16 x
-// with |x| <= max and every such scale, flush-to-zero included (dev/check_v_reciprocal.c tries all
-// 10^9 pairs; the fp32 quotients themselves may differ).
+// 2^-80: q = x·inv (inv = 1/scale, rounded once) and one residual correction, written
+// q − (q·scale − x)·inv so that x = −0 comes back −0 (q − (−0) would not). Its e4m3 byte equals the
+// division's for every bf16 x with |x| <= max and every such scale, flush-to-zero included
+// (dev/check_v_reciprocal.c tries all 10^9 pairs; the fp32 quotients themselves may differ).
 __device__ __forceinline__ float times_inverse_scale(float x, float scale, float inv) {
     float q = __fmul_rn(x, inv);
-    return copysignf(__fmaf_rn(__fmaf_rn(-q, scale, x), inv, q), x);
+    return __fmaf_rn(-__fmaf_rn(q, scale, -x), inv, q);
 }
 
 __device__ __forceinline__ uint32_t half2_bits(float lo, float hi) {
@@ -261,21 +259,23 @@ __global__ void __launch_bounds__(2 * D, QUANT_MIN_CTAS * 128 / D) sage_quantize
         bf16x8_to_float(y, qr[j]);
         for (int i = 0; i < 8; i++) qmax = fmaxf(qmax, fabsf(__fmul_rn(y[i], q_mul)));
         bf16x8_to_float(y, kr[j]);
-        for (int i = 0; i < 8; i++) kmax = fmaxf(kmax, fabsf(__fmul_rn(__fsub_rn(y[i], mean[i]), 1.0f)));
+        for (int i = 0; i < 8; i++) kmax = fmaxf(kmax, fabsf(__fsub_rn(y[i], mean[i])));
     }
     float x[4][8];   // V: token j, channel 8·cb + i (zero beyond N)
     for (int j = 0; j < 4; j++) bf16x8_to_float(x[j], vr[j]);
     uint32_t w[8];
     if (FP8) {
+        // 1/scale of channel 8·cb + i: lane (lane & 16) + i computed it (the 16 lanes of a cb share
+        // their 8 channels)
+        float own_inv = __frcp_rn(qv.v_scale[(size_t)bh * D + 8 * cb + tid % 8]);
         for (int i = 0; i < 8; i++) {
-            float y4[4];
+            float y4[4], inv = __shfl_sync(0xffffffffu, own_inv, (tid & 16) | i);
             if (!tiny_scale) {
-                float inv = __frcp_rn(scale[i]);
                 for (int j = 0; j < 4; j++) y4[j] = times_inverse_scale(x[j][i], scale[i], inv);
             } else {
                 for (int j = 0; j < 4; j++) y4[j] = divide_by_scale(x[j][i], scale[i]);
             }
-            w[i] = e4m3_byte(y4[0]) | e4m3_byte(y4[1]) << 8 | e4m3_byte(y4[2]) << 16 | e4m3_byte(y4[3]) << 24;
+            w[i] = (uint32_t)pack_e4m3x2(y4[0], y4[1]) | (uint32_t)pack_e4m3x2(y4[2], y4[3]) << 16;
         }
         for (int i = 0; i < 8; i++) s_vt[8 * cb + (i ^ flip)][4 * g + c] = flip ? w[i ^ 1] : w[i];
     } else {
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(2 * D, QUANT_MIN_CTAS * 128 / D) sage_quantize
         for (int i = 0; i < 8; i++) y[i] = __fmul_rn(y[i], q_mul);
         __stcs((uint2 *)(qv.q8 + at + (size_t)row * D + col), pack_int8(y, qinv));
         bf16x8_to_float(y, kr[j]);
-        for (int i = 0; i < 8; i++) y[i] = __fmul_rn(__fsub_rn(y[i], mean[i]), 1.0f);
+        for (int i = 0; i < 8; i++) y[i] = __fsub_rn(y[i], mean[i]);
         __stcs((uint2 *)(qv.k8 + at + (size_t)row * D + col), pack_int8(y, kinv));
     }
     if (tid == 0) {

@@ -37,7 +37,7 @@ int main(void) {
             if (!(fabsf(v) <= m)) continue;
             float division = v / scale;
             float vf = ftz(v);   // (flush-to-zero applies to the operands as well)
-            float q = ftz(vf * inv), y = copysignf(ftz(fmaf(ftz(fmaf(-q, scale, vf)), inv, q)), v);
+            float q = ftz(vf * inv), y = ftz(fmaf(-ftz(fmaf(q, scale, -vf)), inv, q));
             pairs++;
             quotient_differs += bits(y) != bits(division);
             byte_differs += bits(round_to_e4m3(y)) != bits(round_to_e4m3(division));
