@@ -258,7 +258,7 @@ __global__ void __launch_bounds__(2 * D, QUANT_MIN_CTAS * 128 / D) sage_quantize
         if (row0 + 16 * j >= rows) continue;
         bf16x8_to_float(y, qr[j]);
         for (int i = 0; i < 8; i++) qmax = fmaxf(qmax, fabsf(__fmul_rn(y[i], q_mul)));
-        bf16x8_to_float(y, kr[j]);
+        bf16x8_to_float(y, kr[j]);   // (the definition's multiplier for k − k_mean is 1: left out)
         for (int i = 0; i < 8; i++) kmax = fmaxf(kmax, fabsf(__fsub_rn(y[i], mean[i])));
     }
     float x[4][8];   // V: token j, channel 8·cb + i (zero beyond N)
