@@ -35,8 +35,9 @@
 //   stages) and query block 2 (consumer 2 alone). Every row is computed by the same instructions
 //   in the same order: the results are bitwise those of whole tiles in any order.
 //   3 consumer warpgroups (three warps per scheduler, so that one's softmax overlaps another's
-//     wgmmas), 64 query rows each, 160 registers: Q̂ stays in shared memory (S wgmma with both
-//     operands there) and P·V runs as two m64n64 halves of D (blk holds 32 columns). Per key block
+//     wgmmas), 64 query rows each, 160 registers: FP8 keeps Q̂ in shared memory (S wgmma with both
+//     operands there; no registers left beside blk) and P·V runs as two m64n64 halves of D (blk
+//     holds 32 columns); FP16 holds Q̂ in registers as S's A operand (load_q_fragments). Per key block
 //     kb: S_kb and the first half of blk = P8_{kb-1}·V8 are issued together; the row max of S_kb
 //     runs while that half is in the tensor core; then O[:, 0:64] = O·alpha_{kb-1} + blk, the
 //     second half is issued, the exp2s of S_kb run while it is in the tensor core, and
@@ -242,6 +243,37 @@ __device__ __forceinline__ void qk_wgmma(int (&s)[32], uint64_t desc_q, uint64_t
         wgmma_s8_m64n64k32<1>(s, desc_advance(desc_q, 32 * ks), desc_advance(desc_k, 32 * ks));
 }
 
+// FP16 at D = 128: Q̂ as the register A operand of the S wgmma (the FP8 consumer has no registers
+// left for it beside blk; the FP16 one has, and S then reads only K̂ from shared memory: 2.6-2.8%
+// faster, dev/notes_sage_fwd.md). Warp wq's 16 rows of the consumer's 64 × D tile Q̂ (swizzled
+// as TMA wrote it) as the D/32 k32 A fragments: q[ks][0] row 16wq + g, bytes 32ks + 4c..+3;
+// q[ks][1] row + 8; q[ks][2], q[ks][3] the same rows 16 bytes further.
+template <int D>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[D / 32][4], const uint8_t *sQ, int wq, int g, int c) {
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ks++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = 16 * wq + g + 8 * (i & 1), col = 32 * ks + 16 * (i / 2) + 4 * c;
+            q[ks][i] = *(const uint32_t *)(sQ + swizzle_offset<D>(row * D + col));
+        }
+}
+template <int D>
+__device__ __forceinline__ void qk_wgmma_rs(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_k) {
+    wgmma_s8_m64n64k32_rs<0>(s, q[0], desc_k);
+#pragma unroll
+    for (int ks = 1; ks < D / 32; ks++) wgmma_s8_m64n64k32_rs<1>(s, q[ks], desc_advance(desc_k, 32 * ks));
+}
+// S of the D = 128 consumer: Q̂ from shared memory (FP8) or from registers (FP16).
+template <int D, bool FP8>
+__device__ __forceinline__ void consumer_qk_wgmma(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_q,
+                                                  uint64_t desc_k) {
+    if constexpr (FP8)
+        qk_wgmma<D>(s, desc_q, desc_k);
+    else
+        qk_wgmma_rs<D>(s, q, desc_k);
+}
+
 // blk = P8·V8 for 64 output channels over one block's 64 keys (two k32 steps, m64n64k32 e4m3):
 // desc_v addresses those channels' 64 rows of V̂ᵀ (rows of 64 bytes, K-major) in one stage. The
 // D = 64 kernel takes all of V̂ᵀ at once.
@@ -405,6 +437,8 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         // (shuffled so that the compiler sees it warp-uniform and keeps it in uniform registers:
         // otherwise each S wgmma copies it over from vector registers)
         const uint64_t desc_q = __shfl_sync(0xffffffffu, smem_desc<D>(sQ + wg * S::Q_BYTES), 0);
+        uint32_t q_frag[D / 32][4];        // FP16 only: Q̂ as S's register A operand
+        if constexpr (!FP8) load_q_fragments<D>(q_frag, sQ + wg * S::Q_BYTES, t / 32, lane / 4, c);
 
         float o[D / 2] = {};               // accumulator layout of m64nD (wgmma.cuh)
         int s[32];                         // accumulator layout of m64n64
@@ -414,7 +448,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
         unsigned stage = it % SM90_STAGES;
         mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
         wgmma_fence();
-        qk_wgmma<D>(s, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
+        consumer_qk_wgmma<D, FP8>(s, q_frag, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(s);
@@ -494,7 +528,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
                 rescale_o(o, alpha);
                 mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
                 wgmma_fence();
-                qk_wgmma<D>(s, desc_q, desc_advance(desc_k0, stage * S::K_BYTES));
+                qk_wgmma_rs<D>(s, q_frag, desc_advance(desc_k0, stage * S::K_BYTES));
                 wgmma_commit();
                 pv_f16_accumulate<D>(o, p, desc_advance(desc_v0, prev * S::V_BYTES));
                 wgmma_commit();

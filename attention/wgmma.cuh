@@ -160,6 +160,19 @@ __device__ __forceinline__ void wgmma_s8_m64n64k32(int d[32], uint64_t desc_a, u
                  : "l"(desc_a), "l"(desc_b), "n"(scale_d));
 }
 
+// The same with A from registers (4 per thread, the 8-bit A fragment above).
+template <int scale_d>
+__device__ __forceinline__ void wgmma_s8_m64n64k32_rs(int d[32], const uint32_t a[4], uint64_t desc_b) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, %37;\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+                   "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+                   "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+                   "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(scale_d));
+}
+
 // d (+)= A·B, e4m3 × e4m3 -> fp32, m64n64k32; A from registers (4 per thread, the 8-bit A
 // fragment above), B K-major in shared memory. scale_d = 0 overwrites d, 1 accumulates.
 template <int scale_d>

@@ -1,5 +1,5 @@
 // Every attention kernel once, on small shapes with tails, for compute-sanitizer (dev/sanitize.sh
-// kernels): the Hadamard rotation, sage quantization + forward (Hopper wgmma FP8, mma.sync FP8
+// kernels): the Hadamard rotation, sage quantization + forward (Hopper wgmma and mma.sync, FP8
 // and FP16) + backward (Hopper and mma.sync, unordered and deterministic dQ, fp32 dK/dV and bf16
 // rows with the Hadamard and amax), and the bf16 flash forward and backward (Hopper and mma.sync).
 // The Criterion suites check the values; this program only drives each kernel so that memcheck,
@@ -76,8 +76,7 @@ static void run_shape(int N, int D) {
 
     const SagePV pvs[2] = {SAGE_PV_FP8, SAGE_PV_FP16};
     for (int p = 0; p < 2; p++) {
-        for (int mma_sync = 0; mma_sync < 2; mma_sync++) {   // FP8: Hopper, then mma.sync
-            if (pvs[p] == SAGE_PV_FP16 && !mma_sync) continue;  // FP16 runs on mma.sync only
+        for (int mma_sync = 0; mma_sync < 2; mma_sync++) {   // Hopper, then mma.sync
             if (mma_sync) setenv("DIT_SAGE_MMA_SYNC", "1", 1); else unsetenv("DIT_SAGE_MMA_SYNC");
             const char *path = mma_sync ? "mma.sync" : "sm90";
             char what[64];
