@@ -405,11 +405,12 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
     const int kr = 64 * wg + 16 * warp + g;   // CTA key rows kr and kr + 8 of this thread
     const bool key_valid[2] = {k0 + kr < N, k0 + kr + 8 < N};
     const float inv_sqrt_d = 1.0f / sqrtf((float)D), c_log2 = 1.44269504f / sqrtf((float)D);
-    const uint64_t desc_k8 = SAGE ? smem_desc<D>(sm + S::K8 + 64 * wg * D) : 0;
     // dSᵀ store base: row kr, queries 2c.., chunk 0 swizzled (see the store below)
     const uint32_t ds_row = kr * 128 + 16 * g + 4 * c;
     float dv[HALF] = {}, dk[HALF] = {};   // m64nD accumulators: keys × D
     mbar_wait(&bar.kv, 0);
+    uint32_t k8_frag[SAGE ? D / 32 : 1][4];   // sage: this warpgroup's K̂ as Sᵀ's register A operand
+    if constexpr (SAGE) load_s8_a_fragments<D>(k8_frag, sm + S::K8 + 64 * wg * D, warp, g, c);
 
     for (int qs = 0; qs < nsteps; qs++) {
         const int stage = qs & 1, q0 = qs * QS;
@@ -436,8 +437,8 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
                 const uint64_t desc_q8 = smem_desc<D>(st + S::Q8 + h * BWD90_QUERIES * D);
 #pragma unroll
                 for (int ks = 0; ks < D / 32; ks++) {
-                    if (ks == 0) wgmma_s8_m64n64k32<0>(sp[h].i, desc_k8, desc_q8);
-                    else wgmma_s8_m64n64k32<1>(sp[h].i, desc_advance(desc_k8, 32 * ks), desc_advance(desc_q8, 32 * ks));
+                    if (ks == 0) wgmma_s8_m64n64k32_rs<0>(sp[h].i, k8_frag[0], desc_q8);
+                    else wgmma_s8_m64n64k32_rs<1>(sp[h].i, k8_frag[ks], desc_advance(desc_q8, 32 * ks));
                 }
             } else {
 #pragma unroll

@@ -248,6 +248,22 @@ template <int ROW_BYTES> __device__ __forceinline__ uint32_t swizzle_offset(uint
     return off ^ (((off >> 7) & (ROW_BYTES == 128 ? 7u : 3u)) << 4);
 }
 
+// A 64-row tile of int8 rows of D bytes (D = 128 or 64, swizzled as TMA writes it) as the D/32 k32
+// A fragments of warp wq's 16 rows (the 8-bit A layout at the top of this file): a[ks][0] row
+// 16wq + g, bytes 32ks + 4c..+3; a[ks][1] row + 8; a[ks][2], a[ks][3] the same rows 16 bytes on.
+// For an int8 wgmma whose A operand stays the same over many products (the forward's Q̂, the
+// backward's K̂).
+template <int D>
+__device__ __forceinline__ void load_s8_a_fragments(uint32_t (&a)[D / 32][4], const uint8_t *tile, int wq, int g, int c) {
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ks++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = 16 * wq + g + 8 * (i & 1), col = 32 * ks + 16 * (i / 2) + 4 * c;
+            a[ks][i] = *(const uint32_t *)(tile + swizzle_offset<D>(row * D + col));
+        }
+}
+
 // Orders this thread's ordinary shared-memory writes before later reads by the tensor cores or
 // the TMA unit (the async proxy); a barrier must follow before another thread's wgmma reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
