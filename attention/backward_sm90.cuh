@@ -2,7 +2,8 @@
 // attention (flash_backward_sm90.cu): wgmma tensor-core instructions fed by TMA. Same math as the
 // mma.sync body attention_backward.cuh (the readable version), with the same score sources:
 //   SCORES_SAGE: Sᵀ = K̂·Q̂ᵀ from the forward's int8 Q̂, K̂ (wgmma s8 m64n64k32, both K-major as the
-//                quantization pass stores them), s = (float)Sᵀ·q_scale·k_scale; dQ from k - k_mean
+//                quantization pass stores them; each warpgroup's K̂ held in registers as the A
+//                operand, loaded once per CTA), s = (float)Sᵀ·q_scale·k_scale; dQ from k - k_mean
 //   SCORES_BF16: Sᵀ = K·Qᵀ (wgmma bf16 m64n64k16, both K-major), s = Sᵀ·c with c = log2(e)/sqrt(D);
 //                dQ from k
 //
