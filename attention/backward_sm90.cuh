@@ -436,11 +436,7 @@ __global__ void __launch_bounds__(BWD90_CTA_THREADS, 1)
         for (int h = 0; h < H; h++) {
             if constexpr (SAGE) {
                 const uint64_t desc_q8 = smem_desc<D>(st + S::Q8 + h * BWD90_QUERIES * D);
-#pragma unroll
-                for (int ks = 0; ks < D / 32; ks++) {
-                    if (ks == 0) wgmma_s8_m64n64k32_rs<0>(sp[h].i, k8_frag[0], desc_q8);
-                    else wgmma_s8_m64n64k32_rs<1>(sp[h].i, k8_frag[ks], desc_advance(desc_q8, 32 * ks));
-                }
+                wgmma_s8_scores_rs<D>(sp[h].i, k8_frag, desc_q8);
             } else {
 #pragma unroll
                 for (int kk = 0; kk < D / 16; kk++) {

@@ -245,13 +245,7 @@ __device__ __forceinline__ void qk_wgmma(int (&s)[32], uint64_t desc_q, uint64_t
 
 // FP16 at D = 128: Q̂ as the register A operand of the S wgmma (load_s8_a_fragments; the FP8
 // consumer has no registers left for it beside blk; the FP16 one has, and S then reads only K̂ from
-// shared memory: 1.3-3.0% faster, dev/notes_sage_fwd.md).
-template <int D>
-__device__ __forceinline__ void qk_wgmma_rs(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_k) {
-    wgmma_s8_m64n64k32_rs<0>(s, q[0], desc_k);
-#pragma unroll
-    for (int ks = 1; ks < D / 32; ks++) wgmma_s8_m64n64k32_rs<1>(s, q[ks], desc_advance(desc_k, 32 * ks));
-}
+// shared memory: 1.3-3.0% faster, dev/notes_sage_fwd.md); S by wgmma_s8_scores_rs.
 // S of the D = 128 consumer: Q̂ from shared memory (FP8) or from registers (FP16).
 template <int D, bool FP8>
 __device__ __forceinline__ void consumer_qk_wgmma(int (&s)[32], const uint32_t (&q)[D / 32][4], uint64_t desc_q,
@@ -259,7 +253,7 @@ __device__ __forceinline__ void consumer_qk_wgmma(int (&s)[32], const uint32_t (
     if constexpr (FP8)
         qk_wgmma<D>(s, desc_q, desc_k);
     else
-        qk_wgmma_rs<D>(s, q, desc_k);
+        wgmma_s8_scores_rs<D>(s, q, desc_k);
 }
 
 // blk = P8·V8 for 64 output channels over one block's 64 keys (two k32 steps, m64n64k32 e4m3):
@@ -516,7 +510,7 @@ __device__ void consume(Sm90Barriers *bar, const uint8_t *sQ, const uint8_t *sK,
                 rescale_o(o, alpha);
                 mbar_wait(&bar->kv_full[stage], (it / SM90_STAGES) & 1);
                 wgmma_fence();
-                qk_wgmma_rs<D>(s, q_frag, desc_advance(desc_k0, stage * S::K_BYTES));
+                wgmma_s8_scores_rs<D>(s, q_frag, desc_advance(desc_k0, stage * S::K_BYTES));
                 wgmma_commit();
                 pv_f16_accumulate<D>(o, p, desc_advance(desc_v0, prev * S::V_BYTES));
                 wgmma_commit();

@@ -264,6 +264,17 @@ __device__ __forceinline__ void load_s8_a_fragments(uint32_t (&a)[D / 32][4], co
         }
 }
 
+// The 64 × 64 int32 scores of those A fragments against a K-major int8 tile B (rows of D bytes,
+// desc_b) over the D/32 k32 steps: the forward's S = Q̂·K̂ᵀ, the backward's Sᵀ = K̂·Q̂ᵀ.
+template <int D>
+__device__ __forceinline__ void wgmma_s8_scores_rs(int (&d)[32], const uint32_t (&a)[D / 32][4], uint64_t desc_b) {
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ks++) {
+        if (ks == 0) wgmma_s8_m64n64k32_rs<0>(d, a[0], desc_b);
+        else wgmma_s8_m64n64k32_rs<1>(d, a[ks], desc_advance(desc_b, 32 * ks));
+    }
+}
+
 // Orders this thread's ordinary shared-memory writes before later reads by the tensor cores or
 // the TMA unit (the async proxy); a barrier must follow before another thread's wgmma reads them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
